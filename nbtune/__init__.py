@@ -1,0 +1,10 @@
+"""nbtune: finetune LLMs cell by cell on one GPU, and see where the memory goes."""
+import os as _os
+
+# torchao prints CUDA library load failures on CPU-only machines; they are harmless.
+_os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+
+from .models import ModelConfig, load_model, save_model  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["ModelConfig", "load_model", "save_model"]

@@ -1,0 +1,79 @@
+"""Command line: ``nbtune demo`` trains the embedded default headless."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .session import DEMO_STEPS, DEMO_TECHNIQUES, Session
+from .techniques import DTYPES, METHODS
+from .ui.charts import format_bytes
+
+LAST_WINDOW = 10  # loss_last is the mean of this many final steps (one step is noisy)
+
+
+def _memory_line(memory) -> str:
+    parts = [f"{name.split('_')[0]} {format_bytes(value)}" for name, value in memory.categories.items()]
+    return f"peak {format_bytes(memory.peak)} [{', '.join(parts)}]"
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    session = Session.demo(method=args.method, dtype=args.dtype, seed=args.seed,
+                           lr=args.lr or DEMO_TECHNIQUES.lr, device=args.device)
+    print(f"nbtune demo: {session.model.config.num_parameters / 1e6:.2f}M-parameter model, "
+          f"{len(session.train_examples)} training rows, {args.steps} steps, {session.device}")
+    before = session.evaluate()
+    print(f"held-out accuracy before training: {before:.0%}")
+    for _ in range(args.steps):
+        r = session.step()
+        print(f"step {r.step:4d}  loss {r.loss:6.3f}  {r.tokens:5d} tok  "
+              f"{r.seconds * 1000:5.0f} ms  {_memory_line(r.memory)}", flush=True)
+    after = session.evaluate()
+    losses = [r.loss for r in session.history]
+    summary = {
+        "steps": len(session.history),
+        "loss_first": losses[0],
+        "loss_last": sum(losses[-LAST_WINDOW:]) / len(losses[-LAST_WINDOW:]),
+        "loss_last_window": LAST_WINDOW,
+        "heldout_accuracy_before": before,
+        "heldout_accuracy_after": after,
+        "seconds": time.perf_counter() - started,
+        "peak_bytes": max(r.memory.peak for r in session.history),
+        "memory_last_step": session.history[-1].memory.categories,
+        "device": str(session.device),
+        "techniques": session.techniques.as_dict(),
+    }
+    session.chart().savefig(out / "demo_memory.png", dpi=100)
+    (out / "demo_summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"held-out accuracy after training: {after:.0%}")
+    print(f"loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f} "
+          f"(mean of the last {LAST_WINDOW} steps) in {summary['seconds']:.0f} s")
+    print(f"wrote {out / 'demo_memory.png'} and {out / 'demo_summary.json'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nbtune", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="train the embedded default model headless")
+    demo.add_argument("--steps", type=int, default=DEMO_STEPS, help="optimizer steps (%(default)s)")
+    demo.add_argument("--out", default=".", help="folder for demo_memory.png and demo_summary.json")
+    demo.add_argument("--method", choices=METHODS, default=DEMO_TECHNIQUES.method)
+    demo.add_argument("--dtype", choices=DTYPES, default=DEMO_TECHNIQUES.dtype)
+    demo.add_argument("--lr", type=float, default=None, help="learning rate (demo default)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the data order")
+    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return run_demo(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

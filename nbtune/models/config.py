@@ -1,0 +1,141 @@
+"""Model configuration as plain data: one dataclass, family differences as fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# HF `model_type` values this decoder implements, and what each one switches on.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral family)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    model_type: str = "llama"
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm on queries and keys per head (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    extra: dict = field(default_factory=dict, compare=False)  # HF keys kept for round trips
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported; nbtune implements "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}. Pick a checkpoint of one of these families."
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads}) for grouped-query attention."
+            )
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("default", None):
+                raise ValueError(
+                    f"rope_scaling type {kind!r} is not supported yet; "
+                    "supported: none/default."
+                )
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameter count implied by the shapes (tied embeddings counted once)."""
+        d, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        q = self.num_heads * self.head_dim
+        attn = d * q + 2 * d * kv + q * d
+        if self.attention_bias:
+            attn += q + 2 * kv
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        layer = attn + 3 * d * self.intermediate_size + 2 * d
+        head = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.num_layers * layer + d + head
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Read a transformers `config.json` dict."""
+        model_type = hf.get("model_type", "llama")
+        heads = hf["num_attention_heads"]
+        if hf.get("mlp_bias"):
+            raise ValueError("config.json sets mlp_bias=true, which nbtune's decoder does not implement.")
+        # transformers >= 5 writes `rope_parameters`; older checkpoints write rope_theta / rope_scaling.
+        rope = dict(hf.get("rope_parameters") or {})
+        rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_scaling = rope if rope.get("rope_type", "default") != "default" else hf.get("rope_scaling")
+        known = {
+            "vocab_size": hf["vocab_size"],
+            "hidden_size": hf["hidden_size"],
+            "intermediate_size": hf["intermediate_size"],
+            "num_layers": hf["num_hidden_layers"],
+            "num_heads": heads,
+            "num_kv_heads": hf.get("num_key_value_heads") or heads,
+            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+            "model_type": model_type,
+            "rms_norm_eps": hf.get("rms_norm_eps", 1e-5),
+            "rope_theta": rope_theta,
+            "rope_scaling": rope_scaling,
+            "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+            "tie_word_embeddings": hf.get("tie_word_embeddings", False),
+            "attention_bias": hf.get("attention_bias", model_type == "qwen2"),
+            "qk_norm": model_type == "qwen3",
+            "bos_token_id": hf.get("bos_token_id"),
+            "eos_token_id": hf.get("eos_token_id"),
+            "pad_token_id": hf.get("pad_token_id"),
+        }
+        return cls(**known, extra=dict(hf))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        return cls.from_hf(json.loads(Path(path).read_text()))
+
+    def to_hf(self) -> dict:
+        """A transformers `config.json` dict; unknown keys read from the original are kept."""
+        archs = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+        out = dict(self.extra)
+        out.update({
+            "architectures": [archs[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        })
+        if "rope_parameters" in out:
+            out["rope_parameters"] = {**out["rope_parameters"], "rope_theta": self.rope_theta}
+        else:
+            out["rope_theta"] = self.rope_theta
+            out["rope_scaling"] = self.rope_scaling
+        if self.model_type in ("llama", "qwen3"):
+            out["attention_bias"] = self.attention_bias
+        return out
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,156 @@
+"""One config-driven decoder for the Llama / Qwen2 / Qwen3 / Mistral families.
+
+Module names mirror the Hugging Face checkpoints (``model.layers.0.self_attn.q_proj``...),
+so a safetensors file loads with no key mapping and LoRA adapters export under PEFT's
+names. Family differences are config fields, never subclasses.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the scale, as the reference does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_tables(config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
+    """cos/sin tables [T, head_dim] for the given positions (rotate-half layout)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (
+        torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, dim/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [T, dim]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, T, D]; cos/sin: [T, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(d, config.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, config.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, config.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(config.num_heads * hd, d, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # [B, T, H*D] -> [B, H, T, D]
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+        # Set by nbtune.activations: recompute this layer in backward instead of saving.
+        self.checkpointed = False
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Embeddings, layers and final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Decoder-only language model: ``forward(input_ids [B, T]) -> logits [B, T, V]``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Random init as in the reference (normal(0, std) weights, unit norms, zero biases)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [B, T, D]; the loss projects them to the vocabulary."""
+        h = self.model.embed_tokens(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        cos, sin = rope_tables(self.config, positions, h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin)
+        return self.model.norm(h)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(input_ids))

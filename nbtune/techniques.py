@@ -1,0 +1,125 @@
+"""Techniques: every training toggle as one field, validated in one place.
+
+A ``Techniques`` value is immutable; change it with ``session.set(field=value)`` (or
+``techniques.replace(...)``), which validates the whole combination before anything is
+applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+
+METHODS = ("full", "lora")
+DTYPES = ("fp32", "bf16")
+OPTIMIZERS = ("adamw", "sgd")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+# One line per toggle: what it trades. Shown as the panel's tooltips.
+HELP = {
+    "method": "full: train every weight (most memory); lora: train small adapters, base frozen.",
+    "dtype": "bf16 halves weights, grads and optimizer state; fp32 is exact but twice the memory.",
+    "activation_checkpointing": "Recompute layers in backward instead of keeping activations: "
+                                "less memory, about a third more compute. N = every Nth layer.",
+    "batch_size": "Sequences per micro-batch: activations grow linearly with it.",
+    "seq_len": "Tokens per sequence (longer rows are cut): activations grow with it.",
+    "grad_accum": "Micro-batches per optimizer step: a larger effective batch at the memory "
+                  "of one micro-batch.",
+    "lr": "Learning rate of the optimizer.",
+    "optimizer": "adamw keeps two states per weight; sgd keeps none (less memory, slower learning).",
+    "lora_rank": "Rank of the LoRA adapters: more capacity, more trainable weights.",
+    "lora_alpha": "LoRA scaling numerator (updates are scaled by alpha / rank).",
+    "lora_dropout": "Dropout on the LoRA input path.",
+    "lora_targets": "Which projections get LoRA adapters.",
+    "weight_decay": "Decoupled weight decay of AdamW.",
+    "seed": "Seed of the data order and dropout.",
+}
+
+
+@dataclass(frozen=True)
+class Techniques:
+    """What to train and how: method, precision, memory techniques, batch shape, optimizer."""
+
+    method: str = "full"
+    dtype: str = "fp32"
+    activation_checkpointing: bool | int = False  # False/0 off, True/1 every layer, N every Nth
+    batch_size: int = 8
+    seq_len: int = 512
+    grad_accum: int = 1
+    lr: float = 2e-5
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_targets, (list, str)):
+            targets = (self.lora_targets,) if isinstance(self.lora_targets, str) else self.lora_targets
+            object.__setattr__(self, "lora_targets", tuple(targets))
+        for problem in self.problems():
+            raise ValueError(problem)
+
+    def problems(self) -> list[str]:
+        """Every reason this combination cannot run, each naming the fix."""
+        out = []
+
+        def choice(name, allowed):
+            if getattr(self, name) not in allowed:
+                out.append(f"{name}={getattr(self, name)!r} is not one of {', '.join(map(repr, allowed))}.")
+
+        def positive(name, kind=int):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (kind, int)) or value <= 0:
+                out.append(f"{name} must be a positive {kind.__name__}, got {value!r}.")
+
+        choice("method", METHODS)
+        choice("dtype", DTYPES)
+        choice("optimizer", OPTIMIZERS)
+        for name in ("batch_size", "seq_len", "grad_accum", "lora_rank"):
+            positive(name)
+        for name in ("lr", "lora_alpha"):
+            positive(name, float)
+        ac = self.activation_checkpointing
+        if not isinstance(ac, (bool, int)) or ac < 0:
+            out.append("activation_checkpointing must be True/False or a layer interval N >= 0, "
+                       f"got {ac!r}.")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            out.append(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}.")
+        if self.weight_decay < 0:
+            out.append(f"weight_decay must be >= 0, got {self.weight_decay!r}.")
+        unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if unknown or not self.lora_targets:
+            out.append(f"lora_targets {unknown or '()'} must be a non-empty subset of {LORA_TARGETS}.")
+        return out
+
+    @property
+    def checkpoint_every(self) -> int:
+        """0 when activation checkpointing is off, else the layer interval."""
+        return int(self.activation_checkpointing)
+
+    def replace(self, **changes) -> "Techniques":
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise TypeError(f"Unknown technique(s) {sorted(unknown)}; known: "
+                            f"{', '.join(f.name for f in fields(self))}.")
+        return dataclasses.replace(self, **changes)
+
+    def changed(self, other: "Techniques") -> set[str]:
+        """Names of the fields that differ from ``other``."""
+        return {f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)}
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _refuse_assignment(self, name, value):
+    raise AttributeError(
+        f"Techniques is immutable: use session.set({name}=...) to change a live session, "
+        f"or techniques.replace({name}=...) for a new value.")
+
+
+# Replaces the frozen dataclass's FrozenInstanceError with a message that names the fix.
+Techniques.__setattr__ = _refuse_assignment

@@ -1,0 +1,1 @@
+"""Notebook side: matplotlib charts, the in-place live chart and the ipywidgets panel."""

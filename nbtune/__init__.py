@@ -4,7 +4,13 @@ import os as _os
 # torchao prints CUDA library load failures on CPU-only machines; they are harmless.
 _os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
+from .data import DataError  # noqa: E402
+from .memory import MemoryBreakdown  # noqa: E402
 from .models import ModelConfig, load_model, save_model  # noqa: E402
+from .session import Session  # noqa: E402
+from .step import StepReport  # noqa: E402
+from .techniques import Techniques  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["ModelConfig", "load_model", "save_model"]
+__all__ = ["DataError", "MemoryBreakdown", "ModelConfig", "Session", "StepReport", "Techniques",
+           "load_model", "save_model"]

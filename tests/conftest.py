@@ -4,7 +4,6 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-os.environ.setdefault("MPLBACKEND", "Agg")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

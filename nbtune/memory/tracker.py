@@ -51,6 +51,21 @@ class _HighWaterTracker(MemTracker):
                 if nbytes > self.highs.get(ref, 0):
                     self.highs[ref] = nbytes
 
+    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        # The base class hooks every parameter, and torch refuses hooks on frozen ones
+        # (LoRA's base weights): hook only those that will get a gradient.
+        result = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            def file_grad(grad: torch.Tensor) -> None:
+                self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+            for param in module.parameters():
+                if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(file_grad),
+                        param.register_post_accumulate_grad_hook(lambda p: file_grad(p.grad)))
+        return result
+
     def _update_peak_stats(self, peak_state) -> None:
         for dev, snap in self._curr_mem_snap.items():
             if snap[_TOTAL_KEY] > self._peak_mem.get(dev, 0):

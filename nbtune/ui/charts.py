@@ -85,11 +85,22 @@ def draw_memory(fig: Figure, history: list) -> Figure:
     return fig
 
 
-def memory_figure(history: list) -> Figure:
-    return draw_memory(Figure(figsize=(9, 4)), history)
-
-
 def figure_png(fig: Figure, dpi: int = 80) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi)
     return buffer.getvalue()
+
+
+class ChartFigure(Figure):
+    """A Figure that shows itself as a PNG in Jupyter.
+
+    Jupyter's inline backend only renders figures once pyplot is imported, and nbtune
+    avoids pyplot (it re-shows every open figure at the end of each cell).
+    """
+
+    def _repr_png_(self) -> bytes:
+        return figure_png(self, dpi=100)
+
+
+def memory_figure(history: list) -> ChartFigure:
+    return draw_memory(ChartFigure(figsize=(9, 4)), history)

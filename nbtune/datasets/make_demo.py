@@ -3,14 +3,14 @@
 Tasks a ~1 M-parameter model can visibly learn in about a minute on 2 CPU cores.
 The held-out split has inputs that never appear in training.
 
-    python scripts/make_demo_data.py   # rewrites nbtune/datasets/demo/*.jsonl
+    python -m nbtune.datasets.make_demo   # rewrites nbtune/datasets/demo/*.jsonl
 """
 
 import json
 import random
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "nbtune" / "datasets" / "demo"
+OUT = Path(__file__).resolve().parent / "demo"
 CONSONANTS = "bcdfghjklmnpqrstvwxz"
 
 
@@ -27,9 +27,10 @@ def the_one(pool: str):
 
 # A ~1 M-parameter model trained from random weights learns tasks it can solve by
 # looking for a kind of character (content) within a few hundred steps, and needs
-# thousands for tasks that copy by position (reversing, "last letter"): measured with
-# the demo model, see the notes in the repo history. So the mix is graded: parity and
-# vowel are learned in about a minute, digit and capital take longer.
+# thousands for tasks that copy by position. Measured on 2 CPU cores with the demo model
+# (batch 16, lr 1e-3): after 500 steps, vowel 88-100 % and parity 92 % held-out, digit and
+# capital at most 24 %; "last letter" and reversal stayed at 0-10 % after 1000 steps.
+# So the mix is graded: parity and vowel are learned in about a minute, the others later.
 TASKS = {
     # name: (instruction, make an input, answer it)
     "parity": ("Is the number even or odd?", lambda rng: str(rng.randint(0, 999)),

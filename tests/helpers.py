@@ -1,0 +1,23 @@
+"""Small builders shared by the tests: a tiny demo-shaped session on a few rows."""
+
+import torch
+
+import nbtune as nt
+from nbtune.data import load_examples
+from nbtune.session import demo_data_file
+
+
+def small_session(**changes) -> "nt.Session":
+    """The embedded default on 64 training rows, short sequences: fast and deterministic."""
+    rows = load_examples(demo_data_file("train"))[:64]
+    base = dict(batch_size=4, seq_len=96, lr=1e-3)
+    base.update(changes)
+    torch.manual_seed(0)
+    session = nt.Session.demo(**base, device="cpu")
+    session.train_examples = rows
+    session._stream = session._build_stream(session.techniques)
+    return session
+
+
+def param_bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)

@@ -1,0 +1,32 @@
+"""`nbtune demo`, run as a user runs it, trains the embedded default visibly."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+
+def nbtune_command() -> list[str]:
+    script = Path(sys.executable).parent / "nbtune"
+    if script.exists():
+        return [str(script)]
+    return [shutil.which("nbtune") or sys.exit("the nbtune console script is not installed")]
+
+
+def test_demo_learns_and_writes_chart_and_summary(tmp_path):
+    done = subprocess.run([*nbtune_command(), "demo", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 300 and "loss" in lines[0] and "peak" in lines[0]
+    summary = json.loads((tmp_path / "demo_summary.json").read_text())
+    for key in ("loss_first", "loss_last", "heldout_accuracy_before", "heldout_accuracy_after",
+                "steps", "seconds", "peak_bytes"):
+        assert key in summary
+    assert summary["steps"] == 300
+    assert summary["loss_last"] <= summary["loss_first"] / 2
+    assert summary["heldout_accuracy_after"] > summary["heldout_accuracy_before"]
+    assert summary["peak_bytes"] > 0
+    png = (tmp_path / "demo_memory.png").read_bytes()
+    assert png[:4] == b"\x89PNG" and len(png) > 10_000

@@ -1,0 +1,105 @@
+"""Rows -> token ids: prompt masking, chat rows, padding, truncation, clear errors."""
+
+import json
+
+import pytest
+import torch
+
+from nbtune.data import IGNORE, BatchStream, DataError, collate, load_examples, tokenize, tokenize_all
+from nbtune.models.tiny import byte_tokenizer
+
+TOK = byte_tokenizer()
+
+
+def write(tmp_path, lines, name="data.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_instruction_row_trains_only_on_the_output(tmp_path):
+    path = write(tmp_path, [json.dumps({"instruction": "Say hi.", "input": "x", "output": "hi"})])
+    (example,) = load_examples(path)
+    sample = tokenize(example, TOK, seq_len=256)
+    trained = sample.labels[sample.labels != IGNORE].tolist()
+    assert trained == TOK.encode("hi") + [TOK.eos_id]
+    # labels are the inputs shifted by one wherever they are trained
+    positions = (sample.labels != IGNORE).nonzero().flatten()
+    assert sample.input_ids[positions[0]].item() == TOK.encode("\n")[0]  # last prompt token
+    assert sample.input_ids[0].item() == TOK.bos_id
+    assert "### Input:\nx" in example.prompt and example.reference == "hi"
+
+
+def test_chat_row_trains_on_every_assistant_message(tmp_path):
+    row = {"messages": [{"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": "2+2?"},
+                        {"role": "assistant", "content": "4"},
+                        {"role": "user", "content": "3+3?"},
+                        {"role": "assistant", "content": "6"}]}
+    (example,) = load_examples(write(tmp_path, [json.dumps(row)]))
+    sample = tokenize(example, TOK, seq_len=512)
+    trained = sample.labels[sample.labels != IGNORE].tolist()
+    assert trained == TOK.encode("4") + [TOK.eos_id] + TOK.encode("6") + [TOK.eos_id]
+    assert example.reference == "6" and example.prompt.endswith("### Assistant:\n")
+    assert "Be brief." in example.prompt
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"instruction": "a"}', "line 2: missing 'output'"),
+    ('{"instruction": "a", "output": 3}', "line 2: 'output' must be a string"),
+    ('{"messages": [{"role": "robot", "content": "x"}]}', "line 2: message 0 must be"),
+    ('{"messages": [{"role": "user", "content": "x"}]}', "line 2: the conversation has no assistant"),
+    ('{"instruction": "a", "output": "b"', "line 2: not valid JSON"),
+    ('[1, 2]', "line 2: expected a JSON object"),
+])
+def test_malformed_row_names_file_line_and_problem(tmp_path, line, message):
+    path = write(tmp_path, ['{"instruction": "ok", "output": "fine"}', line])
+    with pytest.raises(DataError) as err:
+        load_examples(path)
+    assert str(path) in str(err.value) and message in str(err.value)
+
+
+def test_empty_and_missing_files_are_named(tmp_path):
+    with pytest.raises(DataError, match="holds no rows"):
+        load_examples(write(tmp_path, [""]))
+    with pytest.raises(DataError, match="no such data file"):
+        load_examples(tmp_path / "nope.jsonl")
+
+
+def test_json_list_file(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"instruction": "a", "output": "b"}] * 3))
+    assert len(load_examples(path)) == 3
+
+
+def test_truncation_keeps_rows_with_some_response_and_drops_the_rest(tmp_path):
+    rows = [{"instruction": "short", "output": "a long answer"},
+            {"instruction": "x" * 200, "output": "never seen"}]
+    examples = load_examples(write(tmp_path, [json.dumps(r) for r in rows]))
+    samples, dropped = tokenize_all(examples, TOK, seq_len=40)
+    assert dropped == 1 and len(samples) == 1
+    assert len(samples[0].input_ids) == 40
+    with pytest.raises(DataError, match="Raise seq_len"):
+        tokenize_all(examples[1:], TOK, seq_len=40)
+
+
+def test_collate_pads_inputs_and_ignores_padding_in_labels(tmp_path):
+    examples = load_examples(write(tmp_path, [json.dumps({"instruction": "a", "output": "b"}),
+                                              json.dumps({"instruction": "abcdef", "output": "b"})]))
+    samples = [tokenize(e, TOK, 256) for e in examples]
+    batch = collate(samples, TOK.pad_id)
+    short = len(samples[0].input_ids)
+    assert batch["input_ids"].shape == batch["labels"].shape == (2, len(samples[1].input_ids))
+    assert (batch["input_ids"][0, short:] == TOK.pad_id).all()
+    assert (batch["labels"][0, short:] == IGNORE).all()
+
+
+def test_batch_stream_is_seeded_and_covers_an_epoch(tmp_path):
+    examples = load_examples(write(tmp_path, [json.dumps({"instruction": str(i), "output": "b"})
+                                              for i in range(10)]))
+    samples, _ = tokenize_all(examples, TOK, 64)
+    a, b = BatchStream(samples, 5, TOK.pad_id, seed=3), BatchStream(samples, 5, TOK.pad_id, seed=3)
+    first = [a.next()["input_ids"] for _ in range(2)]
+    assert all(torch.equal(x, b.next()["input_ids"]) for x in first)
+    seen = {tuple(row.tolist()) for batch in first for row in batch}
+    assert len(seen) == 10  # one epoch visits every row once

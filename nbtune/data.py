@@ -186,6 +186,11 @@ class BatchStream:
         gen = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(len(self.samples), generator=gen).tolist()
 
+    def continue_from(self, previous: "BatchStream") -> None:
+        """Carry on where ``previous`` stopped, if both walk the same rows in the same order."""
+        if previous.seed == self.seed and len(previous.samples) == len(self.samples):
+            self.epoch, self.position, self._order = previous.epoch, previous.position, previous._order
+
     def next(self) -> dict[str, torch.Tensor]:
         picked = []
         while len(picked) < self.batch_size:

@@ -108,7 +108,10 @@ class Session:
         changed = new.changed(self._techniques)
         if not changed:
             return new
-        stream = self._build_stream(new) if changed & _REBUILDS_DATA else self._stream
+        stream = self._stream
+        if changed & _REBUILDS_DATA:
+            stream = self._build_stream(new)
+            stream.continue_from(self._stream)  # a new batch size goes on through the epoch
         if changed & (_REBUILDS_MODEL | _RETUNES_MODEL):
             self._transform_model(new, previous=self._techniques)
         if changed & _REBUILDS_OPTIMIZER:

@@ -56,11 +56,13 @@ class Techniques:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.lora_targets, (list, str)):
-            targets = (self.lora_targets,) if isinstance(self.lora_targets, str) else self.lora_targets
-            object.__setattr__(self, "lora_targets", tuple(targets))
-        for problem in self.problems():
-            raise ValueError(problem)
+        if isinstance(self.lora_targets, str):
+            object.__setattr__(self, "lora_targets", (self.lora_targets,))
+        elif isinstance(self.lora_targets, (list, set, frozenset)):
+            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        problems = self.problems()
+        if problems:
+            raise ValueError(" ".join(problems))
 
     def problems(self) -> list[str]:
         """Every reason this combination cannot run, each naming the fix."""
@@ -86,12 +88,13 @@ class Techniques:
         if not isinstance(ac, (bool, int)) or ac < 0:
             out.append("activation_checkpointing must be True/False or a layer interval N >= 0, "
                        f"got {ac!r}.")
-        if not 0.0 <= self.lora_dropout < 1.0:
+        if not isinstance(self.lora_dropout, (int, float)) or not 0.0 <= self.lora_dropout < 1.0:
             out.append(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}.")
-        if self.weight_decay < 0:
-            out.append(f"weight_decay must be >= 0, got {self.weight_decay!r}.")
-        unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
-        if unknown or not self.lora_targets:
+        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
+            out.append(f"weight_decay must be a number >= 0, got {self.weight_decay!r}.")
+        targets = self.lora_targets if isinstance(self.lora_targets, tuple) else ()
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown or not targets:
             out.append(f"lora_targets {unknown or '()'} must be a non-empty subset of {LORA_TARGETS}.")
         return out
 

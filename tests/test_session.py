@@ -93,6 +93,35 @@ def test_lr_change_keeps_optimizer_state():
     assert session.optimizer.param_groups[0]["lr"] == 5e-4
 
 
+def test_batch_size_change_continues_through_the_epoch():
+    session, reference = small_session(batch_size=4), small_session(batch_size=4)
+    session.step()
+    reference._stream.next()
+    session.set(batch_size=2)
+    expected = reference._stream.next()["input_ids"][:2]
+    got = session._stream.next()["input_ids"]
+    assert torch.equal(got, expected[:, : got.shape[1]])
+
+
+def test_all_problems_are_named_at_once():
+    with pytest.raises(ValueError) as err:
+        nt.Techniques(batch_size=0, dtype="fp8", lora_dropout=2.0)
+    message = str(err.value)
+    assert "batch_size" in message and "'fp8'" in message and "lora_dropout" in message
+
+
+def test_corrupt_weights_are_named(tmp_path):
+    import shutil
+
+    from nbtune.models import demo_model_dir
+
+    shutil.copytree(demo_model_dir(), tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="damaged or not safetensors"):
+        nt.load_model(tmp_path / "m")
+
+
 def test_optimizer_change_rebuilds_and_says_so(capsys):
     session = small_session()
     session.step()

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig
@@ -89,7 +89,7 @@ def load_model(path_or_id: str | os.PathLike, dtype: str | torch.dtype = "fp32",
                             f"{key} in {file.name} has shape {tuple(tensor.shape)} but config.json "
                             f"implies {tuple(expected[key].shape)}: config and weights disagree.")
                     loaded[key] = tensor.to(device=device, dtype=dtype)
-        except (OSError, RuntimeError) as err:  # safetensors raises these for damaged files
+        except (SafetensorError, OSError) as err:
             raise ValueError(f"Cannot read {file}: the file is damaged or not safetensors "
                              f"({err}). Download or save it again.") from err
     missing = sorted(set(expected) - set(loaded))

@@ -5,8 +5,20 @@ Row formats (JSONL, one object per line, or a .json file holding a list):
 * instruction: ``{"instruction": ..., "input": ... (optional), "output": ...}``
 * chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}``
 
-Only response tokens (the ``output``, or the assistant messages) and the end-of-sequence
-token after each are trained on; everything else gets the label ``IGNORE``.
+Rows are read without a tokenizer and become text only when tokenized, because the model
+decides how a conversation is written:
+
+* If its tokenizer has a chat template, every row is rendered through it exactly as
+  transformers' ``apply_chat_template`` renders it. An instruction row is one user message
+  (``instruction``, plus a blank line and ``input`` when there is one) and one assistant
+  message (``output``). Each assistant turn as the template writes it is trained, its
+  end-of-turn token included (Llama 3's <|eot_id|>, Qwen's <|im_end|>, Mistral's </s>);
+  no other EOS is added.
+* Without a template, instruction rows use the Alpaca prompt below and the ``output`` plus
+  an EOS after it are trained. Chat rows need a template: they raise ``DataError``.
+
+Everything else gets the label ``IGNORE``. BOS is put first when the tokenizer has one and
+the text does not already start with it (templates such as Llama 3's write it themselves).
 Truncation policy: sequences longer than ``seq_len`` are cut on the right; a row left with
 no response tokens is dropped and counted.
 """
@@ -14,9 +26,10 @@ no response tokens is dropped and counted.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import jinja2
 import torch
 
 from .models.tokenizer import Tokenizer
@@ -33,31 +46,109 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Example:
-    """One training row as text pieces; ``trained`` pieces are the ones the loss sees.
+    """One row as messages; the tokenizer's chat template (or its absence) turns it into text.
 
-    A trained piece is followed by the end-of-sequence token, also trained, so the model
-    learns to stop.
+    Instruction rows also keep ``(instruction, input)`` so that a tokenizer without a chat
+    template can still format them with the Alpaca prompt.
     """
 
-    pieces: tuple[tuple[str, bool], ...]
-
-    @property
-    def prompt(self) -> str:
-        """Everything before the last response: what generation is given."""
-        last = max(i for i, (_, trained) in enumerate(self.pieces) if trained)
-        return "".join(text for text, _ in self.pieces[:last])
-
-    @property
-    def reference(self) -> str:
-        """The last response: what generation should produce."""
-        return [text for text, trained in self.pieces if trained][-1]
+    messages: tuple[tuple[str, str], ...]  # (role, content) pairs, the last one an assistant's
+    instruction: tuple[str, str] | None = None  # (instruction, input) of an instruction row
+    where: str = field(default="", compare=False)  # file and line, for errors found later
 
 
 def format_prompt(instruction: str, input: str = "") -> str:
-    """The prompt an instruction row is trained with (and generation is given)."""
+    """The Alpaca prompt of an instruction row, for tokenizers without a chat template."""
     if input:
         return PROMPT_WITH_INPUT.format(instruction=instruction, input=input)
     return PROMPT.format(instruction=instruction)
+
+
+def _user_text(instruction: str, input: str) -> str:
+    return f"{instruction}\n\n{input}" if input else instruction
+
+
+def prompt_text(tokenizer: Tokenizer, instruction: str, input: str = "") -> str:
+    """What generation is given for an instruction: the text its training row starts with."""
+    if tokenizer.chat_template is None:
+        return format_prompt(instruction, input)
+    return tokenizer.render_chat([{"role": "user", "content": _user_text(instruction, input)}],
+                                 add_generation_prompt=True)
+
+
+def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The ids generation starts from: ``text`` with BOS put first exactly as in training."""
+    return _with_bos(tokenizer, tokenizer.encode(text))
+
+
+def _with_bos(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
+    # One BOS, never two: templates such as Llama 3's and Mistral's already write it.
+    if tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
+        return [tokenizer.bos_id] + ids
+    return ids
+
+
+def prompt_and_reference(example: Example, tokenizer: Tokenizer) -> tuple[str, str]:
+    """The rendered text before the last assistant answer, and that answer's content."""
+    last = max(i for i, (role, _) in enumerate(example.messages) if role == "assistant")
+    if tokenizer.chat_template is None:
+        return format_prompt(*_alpaca_fields(example)), example.messages[last][1]
+    return _render(example, tokenizer, last, add_generation_prompt=True), example.messages[last][1]
+
+
+def _alpaca_fields(example: Example) -> tuple[str, str]:
+    if example.instruction is None:
+        raise DataError(f"{example.where or 'a chat row'}: this is a chat row ('messages') but the "
+                        "tokenizer has no chat template, so nbtune cannot know how the model expects a "
+                        "conversation to be written. Use instruction rows ('instruction', 'input', "
+                        "'output') instead, or add a chat_template to the model's "
+                        "tokenizer_config.json (or a chat_template.jinja file beside it).")
+    return example.instruction
+
+
+def check_renderable(examples: list[Example], tokenizer: Tokenizer) -> None:
+    """Fail now, before weights are loaded, if chat rows meet a tokenizer with no template."""
+    if tokenizer.chat_template is None:
+        for example in examples:
+            _alpaca_fields(example)
+
+
+def _render(example: Example, tokenizer: Tokenizer, upto: int | None,
+            add_generation_prompt: bool = False) -> str:
+    messages = [{"role": role, "content": content} for role, content in example.messages[:upto]]
+    try:
+        return tokenizer.render_chat(messages, add_generation_prompt)
+    except jinja2.TemplateError as err:
+        raise DataError(f"{example.where or 'a row'}: the model's chat template rejects this "
+                        f"conversation: {err}. Change the row to the roles and order the template "
+                        "accepts.") from err
+
+
+def _chat_spans(example: Example, tokenizer: Tokenizer) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation through the template, and the character span of each assistant turn.
+
+    A turn is what rendering through its message adds to the text rendered before it with
+    ``add_generation_prompt=True``: the content and the end-of-turn text the template writes.
+    That works only if the template renders a conversation's start the same whatever follows.
+    """
+    full = _render(example, tokenizer, None)
+    spans: list[tuple[int, int]] = []
+    for i, (role, _) in enumerate(example.messages):
+        if role != "assistant":
+            continue
+        before = _render(example, tokenizer, i, add_generation_prompt=True)
+        through = _render(example, tokenizer, i + 1)
+        done = spans[-1][1] if spans else 0
+        if not (done <= len(before) < len(through) and full.startswith(through)
+                and through.startswith(before)):
+            raise DataError(
+                f"{example.where or 'a row'}: the chat template is not prefix-stable: rendered up to "
+                f"message {i} (an assistant turn) it is not the start of the whole conversation, so "
+                "nbtune cannot tell which tokens are the answers. Use a template that renders each "
+                "turn the same whatever follows it, or split the conversation into rows that end "
+                "at each answer.")
+        spans.append((len(before), len(through)))
+    return full, spans
 
 
 def _row_to_example(row, where: str) -> Example:
@@ -68,23 +159,18 @@ def _row_to_example(row, where: str) -> Example:
         if not isinstance(messages, list) or not messages:
             raise DataError(f"{where}: 'messages' must be a non-empty list of "
                             "{{'role': ..., 'content': ...}} objects.")
-        pieces = []
         for i, msg in enumerate(messages):
             if not isinstance(msg, dict) or msg.get("role") not in ROLES \
                     or not isinstance(msg.get("content"), str):
                 raise DataError(f"{where}: message {i} must be an object with 'role' in "
                                 f"{ROLES} and a string 'content'; got {msg!r:.80}.")
-            header = f"### {msg['role'].capitalize()}:\n"
-            if msg["role"] == "assistant":
-                pieces += [(header, False), (msg["content"], True), ("\n\n", False)]
-            else:
-                pieces.append((header + msg["content"] + "\n\n", False))
-        if not any(trained for _, trained in pieces):
+        pairs = [(msg["role"], msg["content"]) for msg in messages]
+        if not any(role == "assistant" for role, _ in pairs):
             raise DataError(f"{where}: the conversation has no assistant message, so there is "
                             "nothing to learn from it. Add one or drop the row.")
-        while pieces and not pieces[-1][1]:  # nothing to learn after the last answer
-            pieces.pop()
-        return Example(tuple(pieces))
+        while pairs[-1][0] != "assistant":  # nothing to learn after the last answer
+            pairs.pop()
+        return Example(tuple(pairs), where=where)
     missing = [k for k in ("instruction", "output") if k not in row]
     if missing:
         raise DataError(f"{where}: missing {' and '.join(repr(k) for k in missing)}. Rows need "
@@ -94,8 +180,9 @@ def _row_to_example(row, where: str) -> Example:
             raise DataError(f"{where}: {key!r} must be a string, got {type(row[key]).__name__}.")
     if not row["output"]:
         raise DataError(f"{where}: 'output' is empty, so there is nothing to learn from the row.")
-    prompt = format_prompt(row["instruction"], row.get("input", ""))
-    return Example(((prompt, False), (row["output"], True)))
+    instruction, input = row["instruction"], row.get("input", "")
+    messages = (("user", _user_text(instruction, input)), ("assistant", row["output"]))
+    return Example(messages, instruction=(instruction, input), where=where)
 
 
 def load_examples(path: str | Path) -> list[Example]:
@@ -132,18 +219,26 @@ def load_examples(path: str | Path) -> list[Example]:
 class Sample:
     input_ids: torch.Tensor  # [T] tokens the model reads
     labels: torch.Tensor  # [T] next token to predict, IGNORE where not trained
+    document_ids: torch.Tensor | None = None  # [T] which example each token is from (packed)
+    positions: torch.Tensor | None = None  # [T] position within its own example (packed)
 
 
 def tokenize(example: Example, tokenizer: Tokenizer, seq_len: int) -> Sample | None:
     """Token ids and shifted labels, cut to ``seq_len``; None if no trained token survives."""
-    ids: list[int] = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    trained: list[bool] = [False] * len(ids)
-    for text, is_response in example.pieces:
-        piece = tokenizer.encode(text)
-        if is_response:
-            piece = piece + [tokenizer.eos_id]
-        ids += piece
-        trained += [is_response] * len(piece)
+    if tokenizer.chat_template is not None:
+        text, spans = _chat_spans(example, tokenizer)
+        eos = []  # the template writes each turn's end itself
+    else:
+        prompt = format_prompt(*_alpaca_fields(example))
+        text = prompt + example.messages[-1][1]
+        spans, eos = [(len(prompt), len(text))], [tokenizer.eos_id]
+    # The whole text is encoded at once, as transformers does; a token is trained when it
+    # starts inside an assistant span.
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    trained = [any(lo <= start < hi for lo, hi in spans) for start, _ in offsets]
+    trained += [True] * len(eos)
+    ids = _with_bos(tokenizer, ids + eos)
+    trained = [False] * (len(ids) - len(trained)) + trained
     ids, trained = ids[: seq_len + 1], trained[: seq_len + 1]
     # Position t predicts token t + 1.
     labels = [tok if keep else IGNORE for tok, keep in zip(ids[1:], trained[1:])]
@@ -163,15 +258,49 @@ def tokenize_all(examples: list[Example], tokenizer: Tokenizer, seq_len: int,
     return kept, len(samples) - len(kept)
 
 
+def pack(samples: list[Sample], seq_len: int) -> list[Sample]:
+    """Concatenate consecutive samples into rows of at most ``seq_len`` tokens.
+
+    Each row records which example every token came from and its position inside that
+    example, so attention can be limited to the example and rotary positions restart:
+    the loss is the same as unpacked, with no compute spent on padding.
+    """
+    rows: list[Sample] = []
+    group: list[Sample] = []
+
+    def close() -> None:
+        rows.append(Sample(
+            torch.cat([s.input_ids for s in group]), torch.cat([s.labels for s in group]),
+            document_ids=torch.cat([torch.full_like(s.input_ids, i) for i, s in enumerate(group)]),
+            positions=torch.cat([torch.arange(len(s.input_ids)) for s in group])))
+        group.clear()
+
+    used = 0
+    for sample in samples:
+        if group and used + len(sample.input_ids) > seq_len:
+            close()
+            used = 0
+        group.append(sample)
+        used += len(sample.input_ids)
+    if group:
+        close()
+    return rows
+
+
 def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample: input_ids and labels [B, T]."""
+    """Right-pad to the longest sample: input_ids and labels [B, T] (and, packed, the
+    document ids and positions; padding is its own document -1)."""
     longest = max(len(s.input_ids) for s in samples)
-    input_ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
-    labels = torch.full((len(samples), longest), IGNORE, dtype=torch.long)
+    fill = {"input_ids": pad_id, "labels": IGNORE}
+    if samples[0].document_ids is not None:
+        fill.update(document_ids=-1, positions=0)
+    batch = {name: torch.full((len(samples), longest), value, dtype=torch.long)
+             for name, value in fill.items()}
     for row, sample in enumerate(samples):
-        input_ids[row, : len(sample.input_ids)] = sample.input_ids
-        labels[row, : len(sample.labels)] = sample.labels
-    return {"input_ids": input_ids, "labels": labels}
+        for name, tensor in batch.items():
+            values = getattr(sample, name)
+            tensor[row, : len(values)] = values
+    return batch
 
 
 class BatchStream:

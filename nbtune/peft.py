@@ -35,11 +35,15 @@ class LoRALinear(nn.Module):
         return self.base_layer(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """The low-rank update ``scaling * B @ A`` [out, in], in fp32."""
+        return (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
+
+    @torch.no_grad()
     def merged(self) -> nn.Linear:
         """The base Linear with the low-rank update folded into its weight."""
         base = self.base_layer
-        delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
-        base.weight.copy_((base.weight.float() + delta).to(base.weight.dtype))
+        base.weight.copy_((base.weight.float() + self.delta_weight()).to(base.weight.dtype))
         return base
 
 
@@ -82,3 +86,48 @@ def set_lora_options(model: nn.Module, alpha: float, dropout: float) -> None:
     for _, module in _lora_modules(model):
         module.alpha = alpha
         module.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Adapter weights under PEFT's file names (``base_model.model.<module>.lora_A.weight``)."""
+    out = {}
+    for name, module in _lora_modules(model):
+        out[f"base_model.model.{name}.lora_A.weight"] = module.lora_A.weight.detach().contiguous()
+        out[f"base_model.model.{name}.lora_B.weight"] = module.lora_B.weight.detach().contiguous()
+    return out
+
+
+def adapter_config(model: nn.Module, base_model: str | None) -> dict:
+    """PEFT's adapter_config.json for the adapters on ``model`` (all share one rank and alpha)."""
+    found = _lora_modules(model)
+    if not found:
+        raise ValueError("The model has no LoRA adapters to describe.")
+    first = found[0][1]
+    dropout = first.lora_dropout.p if isinstance(first.lora_dropout, nn.Dropout) else 0.0
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": first.rank, "lora_alpha": first.alpha, "lora_dropout": dropout,
+        "target_modules": sorted({name.rpartition(".")[2] for name, _ in found}),
+        "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+        "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
+        "rank_pattern": {}, "alpha_pattern": {},
+    }
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights with every adapter folded in, under plain (HF) names; ``model`` is untouched."""
+    lora = dict(_lora_modules(model))
+    out = {}
+    for key, value in model.state_dict().items():
+        module_name, _, leaf = key.rpartition(".")
+        parent, _, child = module_name.rpartition(".")
+        if parent in lora:
+            if child != "base_layer":
+                continue  # lora_A / lora_B: folded into the weight below
+            if leaf == "weight":
+                value = (value.float() + lora[parent].delta_weight()).to(value.dtype)
+            key = f"{parent}.{leaf}"
+        out[key] = value.detach().contiguous()
+    return out

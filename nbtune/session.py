@@ -11,10 +11,13 @@ from typing import Callable, Iterable
 import torch
 
 from .activations import set_activation_checkpointing
-from .data import DataError, Example, BatchStream, format_prompt, load_examples, tokenize_all
+from .data import (BatchStream, DataError, Example, check_renderable, load_examples, pack,
+                   prompt_and_reference, prompt_ids, prompt_text, tokenize_all)
+from .generate import generate_ids
+from .hub import resolve_data_file, resolve_model_folder
 from .models import Tokenizer, demo_model_dir, load_model
 from .models.decoder import CausalLM
-from .models.hf import DTYPES, resolve_folder
+from .models.hf import DTYPES
 from .optim import build_optimizer
 from .peft import apply_lora, has_lora, merge_lora, set_lora_options
 from .step import StepReport, train_step
@@ -26,7 +29,7 @@ DEMO_STEPS = 300  # enough for the embedded default to learn visibly: about a mi
 # Which built component each toggle invalidates. Anything not listed is read live each step.
 _REBUILDS_MODEL = {"dtype", "method", "lora_rank", "lora_targets"}
 _RETUNES_MODEL = {"lora_alpha", "lora_dropout", "activation_checkpointing"}
-_REBUILDS_DATA = {"seq_len", "batch_size", "seed"}
+_REBUILDS_DATA = {"seq_len", "batch_size", "seed", "packing"}
 _REBUILDS_OPTIMIZER = _REBUILDS_MODEL | {"optimizer"}
 
 
@@ -40,8 +43,9 @@ def default_device() -> torch.device:
 
 
 def _examples(data) -> list[Example]:
+    """Rows from a local path, an ``hf://datasets/owner/name[@rev]/file`` URL, or an iterable."""
     if isinstance(data, (str, os.PathLike)):
-        return load_examples(data)
+        return load_examples(resolve_data_file(data))
     return list(data)
 
 
@@ -61,6 +65,8 @@ class Session:
         self.train_examples = _examples(train)
         self.heldout_examples = _examples(heldout) if heldout is not None else []
         self.history: list[StepReport] = []
+        self.source: str | None = None  # the folder or repo id the base model came from
+        self.base_changed = False  # True once full training or a merge altered the base weights
         self._listeners: list[weakref.ref] = []
         techniques = techniques or Techniques()
         self._stream = self._build_stream(techniques)
@@ -79,10 +85,13 @@ class Session:
         techniques = techniques or Techniques()
         train = _examples(data)  # read the data before the weights: fail fast on bad rows
         held = _examples(heldout) if heldout is not None else None
-        folder = resolve_folder(path_or_id, revision)
+        folder = resolve_model_folder(path_or_id, revision)
+        tokenizer = Tokenizer.from_folder(folder)
+        check_renderable(train + (held or []), tokenizer)
         model = load_model(folder, dtype=techniques.dtype, device=device or default_device())
-        return cls(model, Tokenizer.from_folder(folder), train, heldout=held,
-                   techniques=techniques, device=device)
+        session = cls(model, tokenizer, train, heldout=held, techniques=techniques, device=device)
+        session.source = str(path_or_id)
+        return session
 
     @classmethod
     def demo(cls, techniques: Techniques | None = None, device=None, **changes) -> "Session":
@@ -131,7 +140,9 @@ class Session:
                                         source="the training data")
         if dropped:
             self._say(f"{dropped} of {len(self.train_examples)} rows have no response within "
-                      f"seq_len={t.seq_len} and are skipped.")
+                      f"seq_len={t.seq_len} and are skipped; raise seq_len to keep them.")
+        if t.packing:
+            samples = pack(samples, t.seq_len)
         return BatchStream(samples, t.batch_size, self.tokenizer.pad_id, seed=t.seed)
 
     def _transform_model(self, new: Techniques, previous: Techniques | None) -> None:
@@ -140,6 +151,7 @@ class Session:
         reshape = previous is None or bool(new.changed(previous) & {"method", "lora_rank", "lora_targets"})
         if reshape and has_lora(model):
             merge_lora(model)  # adapters are folded into the base, not thrown away
+            self.base_changed = True
             self._say("LoRA adapters merged into the base weights.")
         if previous is None or previous.dtype != new.dtype:
             model.to(DTYPES[new.dtype])
@@ -159,8 +171,11 @@ class Session:
         """One optimizer step over ``grad_accum`` micro-batches; returns and records its report."""
         batches = [{k: v.to(self.device) for k, v in self._stream.next().items()}
                    for _ in range(self._techniques.grad_accum)]
-        report = train_step(self.model, self.optimizer, batches, self.tokenizer.pad_id,
-                            step=len(self.history) + 1)
+        step = len(self.history) + 1
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._techniques.lr_at(step)
+        report = train_step(self.model, self.optimizer, batches, self.tokenizer.pad_id, step=step)
+        self.base_changed |= self._techniques.method == "full"
         self.history.append(report)
         self._notify("step", report)
         return report
@@ -186,26 +201,23 @@ class Session:
 
     # ---- using the model ----------------------------------------------------------------
 
-    @torch.no_grad()
     def generate(self, prompt: str, *, input: str = "", max_new_tokens: int = 48,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  raw: bool = False) -> str:
-        """Greedy continuation of ``prompt``, formatted like the training rows unless ``raw``."""
-        text = prompt if raw else format_prompt(prompt, input)
-        bos = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
-        ids = torch.tensor([bos + self.tokenizer.encode(text)], device=self.device)
-        limit = self.model.config.max_position_embeddings
-        new: list[int] = []
+        """Continue ``prompt`` (greedy at temperature 0, else sampled with top-p).
+
+        The prompt is written as training rows are (the chat template when the model has
+        one, else the instruction prompt) unless ``raw``; generation stops at the model's
+        end-of-turn or end-of-sequence tokens.
+        """
+        text = prompt if raw else prompt_text(self.tokenizer, prompt, input)
+        generator = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
         was_training = self.model.training
         self.model.eval()
         try:
-            for _ in range(max_new_tokens):
-                if ids.shape[1] >= limit:
-                    break
-                token = int(self.model(ids)[0, -1].argmax())
-                if token == self.tokenizer.eos_id:
-                    break
-                new.append(token)
-                ids = torch.cat([ids, ids.new_tensor([[token]])], dim=1)
+            new = generate_ids(self.model, prompt_ids(self.tokenizer, text),
+                               max_new_tokens=max_new_tokens, stop_ids=self.tokenizer.stop_ids,
+                               temperature=temperature, top_p=top_p, generator=generator)
         finally:
             self.model.train(was_training)
         return self.tokenizer.decode(new)
@@ -218,9 +230,43 @@ class Session:
                             "session, or give examples.")
         hits = 0
         for ex in examples:
-            budget = len(self.tokenizer.encode(ex.reference)) + 4
-            hits += self.generate(ex.prompt, raw=True, max_new_tokens=budget).strip() == ex.reference.strip()
+            prompt, reference = prompt_and_reference(ex, self.tokenizer)
+            budget = len(self.tokenizer.encode(reference)) + 4
+            hits += self.generate(prompt, raw=True, max_new_tokens=budget).strip() == reference.strip()
         return hits / len(examples)
+
+    # ---- saving -------------------------------------------------------------------------
+
+    def save(self, folder: str | os.PathLike, merge: bool = False) -> Path:
+        """Full finetuning: an HF folder. LoRA: a PEFT adapter folder, or with ``merge``
+        the merged full weights. transformers / peft load either; the write is atomic."""
+        from .checkpoint import save_session
+
+        return save_session(self, folder, merge=merge)
+
+    def push_to_hub(self, repo_id: str, *, merge: bool = False, private: bool | None = None,
+                    token: str | None = None) -> str:
+        """Save (as ``save`` would) to a temporary folder and publish it; returns the commit URL."""
+        import tempfile
+
+        from .hub import push_to_hub
+
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = self.save(Path(tmp) / "upload", merge=merge)
+            return push_to_hub(folder, repo_id, private=private, token=token)
+
+    def save_checkpoint(self, folder: str | os.PathLike) -> Path:
+        """Weights or adapters, optimizer state, RNG, data position and history, to resume exactly."""
+        from .checkpoint import save_training_checkpoint
+
+        return save_training_checkpoint(self, folder)
+
+    def load_checkpoint(self, folder: str | os.PathLike) -> None:
+        """Continue a run saved by ``save_checkpoint`` (same base model and training data)."""
+        from .checkpoint import load_training_checkpoint
+
+        load_training_checkpoint(self, folder)
+        self._notify("techniques", self._techniques)
 
     # ---- showing ------------------------------------------------------------------------
 

@@ -46,7 +46,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     with track_step(model, optimizer, *inputs) as memory:
         for batch in micro_batches:
             memory.before_forward()
-            hidden = model.hidden_states(batch["input_ids"])
+            hidden = model.hidden_states(batch["input_ids"], positions=batch.get("positions"),
+                                         document_ids=batch.get("document_ids"))
             loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"]) / trained
             memory.after_forward()
             loss.backward()

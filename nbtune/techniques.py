@@ -23,9 +23,12 @@ HELP = {
                                 "less memory, about a third more compute. N = every Nth layer.",
     "batch_size": "Sequences per micro-batch: activations grow linearly with it.",
     "seq_len": "Tokens per sequence (longer rows are cut): activations grow with it.",
+    "packing": "Fill each sequence with several examples (a document mask keeps them apart): "
+               "no compute wasted on padding.",
     "grad_accum": "Micro-batches per optimizer step: a larger effective batch at the memory "
                   "of one micro-batch.",
     "lr": "Learning rate of the optimizer.",
+    "warmup_steps": "Steps of linear learning-rate warm-up: steadier start of training.",
     "optimizer": "adamw keeps two states per weight; sgd keeps none (less memory, slower learning).",
     "lora_rank": "Rank of the LoRA adapters: more capacity, more trainable weights.",
     "lora_alpha": "LoRA scaling numerator (updates are scaled by alpha / rank).",
@@ -45,8 +48,10 @@ class Techniques:
     activation_checkpointing: bool | int = False  # False/0 off, True/1 every layer, N every Nth
     batch_size: int = 8
     seq_len: int = 512
+    packing: bool = False  # several examples per sequence, each attending only to itself
     grad_accum: int = 1
     lr: float = 2e-5
+    warmup_steps: int = 0  # linear warm-up from lr / warmup_steps to lr, then constant
     optimizer: str = "adamw"
     weight_decay: float = 0.0
     lora_rank: int = 8
@@ -90,6 +95,9 @@ class Techniques:
                        f"got {ac!r}.")
         if not isinstance(self.lora_dropout, (int, float)) or not 0.0 <= self.lora_dropout < 1.0:
             out.append(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}.")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) \
+                or self.warmup_steps < 0:
+            out.append(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}.")
         if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
             out.append(f"weight_decay must be a number >= 0, got {self.weight_decay!r}.")
         targets = self.lora_targets if isinstance(self.lora_targets, tuple) else ()
@@ -102,6 +110,12 @@ class Techniques:
     def checkpoint_every(self) -> int:
         """0 when activation checkpointing is off, else the layer interval."""
         return int(self.activation_checkpointing)
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step ``step`` (1-based): the schedule is this function."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        return self.lr
 
     def replace(self, **changes) -> "Techniques":
         unknown = set(changes) - {f.name for f in fields(self)}

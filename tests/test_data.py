@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from nbtune.data import IGNORE, BatchStream, DataError, collate, load_examples, tokenize, tokenize_all
+from nbtune.data import (IGNORE, BatchStream, DataError, collate, load_examples, prompt_and_reference,
+                         tokenize, tokenize_all)
 from nbtune.models.tiny import byte_tokenizer
 
 TOK = byte_tokenizer()
@@ -27,21 +28,33 @@ def test_instruction_row_trains_only_on_the_output(tmp_path):
     positions = (sample.labels != IGNORE).nonzero().flatten()
     assert sample.input_ids[positions[0]].item() == TOK.encode("\n")[0]  # last prompt token
     assert sample.input_ids[0].item() == TOK.bos_id
-    assert "### Input:\nx" in example.prompt and example.reference == "hi"
+    assert (sample.input_ids == TOK.bos_id).sum() == 1
+    prompt, reference = prompt_and_reference(example, TOK)
+    assert prompt == "### Instruction:\nSay hi.\n\n### Input:\nx\n\n### Response:\n"
+    assert reference == "hi"
+
+
+# ChatML-like, on the demo tokenizer's own special tokens: each turn ends with <|end|>\n.
+TEMPLATE = ("{% for m in messages %}<|begin|>{{ m.role }}\n{{ m.content }}<|end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|begin|>assistant\n{% endif %}")
 
 
 def test_chat_row_trains_on_every_assistant_message(tmp_path):
+    tok = byte_tokenizer()
+    tok.chat_template = TEMPLATE
     row = {"messages": [{"role": "system", "content": "Be brief."},
                         {"role": "user", "content": "2+2?"},
                         {"role": "assistant", "content": "4"},
                         {"role": "user", "content": "3+3?"},
                         {"role": "assistant", "content": "6"}]}
     (example,) = load_examples(write(tmp_path, [json.dumps(row)]))
-    sample = tokenize(example, TOK, seq_len=512)
+    sample = tokenize(example, tok, seq_len=512)
     trained = sample.labels[sample.labels != IGNORE].tolist()
-    assert trained == TOK.encode("4") + [TOK.eos_id] + TOK.encode("6") + [TOK.eos_id]
-    assert example.reference == "6" and example.prompt.endswith("### Assistant:\n")
-    assert "Be brief." in example.prompt
+    assert trained == tok.encode("4<|end|>\n") + tok.encode("6<|end|>\n")  # the template's turn ends
+    assert sample.input_ids[0].item() == tok.bos_id  # the template writes none, so nbtune puts one
+    prompt, reference = prompt_and_reference(example, tok)
+    assert reference == "6" and prompt.endswith("3+3?<|end|>\n<|begin|>assistant\n")
+    assert prompt.startswith("<|begin|>system\nBe brief.<|end|>")
 
 
 @pytest.mark.parametrize("line, message", [

@@ -9,6 +9,7 @@ from pathlib import Path
 
 # HF `model_type` values this decoder implements, and what each one switches on.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3", None)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm on queries and keys per head (Qwen3)
+    sliding_window: int | None = None  # attend to the last N tokens only (Mistral v0.1)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -48,11 +50,10 @@ class ModelConfig:
             )
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ("default", None):
+            if kind not in ROPE_TYPES:
                 raise ValueError(
-                    f"rope_scaling type {kind!r} is not supported yet; "
-                    "supported: none/default."
-                )
+                    f"rope_scaling type {kind!r} is not supported; nbtune implements "
+                    f"{', '.join(t for t in ROPE_TYPES if t)}.")
 
     @property
     def num_parameters(self) -> int:
@@ -99,6 +100,11 @@ class ModelConfig:
             "eos_token_id": hf.get("eos_token_id"),
             "pad_token_id": hf.get("pad_token_id"),
         }
+        if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+            raise ValueError(f"{model_type} with use_sliding_window=true is not supported; "
+                             "the released Qwen checkpoints leave it off.")
+        if model_type == "mistral":
+            known["sliding_window"] = hf.get("sliding_window")
         return cls(**known, extra=dict(hf))
 
     @classmethod
@@ -128,6 +134,8 @@ class ModelConfig:
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         })
+        if self.model_type == "mistral":
+            out["sliding_window"] = self.sliding_window
         if "rope_parameters" in out:
             out["rope_parameters"] = {**out["rope_parameters"], "rope_theta": self.rope_theta}
         else:

@@ -7,6 +7,8 @@ names. Family differences are config fields, never subclasses.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,27 +30,88 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_tables(config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
-    """cos/sin tables [T, head_dim] for the given positions (rotate-half layout)."""
+def rope_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
+    """Inverse rotary frequencies [head_dim / 2], with the checkpoint's rope scaling applied."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (
-        torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
-    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, dim/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [T, dim]
+        torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        # Llama 3.1+: slow down low frequencies by `factor`, keep high ones, blend between.
+        factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+def rope_tables(config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
+    """cos/sin tables for ``positions`` [T] or [B, T] -> [T, D] or [B, 1, T, D] (rotate-half)."""
+    inv_freq = rope_frequencies(config, positions.device)
+    angles = positions.float()[..., None] * inv_freq  # [..., T, D/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [..., T, D]
+    if angles.dim() == 3:
+        angles = angles[:, None]  # broadcast over heads
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, T, D]; cos/sin: [T, D]
+    # x: [B, H, T, D]; cos/sin: [T, D] or [B, 1, T, D]
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
 
+def attention_mask(q_index: torch.Tensor, k_index: torch.Tensor,
+                   document_ids: torch.Tensor | None = None,
+                   window: int | None = None) -> torch.Tensor:
+    """Boolean mask [B|1, 1, Tq, Tk], True where a query may attend to a key.
+
+    Causal by token index; with ``document_ids`` [B, T], only within the same document
+    (packing); with a ``window``, only the last ``window`` tokens (Mistral).
+    """
+    q, k = q_index[:, None], k_index[None, :]
+    mask = k <= q  # [Tq, Tk]
+    if window is not None:
+        mask = mask & (q - k < window)
+    if document_ids is None:
+        return mask[None, None]
+    same = document_ids[:, :, None] == document_ids[:, None, :]  # [B, T, T]
+    return (mask & same)[:, None]
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer, for incremental generation."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[-2]
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Append this step's keys/values [B, Hkv, T, D]; return all of them."""
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=-2)
+            v = torch.cat([self.values[layer], v], dim=-2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         d, hd = config.hidden_size, config.head_dim
+        self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
         bias = config.attention_bias
         self.q_proj = nn.Linear(d, config.num_heads * hd, bias=bias)
@@ -61,7 +124,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # [B, T, H*D] -> [B, H, T, D]
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
@@ -71,8 +135,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
+        if cache is not None:
+            k, v = cache.extend(self.layer_idx, k, v)
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
+            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+            enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -89,22 +156,22 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
         # Set by nbtune.activations: recompute this layer in backward instead of saving.
         self.checkpointed = False
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None) -> torch.Tensor:
         if self.checkpointed and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
+            return checkpoint(self._forward, x, cos, sin, mask, cache, use_reentrant=False)
+        return self._forward(x, cos, sin, mask, cache)
 
-    def _forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def _forward(self, x, cos, sin, mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -114,7 +181,7 @@ class Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -143,14 +210,32 @@ class CausalLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Final-norm hidden states [B, T, D]; the loss projects them to the vocabulary."""
+    def hidden_states(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
+                      document_ids: torch.Tensor | None = None,
+                      cache: KVCache | None = None) -> torch.Tensor:
+        """Final-norm hidden states [B, T, D]; the loss projects them to the vocabulary.
+
+        ``positions`` [B, T] and ``document_ids`` [B, T] describe packed sequences (each
+        document restarts its positions and sees only itself); ``cache`` holds the keys
+        and values of earlier tokens during generation.
+        """
+        T = input_ids.shape[1]
+        past = cache.length if cache is not None else 0
+        index = torch.arange(past, past + T, device=input_ids.device)
+        if positions is None:
+            positions = index
+        window = self.config.sliding_window
+        mask = None  # plain causal attention, the fast path
+        if document_ids is not None or (past and T > 1) or (window and past + T > window):
+            if document_ids is not None and past:
+                raise ValueError("Packed sequences (document_ids) cannot extend a KV cache.")
+            mask = attention_mask(index, torch.arange(past + T, device=input_ids.device),
+                                  document_ids, window)
         h = self.model.embed_tokens(input_ids)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         cos, sin = rope_tables(self.config, positions, h.dtype)
         for layer in self.model.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask, cache)
         return self.model.norm(h)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(input_ids))
+    def forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(input_ids, **kwargs))

@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..hub import resolve_model_folder
 from .config import ModelConfig
 from .decoder import CausalLM
 
@@ -19,34 +20,22 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_folder(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
-    """A local folder as is; otherwise a Hub repo id fetched (safetensors and json only)."""
-    path = Path(path_or_id).expanduser()
-    if path.is_dir():
-        return path
-    name = str(path_or_id)
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise FileNotFoundError(
-            f"{name!r} is neither a model folder nor a Hub repo id ('owner/name'). "
-            "Give a folder holding config.json and *.safetensors, or a repo id.")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
 
-    try:
-        return Path(snapshot_download(
-            name, revision=revision,
-            allow_patterns=["*.json", "*.safetensors", "tokenizer.model"]))
-    except LocalEntryNotFoundError as err:
-        raise FileNotFoundError(
-            f"{name!r} is not in the local Hugging Face cache and the Hub cannot be reached "
-            "(offline, or HF_HUB_OFFLINE=1). Download it once with network access, "
-            "or pass a local folder.") from err
+# safetensors dtype names -> torch (https://github.com/huggingface/safetensors, format spec)
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+              "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+CAST_CHUNK_BYTES = 16 << 20  # source bytes read per step when casting: the only transient copy
 
 
 def _weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        absent = [s for s in shards if not (folder / s).exists()]
+        if absent:
+            raise FileNotFoundError(f"{index} names shards that are not there: {', '.join(absent)}. "
+                                    "Download or copy the whole checkpoint.")
         return [folder / s for s in shards]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -57,41 +46,104 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
+def _entries(file: Path) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
+    """(name, dtype, shape, byte offset) of each tensor in a safetensors file, in file order.
+
+    ``safe_open`` validates the file (header, offsets, length). The offsets are read from
+    the header here because the library hands out mmap-backed tensors: every page read
+    through them stays in this process's RSS until the file is unmapped, which would add
+    up to a whole shard on top of the loaded weights.
+    """
+    try:
+        with safe_open(str(file), framework="pt") as shard:
+            shard.keys()
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"Cannot read {file}: the file is damaged or not safetensors "
+                         f"({err}). Download or save it again.") from err
+    header.pop("__metadata__", None)
+    entries = []
+    for key, info in header.items():
+        if info["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{key} in {file.name} is stored as {info['dtype']}, which nbtune "
+                             f"does not load (it reads {', '.join(_ST_DTYPES)}).")
+        entries.append((key, _ST_DTYPES[info["dtype"]], tuple(info["shape"]),
+                        8 + size + info["data_offsets"][0]))
+    return sorted(entries, key=lambda entry: entry[3])
+
+
+def _read_into(f, target: torch.Tensor) -> None:
+    """Fill a contiguous tensor's bytes from the file's current position (plain reads)."""
+    view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):  # one read() returns at most ~2 GiB
+        count = f.readinto(view[done:])
+        if not count:
+            raise ValueError(f"Cannot read {f.name}: it ends early, so it is damaged. "
+                             "Download or save it again.")
+        done += count
+
+
+def _read_tensor(f, offset: int, src: torch.dtype, shape: tuple[int, ...],
+                 dtype: torch.dtype, buffer: torch.Tensor) -> torch.Tensor:
+    """One tensor read straight into its final dtype, with no full source-dtype copy.
+
+    Plain reads go through the page cache, which the kernel may drop, not this process's
+    memory. Without a cast the bytes land in the result itself; with one they pass through
+    ``buffer`` (uint8), chunk by chunk. The caller keeps one buffer for the whole load: a
+    fresh one per tensor leaves holes in the heap that outlive the load (+50% measured).
+    """
+    out = torch.empty(shape, dtype=dtype, device="cpu")
+    flat = out.view(-1)
+    f.seek(offset)
+    if src == dtype:
+        _read_into(f, flat)
+        return out
+    buffer = buffer.view(src)
+    step = buffer.numel()
+    for start in range(0, flat.numel(), step):
+        part = buffer[: min(step, flat.numel() - start)]
+        _read_into(f, part)
+        flat[start:start + part.numel()].copy_(part)
+    return out
+
+
 def load_model(path_or_id: str | os.PathLike, dtype: str | torch.dtype = "fp32",
                device: str | torch.device = "cpu", revision: str | None = None) -> CausalLM:
     """Load a Hugging Face-format causal LM folder (or Hub repo id) into nbtune's decoder.
 
-    The model is built on the meta device and filled shard by shard, so no random
-    weights are ever materialised and each tensor is cast as it is read.
+    The model is built on the meta device (no random weights are ever made) and filled
+    tensor by tensor, each cast as it is read (see ``_read_tensor``), so host memory peaks
+    near one copy of the weights in the target dtype.
     """
-    folder = resolve_folder(path_or_id, revision)
+    folder = resolve_model_folder(path_or_id, revision)
     config = ModelConfig.from_file(folder / "config.json")
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     with torch.device("meta"):
         model = CausalLM(config)
-    expected = {k: v for k, v in model.state_dict().items()}
+    expected = dict(model.state_dict())
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     loaded: dict[str, torch.Tensor] = {}
+    buffer = torch.empty(CAST_CHUNK_BYTES, dtype=torch.uint8, device="cpu")  # pages are touched only by a cast
     for file in _weight_files(folder):
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as shard:
-                for key in shard.keys():
-                    if key not in expected:
-                        if key == "lm_head.weight" and config.tie_word_embeddings:
-                            continue  # some tied checkpoints still store the head
-                        raise ValueError(
-                            f"{file.name} holds {key!r}, which a {config.model_type} model with this "
-                            "config.json does not have: config and weights disagree.")
-                    tensor = shard.get_tensor(key)
-                    if tuple(tensor.shape) != tuple(expected[key].shape):
-                        raise ValueError(
-                            f"{key} in {file.name} has shape {tuple(tensor.shape)} but config.json "
-                            f"implies {tuple(expected[key].shape)}: config and weights disagree.")
-                    loaded[key] = tensor.to(device=device, dtype=dtype)
-        except (SafetensorError, OSError) as err:
-            raise ValueError(f"Cannot read {file}: the file is damaged or not safetensors "
-                             f"({err}). Download or save it again.") from err
+        entries = _entries(file)
+        for key, *_ in entries:
+            if key not in expected and not (key == "lm_head.weight" and config.tie_word_embeddings):
+                raise ValueError(
+                    f"{file.name} holds {key!r}, which a {config.model_type} model with this "
+                    "config.json does not have: config and weights disagree.")
+        with open(file, "rb", buffering=0) as f:
+            for key, src_dtype, shape, begin in entries:
+                if key not in expected:
+                    continue  # some tied checkpoints still store the head
+                if shape != tuple(expected[key].shape):
+                    raise ValueError(
+                        f"{key} in {file.name} has shape {shape} but config.json "
+                        f"implies {tuple(expected[key].shape)}: config and weights disagree.")
+                loaded[key] = _read_tensor(f, begin, src_dtype, shape, dtype, buffer).to(device)
     missing = sorted(set(expected) - set(loaded))
     if missing:
         raise ValueError(f"{folder} lacks weights for {missing[:4]}{' ...' if len(missing) > 4 else ''}: "
@@ -130,16 +182,11 @@ def write_atomically(folder: str | os.PathLike, write) -> Path:
     return folder
 
 
-def save_model(model: CausalLM, folder: str | os.PathLike, tokenizer=None) -> Path:
-    """Write ``model`` (and its tokenizer) as a Hugging Face folder that transformers loads."""
-    state = plain_state_dict(model)
-    unknown = [k for k in state if "lora_" in k or "base_layer" in k]
-    if unknown:
-        raise ValueError("The model still carries LoRA layers; merge them first "
-                         "(nbtune.peft.merge_lora) to save full weights.")
-    dtype = next(iter(state.values())).dtype
-    hf_config = model.config.to_hf()
-    hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
+def write_hf_folder(folder: str | os.PathLike, state: dict[str, torch.Tensor], config: ModelConfig,
+                    tokenizer=None) -> Path:
+    """Atomically write ``state`` (HF names, no tied head) as a folder transformers loads."""
+    hf_config = config.to_hf()
+    hf_config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
 
     def write(tmp: Path) -> None:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -148,3 +195,12 @@ def save_model(model: CausalLM, folder: str | os.PathLike, tokenizer=None) -> Pa
             tokenizer.save(tmp)
 
     return write_atomically(folder, write)
+
+
+def save_model(model: CausalLM, folder: str | os.PathLike, tokenizer=None) -> Path:
+    """Write ``model`` (and its tokenizer) as a Hugging Face folder that transformers loads."""
+    state = plain_state_dict(model)
+    if any("lora_" in k or "base_layer" in k for k in state):
+        raise ValueError("The model still carries LoRA layers; merge them first "
+                         "(nbtune.peft.merge_lora) to save full weights.")
+    return write_hf_folder(folder, state, model.config, tokenizer)

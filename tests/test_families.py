@@ -1,0 +1,96 @@
+"""One decoder, every family: logits equal to transformers' reference implementations."""
+
+import pytest
+import torch
+import transformers
+
+import nbtune as nt
+
+COMMON = dict(vocab_size=101, hidden_size=64, intermediate_size=144, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              rms_norm_eps=1e-6)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "llama3.1-rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                      {"rope_parameters": LLAMA3_ROPE}),
+    "llama-linear-rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                          {"rope_parameters": {"rope_type": "linear", "factor": 4.0,
+                                               "rope_theta": 10000.0}}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 24}),
+}
+SEQ = 48  # longer than Mistral's window and Llama 3.1's original context above
+
+
+def build(folder, family, tie, dtype=torch.float32):
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(3)
+    ref = model_cls(config_cls(**COMMON, **extra, tie_word_embeddings=tie)).eval()
+    with torch.no_grad():  # random biases / norm weights, so a missed one shows
+        for name, p in ref.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(0.0, 0.5 if name.endswith("bias") else 0.2).add_(0.0 if name.endswith("bias") else 1.0)
+    ref.save_pretrained(folder)
+    return ref.to(dtype)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_match_reference_fp32(tmp_path, family, tie):
+    ref = build(tmp_path, family, tie)
+    ours = nt.load_model(tmp_path).eval()
+    assert ours.config.model_type == ref.config.model_type
+    ids = torch.randint(0, 101, (2, SEQ))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), ref(ids).logits, atol=1e-4, rtol=0)
+
+
+BF16_ATOL = 0.05  # both sides round every op to bf16 (8 bits of mantissa); logits are O(1)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_match_reference_bf16(tmp_path, family):
+    ref = build(tmp_path, family, tie=False, dtype=torch.bfloat16)
+    ours = nt.load_model(tmp_path, dtype="bf16").eval()
+    assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
+    ids = torch.randint(0, 101, (2, SEQ))
+    with torch.no_grad():
+        got, expected = ours(ids).float(), ref(ids).logits.float()
+    torch.testing.assert_close(got, expected, atol=BF16_ATOL, rtol=0)
+
+
+def test_family_features_are_really_exercised(tmp_path):
+    for family, check in (("qwen2", lambda m: m.model.layers[0].self_attn.q_proj.bias is not None),
+                          ("qwen3", lambda m: m.model.layers[0].self_attn.q_norm is not None),
+                          ("mistral", lambda m: m.config.sliding_window == 24 < SEQ),
+                          ("llama3.1-rope", lambda m: m.config.rope_scaling["rope_type"] == "llama3")):
+        build(tmp_path / family, family, tie=False)
+        assert check(nt.load_model(tmp_path / family)), family
+
+
+def test_sliding_window_changes_the_output(tmp_path):
+    build(tmp_path, "mistral", tie=False)
+    windowed = nt.load_model(tmp_path).eval()
+    unwindowed = nt.load_model(tmp_path).eval()
+    unwindowed.config = unwindowed.config.replace(sliding_window=None)
+    ids = torch.randint(0, 101, (1, SEQ))
+    with torch.no_grad():
+        a, b = windowed(ids), unwindowed(ids)
+    torch.testing.assert_close(a[:, :24], b[:, :24])  # inside the window: identical
+    assert (a[:, 30:] - b[:, 30:]).abs().max() > 1e-3  # beyond it: not
+
+
+def test_unsupported_rope_scaling_is_named(tmp_path):
+    import json
+
+    build(tmp_path, "llama", tie=False)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="'yarn' is not supported"):
+        nt.load_model(tmp_path)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from .memory import MemoryBreakdown
 from .models.hf import plain_state_dict, write_atomically, write_hf_folder
-from .peft import adapter_config, adapter_state_dict, has_lora, merged_state_dict
+from .peft import adapter_config, adapter_state_dict, has_lora, is_nf4, merged_state_dict
 from .step import StepReport
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -81,7 +81,7 @@ def _rng_tensors() -> dict[str, torch.Tensor]:
 def save_training_checkpoint(session, folder) -> Path:
     """Everything a run needs to continue exactly: weights, optimizer, RNG, data position."""
     full_weights = not has_lora(session.model) or session.base_changed
-    weights = (plain_state_dict(session.model) if full_weights
+    weights = (_full_weights(session.model) if full_weights
                else adapter_state_dict(session.model))
     opt_tensors, opt_meta = _optimizer_files(session.optimizer)
     stream = session._stream
@@ -136,13 +136,32 @@ def load_training_checkpoint(session, folder) -> None:
                        for r in trainer["history"]]
 
 
+def _full_weights(model) -> dict[str, torch.Tensor]:
+    """Weights under their parameter names, without the tied head; an NF4 weight as its parts
+    (``<name>.nf4.<part>``), so a resumed run gets it bit for bit (dequantized and quantized
+    again it would differ)."""
+    out = {}
+    for name, value in model.state_dict().items():
+        if is_nf4(value):
+            parts, _ = value.__tensor_flatten__()
+            out.update({f"{name}.nf4.{part}": getattr(value, part).contiguous() for part in parts})
+        else:
+            out[name] = value.detach().contiguous()
+    if model.config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)  # safetensors refuses shared storage
+    return out
+
+
 @torch.no_grad()
 def _load_plain(model, weights: dict) -> list[str]:
     """Copy weights saved under ``model``'s own parameter names; return the names missing."""
     missing = []
     for name, param in model.named_parameters():  # a tied head is listed once, as the embedding
-        if name in weights:
-            param.copy_(weights[name])
+        if is_nf4(param) and f"{name}.nf4.quantized_data" in weights:
+            for part in param.__tensor_flatten__()[0]:
+                getattr(param, part).copy_(weights[f"{name}.nf4.{part}"])
+        elif name in weights:
+            param.copy_(weights[name])  # into an NF4 weight: torchao quantizes the dense value
         else:
             missing.append(name)
     return missing

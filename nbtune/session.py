@@ -10,7 +10,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .activations import set_activation_checkpointing
+from .activations import set_activation_checkpointing, set_compiled
 from .data import (BatchStream, DataError, Example, check_renderable, load_examples, pack,
                    prompt_and_reference, prompt_ids, prompt_text, tokenize_all)
 from .generate import generate_ids
@@ -18,8 +18,8 @@ from .hub import resolve_data_file, resolve_model_folder
 from .models import Tokenizer, demo_model_dir, load_model
 from .models.decoder import CausalLM
 from .models.hf import DTYPES
-from .optim import build_optimizer
-from .peft import apply_lora, has_lora, merge_lora, set_lora_options
+from .optim import build_optimizer, release_optimizer
+from .peft import apply_lora, cast_model, has_lora, merge_lora, replace_adapters, set_lora_options
 from .step import StepReport, train_step
 from .techniques import Techniques
 
@@ -28,9 +28,10 @@ DEMO_STEPS = 300  # enough for the embedded default to learn visibly: about a mi
 
 # Which built component each toggle invalidates. Anything not listed is read live each step.
 _REBUILDS_MODEL = {"dtype", "method", "lora_rank", "lora_targets"}
-_RETUNES_MODEL = {"lora_alpha", "lora_dropout", "activation_checkpointing"}
+_RETUNES_MODEL = {"lora_alpha", "lora_dropout", "activation_checkpointing", "compile"}
 _REBUILDS_DATA = {"seq_len", "batch_size", "seed", "packing"}
-_REBUILDS_OPTIMIZER = _REBUILDS_MODEL | {"optimizer"}
+_REBUILDS_OPTIMIZER = _REBUILDS_MODEL | {"optimizer", "optimizer_in_backward",
+                                          "cpu_offload_optimizer"}
 
 
 def demo_data_file(split: str) -> Path:
@@ -69,6 +70,7 @@ class Session:
         self.base_changed = False  # True once full training or a merge altered the base weights
         self._listeners: list[weakref.ref] = []
         techniques = techniques or Techniques()
+        self._check_device_rules(techniques)
         self._stream = self._build_stream(techniques)
         self.model = model.to(self.device)
         self._transform_model(techniques, previous=None)
@@ -88,7 +90,9 @@ class Session:
         folder = resolve_model_folder(path_or_id, revision)
         tokenizer = Tokenizer.from_folder(folder)
         check_renderable(train + (held or []), tokenizer)
-        model = load_model(folder, dtype=techniques.dtype, device=device or default_device())
+        quantize = techniques.lora_targets if techniques.method == "qlora" else ()
+        model = load_model(folder, dtype=techniques.dtype, device=device or default_device(),
+                           quantize=quantize)  # NF4 as each weight is read: lean loading
         session = cls(model, tokenizer, train, heldout=held, techniques=techniques, device=device)
         session.source = str(path_or_id)
         return session
@@ -117,6 +121,7 @@ class Session:
         changed = new.changed(self._techniques)
         if not changed:
             return new
+        self._check_device_rules(new)
         stream = self._stream
         if changed & _REBUILDS_DATA:
             stream = self._build_stream(new)
@@ -125,6 +130,7 @@ class Session:
             self._transform_model(new, previous=self._techniques)
         if changed & _REBUILDS_OPTIMIZER:
             had_state = bool(self.optimizer.state)
+            release_optimizer(self.optimizer)  # hooks off, state freed before the new one exists
             self.optimizer = build_optimizer(self.model, new)
             if had_state:
                 self._say(f"optimizer state reset ({', '.join(sorted(changed & _REBUILDS_OPTIMIZER))} changed).")
@@ -134,6 +140,11 @@ class Session:
         self._stream, self._techniques = stream, new
         self._notify("techniques", new)
         return new
+
+    def _check_device_rules(self, t: Techniques) -> None:
+        broken = t.conflicts(self.device.type)
+        if broken:
+            raise ValueError(" ".join(rule.reason for rule in broken))
 
     def _build_stream(self, t: Techniques) -> BatchStream:
         samples, dropped = tokenize_all(self.train_examples, self.tokenizer, t.seq_len,
@@ -149,32 +160,47 @@ class Session:
         """Bring the model to ``new``'s method, dtype and checkpointing, keeping what it learned."""
         model = self.model
         reshape = previous is None or bool(new.changed(previous) & {"method", "lora_rank", "lora_targets"})
-        if reshape and has_lora(model):
-            merge_lora(model)  # adapters are folded into the base, not thrown away
-            self.base_changed = True
-            self._say("LoRA adapters merged into the base weights.")
-        if previous is None or previous.dtype != new.dtype:
-            model.to(DTYPES[new.dtype])
-        if reshape:
-            if new.method == "lora":
-                apply_lora(model, new.lora_targets, new.lora_rank, new.lora_alpha, new.lora_dropout)
-            else:
-                model.requires_grad_(True)
-        elif new.method == "lora":
-            set_lora_options(model, new.lora_alpha, new.lora_dropout)
+        if reshape and previous is not None and previous.method == new.method == "qlora":
+            # New rank or targets: fresh adapters on the same NF4 base. Folding the old ones
+            # in would quantize the base again, losing precision each time.
+            cast_model(model, DTYPES[new.dtype])
+            replace_adapters(model, new.lora_targets, new.lora_rank, new.lora_alpha,
+                             new.lora_dropout, quantize_base=True)
+            self._say("new zero-initialised QLoRA adapters; the previous ones were dropped "
+                      "(folding them into the NF4 base would quantize it again).")
+        else:
+            if reshape and has_lora(model):
+                merge_lora(model)  # adapters are folded into the base, not thrown away
+                self.base_changed = True
+                self._say("LoRA adapters merged into the base weights.")
+            if previous is None or previous.dtype != new.dtype:
+                cast_model(model, DTYPES[new.dtype])  # model.to(dtype) would densify NF4 weights
+            if reshape:
+                if new.method in ("lora", "qlora"):
+                    apply_lora(model, new.lora_targets, new.lora_rank, new.lora_alpha,
+                               new.lora_dropout, quantize_base=new.method == "qlora")
+                else:
+                    model.requires_grad_(True)
+            elif new.method in ("lora", "qlora"):
+                set_lora_options(model, new.lora_alpha, new.lora_dropout)
         set_activation_checkpointing(model, new.checkpoint_every)
+        if previous is None or previous.compile != new.compile:
+            set_compiled(model, new.compile)
         model.train()
 
     # ---- training -----------------------------------------------------------------------
 
     def step(self) -> StepReport:
         """One optimizer step over ``grad_accum`` micro-batches; returns and records its report."""
+        t = self._techniques
         batches = [{k: v.to(self.device) for k, v in self._stream.next().items()}
-                   for _ in range(self._techniques.grad_accum)]
+                   for _ in range(t.grad_accum)]
         step = len(self.history) + 1
         for group in self.optimizer.param_groups:
-            group["lr"] = self._techniques.lr_at(step)
-        report = train_step(self.model, self.optimizer, batches, self.tokenizer.pad_id, step=step)
+            group["lr"] = t.lr_at(step)
+        report = train_step(self.model, self.optimizer, batches, self.tokenizer.pad_id, step=step,
+                            loss_chunks=t.chunked_loss, offload_activations=t.activation_offloading,
+                            max_grad_norm=t.max_grad_norm, compiled_loss=t.compile)
         self.base_changed |= self._techniques.method == "full"
         self.history.append(report)
         self._notify("step", report)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .activations import OffloadActivations
 from .data import IGNORE
 from .loss import cross_entropy_sum
 from .memory import MemoryBreakdown, track_step
@@ -31,8 +33,9 @@ class StepReport:
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-               micro_batches: list[dict[str, torch.Tensor]], pad_id: int,
-               step: int) -> StepReport:
+               micro_batches: list[dict[str, torch.Tensor]], pad_id: int, step: int, *,
+               loss_chunks: int = 0, offload_activations: bool = False,
+               max_grad_norm: float = 0.0, compiled_loss: bool = False) -> StepReport:
     """Forward and backward over the micro-batches, then one optimizer step.
 
     The loss of every micro-batch is divided by the number of trained tokens in *all*
@@ -46,14 +49,19 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     with track_step(model, optimizer, *inputs) as memory:
         for batch in micro_batches:
             memory.before_forward()
-            hidden = model.hidden_states(batch["input_ids"], positions=batch.get("positions"),
-                                         document_ids=batch.get("document_ids"))
-            loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"]) / trained
+            with OffloadActivations(model) if offload_activations else contextlib.nullcontext():
+                hidden = model.hidden_states(batch["input_ids"], positions=batch.get("positions"),
+                                             document_ids=batch.get("document_ids"))
+                loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"], loss_chunks,
+                                         compiled_loss) / trained
             memory.after_forward()
             loss.backward()
             memory.after_backward()
             total += loss.detach().cpu()
             del hidden, loss
+        if max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.grad is not None], max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return StepReport(step=step, loss=float(total), tokens=read, trained_tokens=trained,

@@ -2,22 +2,27 @@
 
 A ``Techniques`` value is immutable; change it with ``session.set(field=value)`` (or
 ``techniques.replace(...)``), which validates the whole combination before anything is
-applied.
+applied. Combinations that cannot work together are the ``RULES`` table below, each with
+its reason: the same reason is the error message and the panel's tooltip.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, fields
+from typing import Callable
 
-METHODS = ("full", "lora")
+METHODS = ("full", "lora", "qlora")
 DTYPES = ("fp32", "bf16")
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "adamw8bit", "paged_adamw8bit", "paged_adamw", "ao_adamw8bit",
+              "ao_adamw4bit")
+PAGED_OPTIMIZERS = ("paged_adamw8bit", "paged_adamw")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # One line per toggle: what it trades. Shown as the panel's tooltips.
 HELP = {
-    "method": "full: train every weight (most memory); lora: train small adapters, base frozen.",
+    "method": "full: train every weight (most memory); lora: train small adapters, base frozen; "
+              "qlora: lora over a base stored in 4-bit NF4 (about a quarter of bf16).",
     "dtype": "bf16 halves weights, grads and optimizer state; fp32 is exact but twice the memory.",
     "activation_checkpointing": "Recompute layers in backward instead of keeping activations: "
                                 "less memory, about a third more compute. N = every Nth layer.",
@@ -29,7 +34,19 @@ HELP = {
                   "of one micro-batch.",
     "lr": "Learning rate of the optimizer.",
     "warmup_steps": "Steps of linear learning-rate warm-up: steadier start of training.",
-    "optimizer": "adamw keeps two states per weight; sgd keeps none (less memory, slower learning).",
+    "optimizer": "adamw keeps two fp32/bf16 states per weight; the 8-bit (bitsandbytes adamw8bit, "
+                 "torchao ao_adamw8bit) and 4-bit (ao_adamw4bit) ones quantize them; paged ones "
+                 "spill state to CPU under pressure (CUDA); sgd keeps none.",
+    "optimizer_in_backward": "Update each weight as soon as its gradient is ready and free it: "
+                             "at most one gradient alive at a time. No accumulation or clipping.",
+    "cpu_offload_optimizer": "Keep optimizer state (and its step) on the CPU (torchao, CUDA only): "
+                             "frees GPU memory, costs transfer time.",
+    "activation_offloading": "Move activations saved for backward to CPU memory and back: less GPU "
+                             "memory, pays off with checkpointing on.",
+    "chunked_loss": "Project to the vocabulary and take the loss N chunks at a time: the full "
+                    "logits are never held at once (0 = off).",
+    "compile": "torch.compile each layer and the loss: faster steps after a slow first one.",
+    "max_grad_norm": "Clip the global gradient norm to this value (0 = off).",
     "lora_rank": "Rank of the LoRA adapters: more capacity, more trainable weights.",
     "lora_alpha": "LoRA scaling numerator (updates are scaled by alpha / rank).",
     "lora_dropout": "Dropout on the LoRA input path.",
@@ -53,6 +70,12 @@ class Techniques:
     lr: float = 2e-5
     warmup_steps: int = 0  # linear warm-up from lr / warmup_steps to lr, then constant
     optimizer: str = "adamw"
+    optimizer_in_backward: bool = False
+    cpu_offload_optimizer: bool = False
+    activation_offloading: bool = False
+    chunked_loss: int = 0  # number of chunks the loss is taken in; 0 or 1 = in one go
+    compile: bool = False
+    max_grad_norm: float = 0.0  # 0 = no clipping
     weight_decay: float = 0.0
     lora_rank: int = 8
     lora_alpha: float = 16.0
@@ -95,16 +118,30 @@ class Techniques:
                        f"got {ac!r}.")
         if not isinstance(self.lora_dropout, (int, float)) or not 0.0 <= self.lora_dropout < 1.0:
             out.append(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}.")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) \
-                or self.warmup_steps < 0:
-            out.append(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}.")
+        for name in ("warmup_steps", "chunked_loss"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                out.append(f"{name} must be an int >= 0, got {value!r}.")
+        for name in ("packing", "optimizer_in_backward", "cpu_offload_optimizer",
+                     "activation_offloading", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                out.append(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if not isinstance(self.max_grad_norm, (int, float)) or self.max_grad_norm < 0:
+            out.append(f"max_grad_norm must be a number >= 0 (0 = off), got {self.max_grad_norm!r}.")
         if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
             out.append(f"weight_decay must be a number >= 0, got {self.weight_decay!r}.")
         targets = self.lora_targets if isinstance(self.lora_targets, tuple) else ()
         unknown = [t for t in targets if t not in LORA_TARGETS]
         if unknown or not targets:
             out.append(f"lora_targets {unknown or '()'} must be a non-empty subset of {LORA_TARGETS}.")
+        if not out:  # the combination rules assume each field is valid on its own
+            out += [rule.reason for rule in RULES if rule.device is None and rule.broken(self)]
         return out
+
+    def conflicts(self, device: str) -> list["Rule"]:
+        """The rules this combination breaks on ``device`` ("cpu" or "cuda")."""
+        return [rule for rule in RULES
+                if (rule.device is None or rule.device != device) and rule.broken(self)]
 
     @property
     def checkpoint_every(self) -> int:
@@ -140,3 +177,48 @@ def _refuse_assignment(self, name, value):
 
 # Replaces the frozen dataclass's FrozenInstanceError with a message that names the fix.
 Techniques.__setattr__ = _refuse_assignment
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A combination that cannot run, and why (the error message and the panel's tooltip).
+
+    ``device`` set means the rule holds everywhere except on that device type.
+    ``fields`` are the controls involved, disabled in the panel while the rule would break.
+    """
+
+    broken: Callable[[Techniques], bool]
+    reason: str
+    fields: tuple[str, ...]
+    device: str | None = None
+
+
+RULES = (
+    Rule(lambda t: t.optimizer_in_backward and t.grad_accum > 1,
+         "optimizer_in_backward updates each weight as soon as its gradient exists, so gradients "
+         "cannot accumulate over micro-batches: set grad_accum=1 or turn optimizer_in_backward off.",
+         ("optimizer_in_backward", "grad_accum")),
+    Rule(lambda t: t.optimizer_in_backward and t.max_grad_norm > 0,
+         "optimizer_in_backward frees each gradient right after its update, so the global gradient "
+         "norm is never known: set max_grad_norm=0 or turn optimizer_in_backward off.",
+         ("optimizer_in_backward", "max_grad_norm")),
+    Rule(lambda t: t.optimizer_in_backward and t.cpu_offload_optimizer,
+         "cpu_offload_optimizer steps all weights at once on the CPU, which optimizer_in_backward "
+         "cannot do: pick one of them.", ("optimizer_in_backward", "cpu_offload_optimizer")),
+    Rule(lambda t: t.cpu_offload_optimizer and t.optimizer not in ("adamw", "sgd"),
+         "cpu_offload_optimizer wraps a torch optimizer (adamw or sgd) and keeps its state in CPU "
+         "memory, so it cannot also quantize or page it: choose optimizer='adamw'.",
+         ("cpu_offload_optimizer", "optimizer")),
+    Rule(lambda t: t.cpu_offload_optimizer,
+         "cpu_offload_optimizer (torchao's CPUOffloadOptimizer) moves optimizer state off a CUDA "
+         "device; on this device the state is already in CPU memory: turn it off.",
+         ("cpu_offload_optimizer",), device="cuda"),
+    Rule(lambda t: t.compile,
+         "On CPU every step's memory is measured by watching each operator, which makes torch "
+         "run the model eagerly, so compile would change nothing here; it is available on CUDA.",
+         ("compile",), device="cuda"),
+    Rule(lambda t: t.optimizer in PAGED_OPTIMIZERS,
+         "Paged optimizers keep their state in CUDA unified memory and page only on CUDA; on this "
+         "device use adamw8bit (same 8-bit state, no paging) or adamw.",
+         ("optimizer",), device="cuda"),
+)

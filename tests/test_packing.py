@@ -1,5 +1,6 @@
 """Packing: several examples per sequence, with a document mask, give the unpacked loss."""
 
+import pytest
 import torch
 
 from nbtune.data import IGNORE, collate, pack, tokenize_all
@@ -57,3 +58,25 @@ def test_packing_toggle_trains_with_fewer_padding_tokens():
     a, b = plain.step(), packed.step()
     assert b.loss > 0 and b.tokens > a.tokens  # two packed rows carry more than four examples
     assert "document_ids" in packed._stream.next()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_packed_training_matches_unpacked_over_five_steps(optimizer):
+    from nbtune.step import train_step
+
+    lr = 1e-3 if optimizer == "adamw" else 0.1
+    plain = small_session(optimizer=optimizer, lr=lr)
+    packed = small_session(optimizer=optimizer, lr=lr)
+    samples, _ = tokenize_all(plain.train_examples[:20], plain.tokenizer, 96)
+    pad = plain.tokenizer.pad_id
+    losses = {"plain": [], "packed": []}
+    for i in range(5):
+        group = samples[4 * i: 4 * i + 4]  # the same four examples in both runs
+        losses["plain"].append(train_step(plain.model, plain.optimizer, [collate(group, pad)],
+                                          pad, i + 1).loss)
+        losses["packed"].append(train_step(packed.model, packed.optimizer,
+                                           [collate(pack(group, 400), pad)], pad, i + 1).loss)
+    torch.testing.assert_close(losses["packed"], losses["plain"], atol=1e-5, rtol=0)
+    if optimizer == "sgd":  # AdamW turns rounding noise on near-zero gradients into ~lr
+        for (name, a), (_, b) in zip(plain.model.named_parameters(), packed.model.named_parameters()):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=name)

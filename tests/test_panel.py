@@ -20,7 +20,7 @@ def test_required_controls_exist_with_tooltips(session_and_panel):
     for name in REQUIRED:
         assert name in panel.controls
     for name, control in panel.controls.items():
-        assert control.tooltip == HELP[name]
+        assert control.tooltip == HELP[name] or control.disabled
 
 
 def test_widget_changes_reach_the_session(session_and_panel):
@@ -59,3 +59,29 @@ def test_buttons_train_and_draw(session_and_panel):
     assert len(session.history) == 4
     assert panel.chart.value[:4] == b"\x89PNG"
     assert "step 4: loss" in panel.status.value
+
+
+def test_every_toggle_has_a_control(session_and_panel):
+    import dataclasses
+
+    import nbtune as nt
+
+    session, panel = session_and_panel
+    fields = {f.name for f in dataclasses.fields(nt.Techniques)} - {"seed"}
+    assert fields <= set(panel.controls)
+
+
+def test_a_control_a_rule_would_refuse_is_disabled_with_the_reason(session_and_panel):
+    session, panel = session_and_panel
+    on_cpu = panel.controls["cpu_offload_optimizer"]
+    assert on_cpu.disabled and "CUDA" in on_cpu.tooltip
+    assert panel.controls["compile"].disabled
+    in_backward = panel.controls["optimizer_in_backward"]
+    assert not in_backward.disabled and in_backward.tooltip == HELP["optimizer_in_backward"]
+    panel.controls["grad_accum"].value = 2
+    assert in_backward.disabled and "grad_accum=1" in in_backward.tooltip
+    panel.controls["grad_accum"].value = 1
+    assert not in_backward.disabled
+    in_backward.value = True
+    assert session.techniques.optimizer_in_backward
+    assert panel.controls["grad_accum"].disabled  # now accumulation would break the rule

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
 from ..optim import optimizer_state_bytes
@@ -33,15 +34,41 @@ def _by_category(snapshot: dict) -> dict[str, int]:
     return out
 
 
+class _StepPhase:
+    """Stands in for MemTracker's ModTracker, which hooks every module call.
+
+    Those hooks tie grad hooks to every module output, and the cycles they make through
+    autograd nodes outlived the step: parameters replaced by a toggle (LoRA adapters
+    after a merge) stayed alive. The step says itself when backward starts instead.
+    """
+
+    def __init__(self) -> None:
+        self.is_bw = False
+        self.parents = {"Global"}
+
+    def register_user_hooks(self, *hooks) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> "_StepPhase":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
 class _HighWaterTracker(MemTracker):
     """MemTracker that keeps each category's high-water mark and only the global peak.
 
-    The per-module peak snapshots of the base class are not used here and cost a loop
-    over all modules on every operator, so they are skipped.
+    Phases come from the training step (``_StepPhase``), not module hooks; tensors made
+    in backward are filed as temporaries until they turn out to be gradients.
     """
 
     def __init__(self) -> None:
         super().__init__()
+        self._mod_tracker = _StepPhase()
         self.highs: dict[str, int] = {}
 
     def _update_snap(self, *args, **kwargs) -> None:
@@ -51,20 +78,20 @@ class _HighWaterTracker(MemTracker):
                 if nbytes > self.highs.get(ref, 0):
                     self.highs[ref] = nbytes
 
-    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
-        # The base class hooks every parameter, and torch refuses hooks on frozen ones
-        # (LoRA's base weights): hook only those that will get a gradient.
-        result = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-        if install_grad_hooks:
-            def file_grad(grad: torch.Tensor) -> None:
+    def track_gradients(self, model: nn.Module) -> None:
+        """File every gradient the model's trainable parameters receive as a gradient.
+
+        (Frozen parameters get no hook: torch refuses hooks on them.)
+        """
+        def file_grad(grad: torch.Tensor | None) -> None:
+            if grad is not None:  # None: an optimizer in backward already stepped and dropped it
                 self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
-            for param in module.parameters():
-                if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
-                    self._param_to_grad_hook_handles[param] = (
-                        param.register_hook(file_grad),
-                        param.register_post_accumulate_grad_hook(lambda p: file_grad(p.grad)))
-        return result
+        for param in model.parameters():
+            if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                self._param_to_grad_hook_handles[param] = (
+                    param.register_hook(file_grad),
+                    param.register_post_accumulate_grad_hook(lambda p: file_grad(p.grad)))
 
     def _update_peak_stats(self, peak_state) -> None:
         for dev, snap in self._curr_mem_snap.items():
@@ -80,6 +107,7 @@ class CpuStepMemory:
         self._optimizer = optimizer
         self._tracker = _HighWaterTracker()
         self._tracker.track_external(model, optimizer, *inputs)
+        self._tracker.track_gradients(model)
 
     def __enter__(self) -> "CpuStepMemory":
         self._tracker.__enter__()
@@ -89,11 +117,10 @@ class CpuStepMemory:
         self._tracker.__exit__(*exc)
 
     def before_forward(self) -> None:
-        # MemTracker refuses a second forward of the root module unless its stats are reset.
-        self._tracker.reset_mod_stats()
+        self._tracker._mod_tracker.is_bw = False
 
     def after_forward(self) -> None:
-        pass
+        self._tracker._mod_tracker.is_bw = True
 
     def after_backward(self) -> None:
         pass
@@ -115,11 +142,15 @@ class CpuStepMemory:
                                device="cpu", at_peak=_by_category(peak_snap))
 
 
-def _tensor_bytes(tensors) -> int:
+def storage_bytes(tensors) -> int:
+    """Bytes of the storages behind ``tensors``, each counted once, as MemTracker counts them.
+
+    A tensor subclass (an NF4 weight: 4-bit codes, int8 and float scales) is counted by
+    the storages of its inner tensors; its own ``untyped_storage()`` is an empty stand-in.
+    """
     seen, total = set(), 0
     for t in tensors:
-        if t is not None:
-            storage = t.untyped_storage()
+        for storage in (get_untyped_storages(t) if t is not None else ()):
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
@@ -155,12 +186,12 @@ class CudaStepMemory:
         self.activations = max(self.activations, held)
 
     def after_backward(self) -> None:
-        grads = _tensor_bytes(p.grad for p in self.model.parameters())
+        grads = storage_bytes(p.grad for p in self.model.parameters())
         self.gradients = max(self.gradients, grads)
 
     def result(self) -> MemoryBreakdown:
-        params = _tensor_bytes(list(self.model.parameters()) + list(self.model.buffers()))
-        optim = optimizer_state_bytes(self.optimizer)
+        params = storage_bytes(list(self.model.parameters()) + list(self.model.buffers()))
+        optim = optimizer_state_bytes(self.optimizer, self.device)  # offloaded state is not here
         peak = torch.cuda.max_memory_allocated(self.device)
         other = max(0, peak - params - optim - self.activations)
         return MemoryBreakdown(parameters=params, gradients=self.gradients, optimizer_state=optim,

@@ -11,7 +11,7 @@ import time
 
 import ipywidgets as w
 
-from ..techniques import DTYPES, HELP, METHODS
+from ..techniques import DTYPES, HELP, LORA_TARGETS, METHODS, OPTIMIZERS
 from .charts import draw_memory, figure_png, format_bytes
 from matplotlib.figure import Figure
 
@@ -20,26 +20,68 @@ def _controls(session) -> dict[str, w.ValueWidget]:
     """One control per toggle, keyed by the Techniques field it edits."""
     layers = len(session.model.model.layers)
     limit = session.model.config.max_position_embeddings
-    style = {"description_width": "150px"}
-    wide = w.Layout(width="420px")
+    style = {"description_width": "170px"}
+    wide = w.Layout(width="440px")
+
+    def slider(cls, description, **kw):
+        return cls(description=description, style=style, layout=wide, **kw)
+
     return {
+        # model
         "method": w.Dropdown(options=METHODS, description="method", style=style, layout=wide),
         "dtype": w.Dropdown(options=DTYPES, description="dtype", style=style, layout=wide),
-        "activation_checkpointing": w.IntSlider(
-            min=0, max=layers, description="checkpoint every N layers", style=style, layout=wide),
-        "batch_size": w.IntSlider(min=1, max=64, description="batch size", style=style, layout=wide),
-        "grad_accum": w.IntSlider(min=1, max=16, description="gradient accumulation",
-                                  style=style, layout=wide),
-        "seq_len": w.IntSlider(min=16, max=limit, step=16, description="sequence length",
-                               style=style, layout=wide),
-        "lr": w.FloatLogSlider(base=10, min=-6, max=-1, step=0.1, readout_format=".1e",
-                               description="learning rate", style=style, layout=wide),
+        "lora_rank": slider(w.IntSlider, "LoRA rank", min=1, max=64),
+        "lora_alpha": slider(w.FloatSlider, "LoRA alpha", min=1.0, max=128.0, step=1.0),
+        "lora_dropout": slider(w.FloatSlider, "LoRA dropout", min=0.0, max=0.5, step=0.05),
+        "lora_targets": w.SelectMultiple(options=LORA_TARGETS, description="LoRA targets",
+                                         style=style, layout=w.Layout(width="440px", height="130px")),
+        # memory
+        "activation_checkpointing": slider(w.IntSlider, "checkpoint every N layers", min=0, max=layers),
+        "activation_offloading": w.Checkbox(description="offload activations to CPU", indent=False),
+        "chunked_loss": slider(w.IntSlider, "loss in N chunks", min=0, max=16),
+        "optimizer": w.Dropdown(options=OPTIMIZERS, description="optimizer", style=style, layout=wide),
+        "optimizer_in_backward": w.Checkbox(description="optimizer step in backward", indent=False),
+        "cpu_offload_optimizer": w.Checkbox(description="optimizer state on CPU", indent=False),
+        "compile": w.Checkbox(description="torch.compile", indent=False),
+        # batch
+        "batch_size": slider(w.IntSlider, "batch size", min=1, max=64),
+        "seq_len": slider(w.IntSlider, "sequence length", min=16, max=limit, step=16),
+        "packing": w.Checkbox(description="pack examples into sequences", indent=False),
+        "grad_accum": slider(w.IntSlider, "gradient accumulation", min=1, max=16),
+        # optimizer
+        "lr": slider(w.FloatLogSlider, "learning rate", base=10, min=-6, max=-1, step=0.1,
+                     readout_format=".1e"),
+        "warmup_steps": slider(w.IntSlider, "warm-up steps", min=0, max=500),
+        "weight_decay": slider(w.FloatSlider, "weight decay", min=0.0, max=0.3, step=0.01),
+        "max_grad_norm": slider(w.FloatSlider, "clip gradient norm (0 = off)", min=0.0, max=5.0, step=0.1),
     }
+
+
+TABS = {"Model": ("method", "dtype", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
+        "Memory": ("activation_checkpointing", "activation_offloading", "chunked_loss", "optimizer",
+                   "optimizer_in_backward", "cpu_offload_optimizer", "compile"),
+        "Batch": ("batch_size", "seq_len", "packing", "grad_accum"),
+        "Optimizer": ("lr", "warmup_steps", "weight_decay", "max_grad_norm")}
+# The value a control is moved to when a rule would stop it (checked to disable it ahead).
+PROBES = {"optimizer_in_backward": True, "cpu_offload_optimizer": True, "compile": True,
+          "activation_offloading": True, "packing": True, "grad_accum": 2, "max_grad_norm": 1.0}
 
 
 def _widget_value(name: str, value):
     # activation_checkpointing is True/False/N in Techniques and 0..N on the slider.
     return int(value) if name == "activation_checkpointing" else value
+
+
+def _blocked_reason(techniques, name: str, device: str) -> str | None:
+    """Why moving control ``name`` to its probe value would be refused, or None."""
+    probe = PROBES.get(name)
+    if probe is None or getattr(techniques, name) == probe:
+        return None  # nothing to probe, or already on (it must stay possible to turn it off)
+    try:
+        broken = techniques.replace(**{name: probe}).conflicts(device)
+    except ValueError as err:
+        return str(err)
+    return " ".join(rule.reason for rule in broken) or None
 
 
 class Panel(w.VBox):
@@ -49,7 +91,6 @@ class Panel(w.VBox):
         self.session = session
         self.controls = _controls(session)
         for name, control in self.controls.items():
-            control.tooltip = HELP[name]
             control.value = _widget_value(name, getattr(session.techniques, name))
             control.observe(self._on_control, names="value")
         self.steps = w.BoundedIntText(value=20, min=1, max=100_000, description="steps",
@@ -66,11 +107,14 @@ class Panel(w.VBox):
         self._min_redraw_interval = min_redraw_interval
         self._last_draw = float("-inf")
         self._syncing = False
+        tabs = w.Tab([w.VBox([self.controls[name] for name in names]) for names in TABS.values()])
+        for i, title in enumerate(TABS):
+            tabs.set_title(i, title)
         super().__init__([
             w.HTML("<b>nbtune</b>: change a toggle, run a few steps, watch where memory goes."),
-            *self.controls.values(),
-            w.HBox([self.step_button, self.steps, self.run_button]),
+            tabs, w.HBox([self.step_button, self.steps, self.run_button]),
             self.status, self.chart])
+        self._sync_from(session.techniques)
         session.subscribe(self._on_session)
         self._redraw(force=True)
 
@@ -93,10 +137,14 @@ class Panel(w.VBox):
             self._redraw()
 
     def _sync_from(self, techniques) -> None:
+        """Show ``techniques``; disable each control a rule would refuse, saying why."""
         self._syncing = True
         try:
             for name, control in self.controls.items():
                 control.value = _widget_value(name, getattr(techniques, name))
+                reason = _blocked_reason(techniques, name, self.session.device.type)
+                control.disabled = reason is not None
+                control.tooltip = reason or HELP[name]
         finally:
             self._syncing = False
 

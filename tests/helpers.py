@@ -19,5 +19,19 @@ def small_session(**changes) -> "nt.Session":
     return session
 
 
+def tiny_llama(folder, tie: bool, **save):
+    """A tiny random transformers Llama saved to ``folder`` (the reference for parity tests)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rms_norm_eps=1e-5, tie_word_embeddings=tie)
+    torch.manual_seed(1)
+    ref = transformers.LlamaForCausalLM(config).eval()
+    ref.save_pretrained(folder, **save)
+    return ref
+
+
 def param_bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)

@@ -1,12 +1,10 @@
 """Loading: sharded checkpoints, Hub ids and data files from the cache (offline), lean casts."""
 
-import json
 import shutil
 
 import huggingface_hub
 import pytest
 import torch
-import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -15,6 +13,8 @@ from nbtune.data import load_examples
 from nbtune.hub import parse_datasets_url, resolve_data_file
 from nbtune.models import demo_model_dir, hf
 from nbtune.session import demo_data_file
+
+from helpers import tiny_llama
 
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
 
@@ -44,17 +44,6 @@ def cache_repo(cache, kind: str, repo_id: str, commit: str, files: dict, refs=("
     for ref in refs:
         (repo / "refs" / ref).write_text(commit)
     return snapshot
-
-
-def tiny_llama(folder, tie: bool, **save):
-    config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        rms_norm_eps=1e-5, tie_word_embeddings=tie)
-    torch.manual_seed(1)
-    ref = transformers.LlamaForCausalLM(config).eval()
-    ref.save_pretrained(folder, **save)
-    return ref
 
 
 def test_sharded_checkpoint_loads_like_unsharded(tmp_path):

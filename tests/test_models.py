@@ -10,16 +10,7 @@ import nbtune as nt
 from nbtune.models import ModelConfig, Tokenizer, demo_model_dir
 from nbtune.models.tiny import byte_tokenizer
 
-
-def tiny_llama(folder, tie: bool):
-    config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        rms_norm_eps=1e-5, tie_word_embeddings=tie)
-    torch.manual_seed(1)
-    ref = transformers.LlamaForCausalLM(config).eval()
-    ref.save_pretrained(folder)
-    return ref
+from helpers import tiny_llama
 
 
 @pytest.mark.parametrize("tie", [True, False])

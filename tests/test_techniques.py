@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-import nbtune as nt
 from nbtune.activations import set_compiled
 from nbtune.loss import cross_entropy_sum
 from nbtune.techniques import RULES

@@ -223,6 +223,7 @@ class Session:
                     chart.update(self.history)
         if chart is not None:
             chart.update(self.history, force=True)
+        self._notify("run", reports)
         return reports
 
     # ---- using the model ----------------------------------------------------------------
@@ -309,7 +310,8 @@ class Session:
         return Panel(self)
 
     def subscribe(self, callback: Callable[[str, object], None]) -> None:
-        """Call ``callback(event, payload)`` on "techniques" and "step" events (held weakly)."""
+        """Call ``callback(event, payload)`` on "techniques", "step" and "run" (a run ended)
+        events; the callback is held weakly."""
         ref = weakref.WeakMethod(callback) if hasattr(callback, "__self__") else weakref.ref(callback)
         self._listeners.append(ref)
 

@@ -46,7 +46,7 @@ HELP = {
     "chunked_loss": "Project to the vocabulary and take the loss N chunks at a time: the full "
                     "logits are never held at once (0 = off).",
     "compile": "torch.compile each layer and the loss: faster steps after a slow first one.",
-    "max_grad_norm": "Clip the global gradient norm to this value (0 = off).",
+    "max_grad_norm": "Clip the global gradient norm to this value (0 = no clipping).",
     "lora_rank": "Rank of the LoRA adapters: more capacity, more trainable weights.",
     "lora_alpha": "LoRA scaling numerator (updates are scaled by alpha / rank).",
     "lora_dropout": "Dropout on the LoRA input path.",

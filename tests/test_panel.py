@@ -85,3 +85,9 @@ def test_a_control_a_rule_would_refuse_is_disabled_with_the_reason(session_and_p
     in_backward.value = True
     assert session.techniques.optimizer_in_backward
     assert panel.controls["grad_accum"].disabled  # now accumulation would break the rule
+
+
+def test_panel_is_current_after_a_run_from_code(session_and_panel):
+    session, panel = session_and_panel
+    session.run(3, progress=False, live=False)  # steps come faster than the redraw interval
+    assert "step 3: loss" in panel.status.value

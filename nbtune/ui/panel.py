@@ -26,6 +26,12 @@ def _controls(session) -> dict[str, w.ValueWidget]:
     def slider(cls, description, **kw):
         return cls(description=description, style=style, layout=wide, **kw)
 
+    def toggle(description):
+        # A ToggleButton, not a Checkbox: a checkbox's hover text is its label, never the
+        # tooltip, so a disabled one could not say why.
+        return w.ToggleButton(description=description, icon="check",
+                              layout=w.Layout(width="262px", margin="2px 0 2px 178px"))
+
     return {
         # model
         "method": w.Dropdown(options=METHODS, description="method", style=style, layout=wide),
@@ -37,23 +43,23 @@ def _controls(session) -> dict[str, w.ValueWidget]:
                                          style=style, layout=w.Layout(width="440px", height="130px")),
         # memory
         "activation_checkpointing": slider(w.IntSlider, "checkpoint every N layers", min=0, max=layers),
-        "activation_offloading": w.Checkbox(description="offload activations to CPU", indent=False),
+        "activation_offloading": toggle("offload activations to CPU"),
         "chunked_loss": slider(w.IntSlider, "loss in N chunks", min=0, max=16),
         "optimizer": w.Dropdown(options=OPTIMIZERS, description="optimizer", style=style, layout=wide),
-        "optimizer_in_backward": w.Checkbox(description="optimizer step in backward", indent=False),
-        "cpu_offload_optimizer": w.Checkbox(description="optimizer state on CPU", indent=False),
-        "compile": w.Checkbox(description="torch.compile", indent=False),
+        "optimizer_in_backward": toggle("optimizer step in backward"),
+        "cpu_offload_optimizer": toggle("optimizer state on CPU"),
+        "compile": toggle("torch.compile"),
         # batch
         "batch_size": slider(w.IntSlider, "batch size", min=1, max=64),
         "seq_len": slider(w.IntSlider, "sequence length", min=16, max=limit, step=16),
-        "packing": w.Checkbox(description="pack examples into sequences", indent=False),
+        "packing": toggle("pack examples into sequences"),
         "grad_accum": slider(w.IntSlider, "gradient accumulation", min=1, max=16),
         # optimizer
         "lr": slider(w.FloatLogSlider, "learning rate", base=10, min=-6, max=-1, step=0.1,
                      readout_format=".1e"),
         "warmup_steps": slider(w.IntSlider, "warm-up steps", min=0, max=500),
         "weight_decay": slider(w.FloatSlider, "weight decay", min=0.0, max=0.3, step=0.01),
-        "max_grad_norm": slider(w.FloatSlider, "clip gradient norm (0 = off)", min=0.0, max=5.0, step=0.1),
+        "max_grad_norm": slider(w.FloatSlider, "max gradient norm", min=0.0, max=5.0, step=0.1),
     }
 
 
@@ -135,6 +141,8 @@ class Panel(w.VBox):
             self._sync_from(payload)
         elif event == "step":
             self._redraw()
+        elif event == "run":
+            self._redraw(force=True)  # throttling may have skipped the last step's drawing
 
     def _sync_from(self, techniques) -> None:
         """Show ``techniques``; disable each control a rule would refuse, saying why."""

@@ -53,10 +53,6 @@ def dequantize(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.get_original_weight().to(tensor.dtype) if is_nf4(tensor) else tensor
 
 
-def has_nf4(model: nn.Module) -> bool:
-    return any(is_nf4(p) for p in model.parameters())
-
-
 def quantize_weight_(linear: nn.Linear, name: str = "weight") -> bool:
     """Store ``linear``'s frozen weight as NF4; False (and nothing touched) when it already is."""
     if is_nf4(linear.weight):

@@ -13,6 +13,7 @@ import ipywidgets as w
 
 from ..techniques import DTYPES, HELP, LORA_TARGETS, METHODS, OPTIMIZERS
 from .charts import draw_memory, figure_png, format_bytes
+from .live import RedrawPacer
 from matplotlib.figure import Figure
 
 
@@ -93,7 +94,7 @@ def _blocked_reason(techniques, name: str, device: str) -> str | None:
 class Panel(w.VBox):
     """Controls, Step / Run buttons, a status line and the live memory chart of a session."""
 
-    def __init__(self, session, min_redraw_interval: float = 0.5) -> None:
+    def __init__(self, session) -> None:
         self.session = session
         self.controls = _controls(session)
         for name, control in self.controls.items():
@@ -110,8 +111,7 @@ class Panel(w.VBox):
         self.status = w.HTML()
         self.chart = w.Image(format="png")
         self._figure = Figure(figsize=(9, 4))
-        self._min_redraw_interval = min_redraw_interval
-        self._last_draw = float("-inf")
+        self._pacer = RedrawPacer()
         self._syncing = False
         tabs = w.Tab([w.VBox([self.controls[name] for name in names]) for names in TABS.values()])
         for i, title in enumerate(TABS):
@@ -169,11 +169,12 @@ class Panel(w.VBox):
             self._redraw(force=True)
 
     def _redraw(self, force: bool = False) -> None:
-        if not force and time.monotonic() - self._last_draw < self._min_redraw_interval:
+        if not (force or self._pacer.due()):
             return
+        started = time.monotonic()
         history = self.session.history
         self.chart.value = figure_png(draw_memory(self._figure, history))
-        self._last_draw = time.monotonic()
+        self._pacer.drew(started)
         if history:
             last = history[-1]
             self._say(f"step {last.step}: loss {last.loss:.3f}, peak {format_bytes(last.memory.peak)}, "

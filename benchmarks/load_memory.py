@@ -90,7 +90,7 @@ def measure(folder: str, dtype: str, quantize: bool = False) -> dict:
     import torch
 
     import nbtune as nt
-    from nbtune.memory.tracker import storage_bytes
+    from nbtune.memory.accounting import storage_bytes
     from nbtune.peft import is_nf4
     from nbtune.techniques import LORA_TARGETS
 

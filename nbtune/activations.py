@@ -34,18 +34,21 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     Parameters are never copied (they stay put anyway), nor tensors below ``min_bytes``.
     On CUDA the copies go to pinned memory on a side stream, overlapping with compute; on
     CPU there is nothing to gain, but the same copy path runs (and is what the CPU tests
-    prove equal).
+    prove equal). ``to="meta"`` (the estimator, on fake tensors) keeps only the shape:
+    the tensor leaves the device and comes back empty.
     """
 
-    def __init__(self, model: nn.Module, min_bytes: int = 1024) -> None:
-        keep = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    def __init__(self, model: nn.Module, min_bytes: int = 1024, to: str | None = None) -> None:
+        keep = {p.untyped_storage()._cdata for p in model.parameters()}
         device = next(model.parameters()).device
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
         def pack(t: torch.Tensor):
-            if (t.untyped_storage().data_ptr() in keep
+            if (t.untyped_storage()._cdata in keep
                     or t.numel() * t.element_size() < min_bytes):
                 return t
+            if to == "meta":
+                return (t.device, t.detach().to("meta"), None)
             if stream is None:
                 return (t.device, t.detach().clone(), None)
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -61,6 +64,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             if isinstance(packed, torch.Tensor):
                 return packed
             device, host, done = packed
+            if host.device.type == "meta":
+                return torch.empty_like(host, device=device)
             if done is None:
                 return host
             torch.cuda.current_stream(device).wait_event(done)

@@ -21,8 +21,10 @@ def _offline_error(what: str, err: Exception) -> FileNotFoundError:
         f"HF_HUB_OFFLINE), or pass a local path instead. ({err.__class__.__name__})")
 
 
-def resolve_model_folder(path_or_id: str | os.PathLike, revision: str | None = None) -> Path:
-    """A local folder as is; otherwise a Hub repo id fetched (safetensors and json only).
+def resolve_model_folder(path_or_id: str | os.PathLike, revision: str | None = None,
+                         files: list[str] = MODEL_FILES) -> Path:
+    """A local folder as is; otherwise a Hub repo id fetched (``files``: by default
+    safetensors and json only).
 
     A folder wins over a repo id of the same spelling, so local work never needs the network.
     """
@@ -38,7 +40,7 @@ def resolve_model_folder(path_or_id: str | os.PathLike, revision: str | None = N
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(name, revision=revision, allow_patterns=MODEL_FILES))
+        return Path(snapshot_download(name, revision=revision, allow_patterns=files))
     except LocalEntryNotFoundError as err:
         at = f" at revision {revision!r}" if revision else ""
         raise _offline_error(f"{name!r}{at}", err) from err

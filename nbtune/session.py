@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from importlib import resources
@@ -15,10 +16,13 @@ from .data import (BatchStream, DataError, Example, check_renderable, load_examp
                    prompt_and_reference, prompt_ids, prompt_text, tokenize_all)
 from .generate import generate_ids
 from .hub import resolve_data_file, resolve_model_folder
+from .memory import MemoryBreakdown
+from .memory.sampling import MemorySampler
 from .models import Tokenizer, demo_model_dir, load_model
 from .models.decoder import CausalLM
 from .models.hf import DTYPES
 from .optim import build_optimizer, release_optimizer
+from .overhead import OverheadBudget
 from .peft import apply_lora, cast_model, has_lora, merge_lora, replace_adapters, set_lora_options
 from .step import StepReport, train_step
 from .techniques import Techniques
@@ -69,6 +73,9 @@ class Session:
         self.source: str | None = None  # the folder or repo id the base model came from
         self.base_changed = False  # True once full training or a merge altered the base weights
         self._listeners: list[weakref.ref] = []
+        self.overhead = OverheadBudget()  # what memory tracking and live charts may cost
+        self._sampler = MemorySampler(self.overhead)
+        self._last_memory: MemoryBreakdown | None = None
         techniques = techniques or Techniques()
         self._check_device_rules(techniques)
         self._stream = self._build_stream(techniques)
@@ -138,6 +145,7 @@ class Session:
             for group in self.optimizer.param_groups:
                 group["lr"], group["weight_decay"] = new.lr, new.weight_decay
         self._stream, self._techniques = stream, new
+        self._sampler.stale = True  # the next step is measured: it shows what the change did
         self._notify("techniques", new)
         return new
 
@@ -190,17 +198,39 @@ class Session:
 
     # ---- training -----------------------------------------------------------------------
 
+    @property
+    def memory_tracking(self) -> str:
+        """"sampled" (default: every step on CUDA; on CPU the first step after a change,
+        then as many as fit 2.5 % of training time), "every_step" or "off"."""
+        return self._sampler.mode
+
+    @memory_tracking.setter
+    def memory_tracking(self, mode: str) -> None:
+        self._sampler.mode = mode
+
     def step(self) -> StepReport:
-        """One optimizer step over ``grad_accum`` micro-batches; returns and records its report."""
+        """One optimizer step over ``grad_accum`` micro-batches; returns and records its report.
+
+        A step called on its own is always measured (unless memory tracking is "off")."""
+        return self._step(sampled=False)
+
+    def _step(self, sampled: bool) -> StepReport:
         t = self._techniques
         batches = [{k: v.to(self.device) for k, v in self._stream.next().items()}
                    for _ in range(t.grad_accum)]
         step = len(self.history) + 1
         for group in self.optimizer.param_groups:
             group["lr"] = t.lr_at(step)
+        track = self._sampler.should_track(self.device.type, sampled)
         report = train_step(self.model, self.optimizer, batches, self.tokenizer.pad_id, step=step,
                             loss_chunks=t.chunked_loss, offload_activations=t.activation_offloading,
-                            max_grad_norm=t.max_grad_norm, compiled_loss=t.compile)
+                            max_grad_norm=t.max_grad_norm, compiled_loss=t.compile, track=track)
+        self._sampler.record(report.seconds, track, self.device.type)
+        if report.memory is not None:
+            self._last_memory = report.memory
+        else:
+            last = self._last_memory or MemoryBreakdown(device=str(self.device))
+            report = dataclasses.replace(report, memory=last.carried())
         self.base_changed |= self._techniques.method == "full"
         self.history.append(report)
         self._notify("step", report)
@@ -212,11 +242,11 @@ class Session:
 
         from .ui.live import LiveChart, in_notebook
 
-        chart = LiveChart() if (in_notebook() if live is None else live) else None
+        chart = LiveChart(self.overhead) if (in_notebook() if live is None else live) else None
         reports = []
         with tqdm(total=steps, desc="training", unit="step", disable=not progress) as bar:
             for _ in range(steps):
-                reports.append(self.step())
+                reports.append(self._step(sampled=True))
                 bar.update()
                 bar.set_postfix(loss=f"{reports[-1].loss:.3f}")
                 if chart is not None:
@@ -225,6 +255,113 @@ class Session:
             chart.update(self.history, force=True)
         self._notify("run", reports)
         return reports
+
+    # ---- memory: before, across configurations, in detail -----------------------------
+
+    def estimate(self, *, batch_size: int | None = None, seq_len: int | None = None):
+        """The next step's memory predicted on fake tensors for full-length rows of this
+        session's shape (or ``batch_size`` x ``seq_len``): seconds, no memory used."""
+        from .memory.estimate import estimate
+
+        return estimate(self.model.config, self._techniques, batch_size=batch_size,
+                        seq_len=seq_len, device=self.device.type)
+
+    def compare(self, configs, steps: int = 4, *, estimate: bool = True, progress: bool = True):
+        """Run each configuration ``steps`` steps and tabulate peak memory and speed.
+
+        On CUDA every step is measured; on CPU the second one is (tracking slows a step
+        down) and the untracked steps after it are timed.
+
+        ``configs``: dicts of toggle changes, each applied on top of the row before (start
+        with ``{}`` for the current techniques), or whole ``Techniques``. The rows run on a
+        trial copy of the model; this session's weights, techniques and history are left
+        as they were. On CUDA this session's own model stays on the device: each row's peak
+        is counted above it, and a row that does not fit beside it reports out of memory.
+        Returns a ``Ladder``: ``len()`` works, it shows as a table with a bar chart.
+        """
+        import gc
+
+        from tqdm.auto import tqdm
+
+        from .ladder import Ladder, ladder_techniques
+        from .memory.estimate import estimate as estimate_step
+
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"compare: steps must be a positive int, got {steps!r}.")
+        rows = ladder_techniques(self._techniques, configs)
+        for label, t in rows:  # every row checked before anything runs
+            broken = t.conflicts(self.device.type)
+            if broken:
+                raise ValueError(f"compare: row {label!r}: " + " ".join(r.reason for r in broken))
+        cuda = self.device.type == "cuda"
+        baseline = torch.cuda.memory_allocated(self.device) if cuda else 0
+        trial = self._trial(rows[0][1])
+        results = []
+        try:
+            for label, t in tqdm(rows, desc="ladder", unit="row", disable=not progress):
+                results.append(self._ladder_row(trial, label, t, steps, baseline,
+                                                 estimate_step if estimate else None,
+                                                 results[-1] if results else None))
+        finally:
+            del trial
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        return Ladder(results, str(self.device), steps)
+
+    def _trial(self, techniques: Techniques) -> "Session":
+        """A quiet throw-away session on a fresh copy of this model, measuring every step."""
+        if self.source is not None:
+            quantize = techniques.lora_targets if techniques.method == "qlora" else ()
+            model = load_model(resolve_model_folder(self.source), dtype=techniques.dtype,
+                               device=self.device, quantize=quantize)
+        else:  # built in code: the same shapes with fresh weights (memory does not depend on values)
+            model = CausalLM(self.model.config)
+        trial = Session(model, self.tokenizer, self.train_examples, techniques=techniques,
+                        device=self.device)
+        trial._say = lambda message: None
+        trial.memory_tracking = "every_step"
+        return trial
+
+    def _ladder_row(self, trial: "Session", label: str, t: Techniques, steps: int, baseline: int,
+                    estimate_step, previous):
+        from .ladder import LadderRow
+
+        # CPU tracking slows a step down, so there one step is measured (the second: the
+        # first creates optimizer state) and the untracked ones after it are timed.
+        cpu = self.device.type == "cpu"
+        plan = [False, True] + [False] * (steps - 2) if cpu and steps > 1 else [True] * steps
+        reports = []
+        try:
+            trial.set(**{name: getattr(t, name) for name in t.changed(trial.techniques)})
+            for track in plan:
+                trial.memory_tracking = "every_step" if track else "off"
+                reports.append(trial.step())
+        except torch.OutOfMemoryError:
+            trial.optimizer.zero_grad(set_to_none=True)
+            return LadderRow(label, t, error="out of memory")
+        top = max((r for r, track in zip(reports, plan) if track), key=lambda r: r.memory.peak)
+        timed = [r for r, track in zip(reports, plan) if not track][1:] or reports[1:] or reports
+        seconds = sum(r.seconds for r in timed)
+        predicted = None
+        if estimate_step is not None:
+            predicted = estimate_step(self.model.config, t, batch_size=top.shape[0],
+                                      seq_len=top.shape[1], device=self.device.type).peak
+        peak = top.memory.peak - baseline
+        change = None
+        if previous is not None and previous.peak:
+            change = 100.0 * (peak - previous.peak) / previous.peak
+        return LadderRow(label, t, peak=peak, change=change,
+                         tokens_per_second=sum(r.tokens for r in timed) / seconds if seconds else 0.0,
+                         estimated_peak=predicted, loss=reports[-1].loss,
+                         at_peak=dict(top.memory.at_peak))
+
+    def snapshot(self, path: str | os.PathLike, steps: int = 1) -> Path:
+        """CUDA only: record the allocator's history over the next ``steps`` steps to
+        ``path``, a pickle that https://pytorch.org/memory_viz opens. The steps train."""
+        from .memory.snapshot import record_snapshot
+
+        return record_snapshot(lambda: [self.step() for _ in range(steps)], path, self.device)
 
     # ---- using the model ----------------------------------------------------------------
 
@@ -293,15 +430,21 @@ class Session:
         from .checkpoint import load_training_checkpoint
 
         load_training_checkpoint(self, folder)
+        self._sampler.stale = True
+        self._last_memory = next((r.memory for r in reversed(self.history) if r.memory.measured), None)
         self._notify("techniques", self._techniques)
 
     # ---- showing ------------------------------------------------------------------------
 
-    def chart(self):
-        """A matplotlib Figure of the memory breakdown and peak over the steps so far."""
-        from .ui.charts import memory_figure
+    def chart(self, kind: str = "summary"):
+        """A matplotlib Figure of the steps so far: "summary" (the last step's breakdown,
+        peak and loss per step) or "steps" (every step's breakdown as stacked bars)."""
+        from .ui.charts import memory_figure, steps_figure
 
-        return memory_figure(self.history)
+        charts = {"summary": memory_figure, "steps": steps_figure}
+        if kind not in charts:
+            raise ValueError(f"chart kind {kind!r} is not one of {', '.join(map(repr, charts))}.")
+        return charts[kind](self.history)
 
     def panel(self):
         """ipywidgets controls bound to ``techniques``, Step/Run buttons and the live chart."""

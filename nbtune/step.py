@@ -25,7 +25,8 @@ class StepReport:
     trained_tokens: int  # tokens counted in the loss
     seconds: float
     lr: float
-    memory: MemoryBreakdown
+    memory: MemoryBreakdown  # measured=False: carried over from the last measured step
+    shape: tuple[int, int] = (0, 0)  # [batch, sequence] of the longest micro-batch, padding included
 
     @property
     def tokens_per_second(self) -> float:
@@ -35,35 +36,70 @@ class StepReport:
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                micro_batches: list[dict[str, torch.Tensor]], pad_id: int, step: int, *,
                loss_chunks: int = 0, offload_activations: bool = False,
-               max_grad_norm: float = 0.0, compiled_loss: bool = False) -> StepReport:
+               max_grad_norm: float = 0.0, compiled_loss: bool = False,
+               track: bool = True) -> StepReport:
     """Forward and backward over the micro-batches, then one optimizer step.
 
     The loss of every micro-batch is divided by the number of trained tokens in *all*
     of them, so accumulating k micro-batches gives the gradient of one k-times batch.
+    Without ``track`` the report's memory is None (the caller says what to show instead).
     """
     started = time.perf_counter()
     trained = int(sum((b["labels"] != IGNORE).sum() for b in micro_batches))
     read = int(sum((b["input_ids"] != pad_id).sum() for b in micro_batches))
     inputs = [t for b in micro_batches for t in b.values()]
-    total = torch.zeros((), dtype=torch.float32)
-    with track_step(model, optimizer, *inputs) as memory:
-        for batch in micro_batches:
-            memory.before_forward()
-            with OffloadActivations(model) if offload_activations else contextlib.nullcontext():
-                hidden = model.hidden_states(batch["input_ids"], positions=batch.get("positions"),
-                                             document_ids=batch.get("document_ids"))
-                loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"], loss_chunks,
-                                         compiled_loss) / trained
-            memory.after_forward()
-            loss.backward()
-            memory.after_backward()
-            total += loss.detach().cpu()
-            del hidden, loss
-        if max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(
-                [p for p in model.parameters() if p.grad is not None], max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return StepReport(step=step, loss=float(total), tokens=read, trained_tokens=trained,
+    with track_step(model, optimizer, *inputs) if track else _Untracked() as memory:
+        total = update(model, optimizer, micro_batches, trained, memory, loss_chunks=loss_chunks,
+                       offload_activations=offload_activations, max_grad_norm=max_grad_norm,
+                       compiled_loss=compiled_loss)
+    shape = max((tuple(b["input_ids"].shape) for b in micro_batches), key=lambda s: s[0] * s[1])
+    return StepReport(step=step, loss=float(total), tokens=read, trained_tokens=trained, shape=shape,
                       seconds=time.perf_counter() - started,
                       lr=optimizer.param_groups[0]["lr"], memory=memory.result())
+
+
+class _Untracked(contextlib.nullcontext):
+    """The tracker interface doing nothing: a step that is not measured."""
+
+    def __enter__(self) -> "_Untracked":
+        return self
+
+    def before_forward(self) -> None:
+        pass
+
+    after_forward = after_backward = before_optimizer = before_forward
+
+    def result(self) -> None:
+        return None
+
+
+def update(model: nn.Module, optimizer: torch.optim.Optimizer,
+           micro_batches: list[dict[str, torch.Tensor]], trained: int, memory, *,
+           loss_chunks: int = 0, offload_activations: bool = False, max_grad_norm: float = 0.0,
+           compiled_loss: bool = False, offload_to: str | None = None) -> torch.Tensor:
+    """The step's tensor work, telling ``memory`` its phases; returns the loss (a tensor).
+
+    Free of Python numbers read back from tensors, so the estimator runs it on fake ones
+    (with ``offload_to="meta"``: offloaded activations leave the device it counts).
+    """
+    total = torch.zeros((), dtype=torch.float32)
+    for batch in micro_batches:
+        memory.before_forward()
+        offload = OffloadActivations(model, to=offload_to) if offload_activations else None
+        with offload or contextlib.nullcontext():
+            hidden = model.hidden_states(batch["input_ids"], positions=batch.get("positions"),
+                                         document_ids=batch.get("document_ids"))
+            loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"], loss_chunks,
+                                     compiled_loss) / trained
+        memory.after_forward()
+        loss.backward()
+        memory.after_backward()
+        total += loss.detach().cpu()
+        del hidden, loss
+    if max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(
+            [p for p in model.parameters() if p.grad is not None], max_grad_norm)
+    memory.before_optimizer()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from nbtune.optim import (build_optimizer, optimizer_state_bytes, release_optimizer,
-                          trainable_parameters)
+from nbtune.memory.accounting import optimizer_state_bytes
+from nbtune.optim import build_optimizer, release_optimizer, trainable_parameters
 
 from helpers import param_bytes, small_session
 

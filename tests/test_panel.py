@@ -91,18 +91,3 @@ def test_panel_is_current_after_a_run_from_code(session_and_panel):
     session, panel = session_and_panel
     session.run(3, progress=False, live=False)  # steps come faster than the redraw interval
     assert "step 3: loss" in panel.status.value
-
-
-def test_redraws_are_paced_by_their_own_cost():
-    import time
-
-    from nbtune.ui.live import RedrawPacer
-
-    pacer = RedrawPacer(share=0.05, min_interval=0.0)
-    assert pacer.due()
-    pacer.drew(time.monotonic() - 0.1)  # a 0.1 s drawing: next one 2 s later at the earliest
-    assert not pacer.due()
-    fast = RedrawPacer(share=0.05, min_interval=0.0)
-    fast.drew(time.monotonic())  # a near-free drawing is due again almost at once
-    time.sleep(0.01)
-    assert fast.due()

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 import nbtune as nt
 import nbtune.peft as nt_peft
 from nbtune.checkpoint import _full_weights, _load_plain
-from nbtune.memory.tracker import storage_bytes
+from nbtune.memory.accounting import storage_bytes
 from nbtune.models import demo_model_dir
 from nbtune.peft import (LoRALinear, adapter_config, adapter_state_dict, apply_lora, cast_model,
                          dequantize, is_nf4, merge_lora, merged_state_dict, replace_adapters)

@@ -36,8 +36,8 @@ def test_offloading_really_moves_saved_tensors(monkeypatch):
     packed = []
     original = activations.OffloadActivations.__init__
 
-    def counting_init(self, model, min_bytes=1024):
-        original(self, model, min_bytes)
+    def counting_init(self, model, min_bytes=1024, to=None):
+        original(self, model, min_bytes, to)
         pack = self.pack_hook
 
         def spy(t):

@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
+PARAMETER_KINDS = ("trainable", "frozen", "quantized")
+PHASES = ("forward", "backward", "optimizer")
 
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Memory of one step by category, in bytes.
 
-    Each category is the most it held at any moment of the step (gradients are counted
-    once all exist, activations at the end of forward). ``peak`` is the highest total
-    held at one moment, usually below the sum of the categories because gradients
-    appear while activations are freed; ``at_peak`` says what made up that moment.
-    ``reserved`` (CUDA only) is what the caching allocator held from the device.
+    Each category is the most it held at any moment of the step (gradients once all exist,
+    activations at the end of forward). ``peak`` is the highest total held at one moment,
+    usually below the sum of the categories because gradients appear while activations are
+    freed; ``at_peak`` says what made up that moment. ``phases`` gives the peak of forward,
+    backward and the optimizer step and the category that held most of it.
+
+    ``parameters`` = ``trainable`` + ``frozen`` (dense weights and buffers) + ``quantized``
+    (NF4 codes and scales). On CUDA, ``reserved`` is the most the caching allocator held
+    from the device (``reserved - peak`` is its cache and fragmentation) and ``outside`` is
+    device memory in use outside it (the CUDA context, paged optimizer state in managed
+    memory, other processes). ``measured`` is False where the numbers are carried over from
+    the last measured step (sampled tracking) or predicted (``estimate``).
     """
 
     parameters: int = 0
@@ -25,12 +34,22 @@ class MemoryBreakdown:
     other: int = 0
     peak: int = 0
     reserved: int = 0
+    outside: int = 0
+    trainable: int = 0
+    frozen: int = 0
+    quantized: int = 0
     device: str = "cpu"
+    measured: bool = True
     at_peak: dict = field(default_factory=dict, compare=False)
+    phases: dict = field(default_factory=dict, compare=False)  # phase -> {"peak", "largest"}
 
     @property
     def categories(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in CATEGORIES}
+
+    @property
+    def parameter_kinds(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in PARAMETER_KINDS}
 
     @property
     def largest_at_peak(self) -> str:
@@ -38,5 +57,31 @@ class MemoryBreakdown:
         source = self.at_peak or self.categories
         return max(source, key=source.get)
 
+    @property
+    def peak_phase(self) -> str | None:
+        """The phase (forward, backward, optimizer) in which the step's peak fell."""
+        if not self.phases:
+            return None
+        return max(self.phases, key=lambda name: self.phases[name]["peak"])
+
+    @property
+    def cached(self) -> int:
+        """CUDA: reserved by the allocator but not holding tensors at the peak."""
+        return max(0, self.reserved - self.peak) if self.reserved else 0
+
+    def carried(self) -> "MemoryBreakdown":
+        """This breakdown marked as not measured on the step it is reported for."""
+        return replace(self, measured=False)
+
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def phase_summary(snapshots: dict[str, dict[str, int]]) -> dict[str, dict]:
+    """{phase: categories at its peak} -> {phase: {"peak": bytes, "largest": category}}."""
+    out = {}
+    for phase in PHASES:
+        snap = snapshots.get(phase)
+        if snap:
+            out[phase] = {"peak": sum(snap.values()), "largest": max(snap, key=snap.get)}
+    return out

@@ -1,7 +1,8 @@
 """Per-step memory tracking: a dispatch-level tracker on CPU, allocator statistics on CUDA.
 
 The training step tells the tracker where it is (``before_forward``, ``after_forward``,
-``after_backward``); the tracker turns what it saw into a ``MemoryBreakdown``.
+``after_backward``, ``before_optimizer``); the tracker turns what it saw into a
+``MemoryBreakdown`` with the peak of each phase.
 
 On CPU there is no caching allocator to ask, so every tensor the step creates is seen
 at dispatch and filed by role: torch's ``MemTracker`` does that. It is a private torch
@@ -12,11 +13,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
-from ..optim import optimizer_state_bytes
-from .breakdown import MemoryBreakdown
+from .accounting import gradient_bytes, optimizer_state_bytes, paged_state_bytes, parameter_bytes
+from .breakdown import CATEGORIES, MemoryBreakdown, phase_summary
 
 # MemTracker's reference types -> our categories.
 _CATEGORY_OF = {
@@ -26,11 +26,23 @@ _CATEGORY_OF = {
 }
 
 
-def _by_category(snapshot: dict) -> dict[str, int]:
-    out = dict.fromkeys(("parameters", "gradients", "optimizer_state", "activations", "other"), 0)
+_CPU = torch.device("cpu")  # the device counted (the estimator parks off-device tensors on meta)
+
+
+def _by_category(snapshot: dict, state: int) -> dict[str, int]:
+    """A MemTracker snapshot in our categories.
+
+    MemTracker files every tensor made inside ``optimizer.step()`` as optimizer state,
+    temporaries included; the real state is what the optimizer holds afterwards (``state``),
+    and the excess is moved to "other".
+    """
+    out = dict.fromkeys(CATEGORIES, 0)
     for ref, nbytes in snapshot.items():
         if ref in _CATEGORY_OF:
             out[_CATEGORY_OF[ref]] += nbytes
+    excess = max(0, out["optimizer_state"] - state)
+    out["optimizer_state"] -= excess
+    out["other"] += excess
     return out
 
 
@@ -44,6 +56,7 @@ class _StepPhase:
 
     def __init__(self) -> None:
         self.is_bw = False
+        self.phase = "forward"
         self.parents = {"Global"}
 
     def register_user_hooks(self, *hooks) -> None:
@@ -60,7 +73,7 @@ class _StepPhase:
 
 
 class _HighWaterTracker(MemTracker):
-    """MemTracker that keeps each category's high-water mark and only the global peak.
+    """MemTracker that keeps each category's high-water mark and the peak of each phase.
 
     Phases come from the training step (``_StepPhase``), not module hooks; tensors made
     in backward are filed as temporaries until they turn out to be gradients.
@@ -70,13 +83,13 @@ class _HighWaterTracker(MemTracker):
         super().__init__()
         self._mod_tracker = _StepPhase()
         self.highs: dict[str, int] = {}
+        self.phase_peaks: dict[str, dict] = {}  # phase -> MemTracker snapshot at its peak
 
     def _update_snap(self, *args, **kwargs) -> None:
         super()._update_snap(*args, **kwargs)
-        for snap in self._curr_mem_snap.values():
-            for ref, nbytes in snap.items():
-                if nbytes > self.highs.get(ref, 0):
-                    self.highs[ref] = nbytes
+        for ref, nbytes in self._curr_mem_snap.get(_CPU, {}).items():
+            if nbytes > self.highs.get(ref, 0):
+                self.highs[ref] = nbytes
 
     def track_gradients(self, model: nn.Module) -> None:
         """File every gradient the model's trainable parameters receive as a gradient.
@@ -94,17 +107,17 @@ class _HighWaterTracker(MemTracker):
                     param.register_post_accumulate_grad_hook(lambda p: file_grad(p.grad)))
 
     def _update_peak_stats(self, peak_state) -> None:
-        for dev, snap in self._curr_mem_snap.items():
-            if snap[_TOTAL_KEY] > self._peak_mem.get(dev, 0):
-                self._peak_mem[dev] = snap[_TOTAL_KEY]
-                self._peak_mem_snap[dev] = dict(snap)
+        phase = self._mod_tracker.phase
+        snap = self._curr_mem_snap.get(_CPU)
+        if snap and snap[_TOTAL_KEY] > self.phase_peaks.get(phase, {}).get(_TOTAL_KEY, 0):
+            self.phase_peaks[phase] = dict(snap)
 
 
 class CpuStepMemory:
     """Tracks one step on CPU by watching every tensor it allocates."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *inputs: torch.Tensor):
-        self._optimizer = optimizer
+        self._model, self._optimizer = model, optimizer
         self._tracker = _HighWaterTracker()
         self._tracker.track_external(model, optimizer, *inputs)
         self._tracker.track_gradients(model)
@@ -116,88 +129,108 @@ class CpuStepMemory:
     def __exit__(self, *exc) -> None:
         self._tracker.__exit__(*exc)
 
+    def _enter_phase(self, phase: str) -> None:
+        self._tracker._mod_tracker.phase = phase
+        self._tracker._mod_tracker.is_bw = phase != "forward"
+
     def before_forward(self) -> None:
-        self._tracker._mod_tracker.is_bw = False
+        self._enter_phase("forward")
 
     def after_forward(self) -> None:
-        self._tracker._mod_tracker.is_bw = True
+        self._enter_phase("backward")
 
     def after_backward(self) -> None:
         pass
 
+    def before_optimizer(self) -> None:
+        self._enter_phase("optimizer")
+
     def result(self) -> MemoryBreakdown:
-        # MemTracker files every tensor made inside optimizer.step() as optimizer state,
-        # temporaries included; the real state is what the optimizer holds afterwards, and
-        # the excess is moved to "other".
         state = optimizer_state_bytes(self._optimizer)
-        highs = {ref: self._tracker.highs.get(ref, 0) for ref in _CATEGORY_OF}
-        step_temporaries = max(0, highs[_MemRefType.OPT] - state)
-        highs[_MemRefType.TEMP] = max(highs[_MemRefType.TEMP], step_temporaries)
+        highs = dict(self._tracker.highs)
+        # The optimizer's temporaries came and went at one moment: a high of their own.
+        excess = max(0, highs.get(_MemRefType.OPT, 0) - state)
+        highs[_MemRefType.TEMP] = max(highs.get(_MemRefType.TEMP, 0), excess)
         highs[_MemRefType.OPT] = state
-        peak_snap = dict(next(iter(self._tracker._peak_mem_snap.values()), {}))
-        if peak_snap.get(_MemRefType.OPT, 0) > state:
-            peak_snap[_MemRefType.TEMP] = peak_snap.get(_MemRefType.TEMP, 0) + peak_snap[_MemRefType.OPT] - state
-            peak_snap[_MemRefType.OPT] = state
-        return MemoryBreakdown(**_by_category(highs), peak=peak_snap.get(_TOTAL_KEY, 0),
-                               device="cpu", at_peak=_by_category(peak_snap))
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the storages behind ``tensors``, each counted once, as MemTracker counts them.
-
-    A tensor subclass (an NF4 weight: 4-bit codes, int8 and float scales) is counted by
-    the storages of its inner tensors; its own ``untyped_storage()`` is an empty stand-in.
-    """
-    seen, total = set(), 0
-    for t in tensors:
-        for storage in (get_untyped_storages(t) if t is not None else ()):
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-    return total
+        highs = _by_category(highs, state)
+        phases = {name: _by_category(snap, state) for name, snap in self._tracker.phase_peaks.items()}
+        at_peak = max(phases.values(), key=lambda snap: sum(snap.values()), default={})
+        weights = parameter_bytes(self._model)
+        highs["parameters"] = sum(weights.values())
+        return MemoryBreakdown(**highs, peak=sum(at_peak.values()), **weights, device="cpu",
+                               at_peak=at_peak, phases=phase_summary(phases))
 
 
 class CudaStepMemory:
     """Tracks one step on CUDA from the caching allocator plus accounting of live tensors.
 
-    parameters, gradients and optimizer state are counted tensor by tensor; activations are
-    what forward left allocated; other is the rest of the allocator's peak.
+    The allocator's peak is read and reset at each phase boundary (host-side counters: no
+    synchronisation). Parameters, gradients and optimizer state are counted tensor by
+    tensor; activations are what forward left allocated. At each phase's peak, whatever is
+    not parameters, gradients or optimizer state is filed as activations (forward,
+    backward) or other (the optimizer step).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *inputs: torch.Tensor):
         self.model, self.optimizer = model, optimizer
         self.device = next(model.parameters()).device
-        self.activations = self.gradients = 0
+        self.activations = self.gradients = self.reserved = 0
         self._forward_start = 0
+        self._phase_peak: dict[str, int] = {}
+        self._phase_grads: dict[str, int] = {}
+        self._state_before = 0
 
     def __enter__(self) -> "CudaStepMemory":
-        torch.cuda.synchronize(self.device)
+        self._state_before = optimizer_state_bytes(self.optimizer, self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         return self
 
     def __exit__(self, *exc) -> None:
-        torch.cuda.synchronize(self.device)
+        self._close_phase("optimizer", gradients=0)
+
+    def _close_phase(self, phase: str, gradients: int) -> None:
+        peak = torch.cuda.max_memory_allocated(self.device)
+        if peak > self._phase_peak.get(phase, -1):
+            self._phase_peak[phase], self._phase_grads[phase] = peak, gradients
+        self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def before_forward(self) -> None:
         self._forward_start = torch.cuda.memory_allocated(self.device)
 
     def after_forward(self) -> None:
+        self._close_phase("forward", gradients=self.gradients)
         held = torch.cuda.memory_allocated(self.device) - self._forward_start
         self.activations = max(self.activations, held)
 
     def after_backward(self) -> None:
-        grads = storage_bytes(p.grad for p in self.model.parameters())
-        self.gradients = max(self.gradients, grads)
+        self.gradients = max(self.gradients, gradient_bytes(self.model))
+
+    def before_optimizer(self) -> None:
+        self._close_phase("backward", gradients=self.gradients)
 
     def result(self) -> MemoryBreakdown:
-        params = storage_bytes(list(self.model.parameters()) + list(self.model.buffers()))
-        optim = optimizer_state_bytes(self.optimizer, self.device)  # offloaded state is not here
-        peak = torch.cuda.max_memory_allocated(self.device)
-        other = max(0, peak - params - optim - self.activations)
-        return MemoryBreakdown(parameters=params, gradients=self.gradients, optimizer_state=optim,
+        weights = parameter_bytes(self.model)
+        params = sum(weights.values())
+        state = optimizer_state_bytes(self.optimizer, self.device)  # offloaded state is not here
+        paged = paged_state_bytes(self.optimizer)
+        phases = {}
+        for phase, peak in self._phase_peak.items():
+            held = {"parameters": params, "gradients": self._phase_grads[phase],
+                    "optimizer_state": (state if phase == "optimizer" else self._state_before) - paged}
+            rest = max(0, peak - sum(held.values()))
+            held["other" if phase == "optimizer" else "activations"] = rest
+            phases[phase] = held
+        at_peak = max(phases.values(), key=lambda snap: sum(snap.values()), default={})
+        peak = max(self._phase_peak.values(), default=0)
+        other = max(0, peak - params - (state - paged) - self.activations)
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside = max(0, total - free - torch.cuda.memory_reserved(self.device))
+        return MemoryBreakdown(parameters=params, gradients=self.gradients, optimizer_state=state,
                                activations=self.activations, other=other, peak=peak,
-                               reserved=torch.cuda.max_memory_reserved(self.device),
-                               device=str(self.device))
+                               reserved=self.reserved, outside=outside, **weights,
+                               device=str(self.device), at_peak=at_peak,
+                               phases=phase_summary(phases))
 
 
 def track_step(model: nn.Module, optimizer: torch.optim.Optimizer, *inputs: torch.Tensor):

@@ -6,6 +6,7 @@ import time
 
 from matplotlib.figure import Figure
 
+from ..overhead import OverheadBudget
 from .charts import draw_memory, figure_png
 
 
@@ -19,41 +20,44 @@ def in_notebook() -> bool:
     return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
 
 
-class RedrawPacer:
-    """Paces redraws by their measured cost, so drawing takes at most ``share`` of the
-    wall time (and happens no more often than every ``min_interval`` seconds)."""
+class PacedRedraw:
+    """Draws when the session's ``OverheadBudget`` has room for one more drawing.
 
-    def __init__(self, share: float = 0.03, min_interval: float = 0.5) -> None:
-        self.share, self.min_interval = share, min_interval
-        self._next = float("-inf")
+    A drawing's cost is taken to be what the last one cost; the first is always allowed
+    (nothing would show otherwise), and ``force`` draws regardless (the last step of a run).
+    """
 
-    def due(self) -> bool:
-        return time.monotonic() >= self._next
+    def __init__(self, budget: OverheadBudget) -> None:
+        self.budget = budget
+        self._cost: float | None = None
+
+    def due(self, force: bool = False) -> bool:
+        return force or self._cost is None or self.budget.allows(self._cost)
 
     def drew(self, started: float) -> None:
-        """Record a redraw that began at ``started`` (time.monotonic())."""
-        now = time.monotonic()
-        self._next = now + max(self.min_interval, (now - started) / self.share)
+        """Charge a drawing that began at ``started`` (time.perf_counter())."""
+        self._cost = time.perf_counter() - started
+        self.budget.charge(self._cost)
 
 
 class LiveChart:
     """Displays the memory chart once, then updates that same output.
 
-    A redraw costs tens of milliseconds, so updates are paced (``RedrawPacer``);
-    ``force=True`` always draws (the last step).
+    A redraw costs tens of milliseconds, so updates are paced by the session's overhead
+    budget; ``force=True`` always draws (the last step).
     """
 
-    def __init__(self, pacer: RedrawPacer | None = None) -> None:
+    def __init__(self, budget: OverheadBudget) -> None:
         self.figure = Figure(figsize=(9, 4))
-        self.pacer = pacer or RedrawPacer()
+        self.pacer = PacedRedraw(budget)
         self._handle = None
 
     def update(self, history: list, force: bool = False) -> bool:
-        if not (force or self.pacer.due()):
+        if not self.pacer.due(force):
             return False
         from IPython.display import Image, display
 
-        started = time.monotonic()
+        started = time.perf_counter()
         image = Image(data=figure_png(draw_memory(self.figure, history)), format="png")
         if self._handle is None:
             self._handle = display(image, display_id=True)

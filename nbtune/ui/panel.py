@@ -13,7 +13,7 @@ import ipywidgets as w
 
 from ..techniques import DTYPES, HELP, LORA_TARGETS, METHODS, OPTIMIZERS
 from .charts import draw_memory, figure_png, format_bytes
-from .live import RedrawPacer
+from .live import PacedRedraw
 from matplotlib.figure import Figure
 
 
@@ -111,7 +111,7 @@ class Panel(w.VBox):
         self.status = w.HTML()
         self.chart = w.Image(format="png")
         self._figure = Figure(figsize=(9, 4))
-        self._pacer = RedrawPacer()
+        self._pacer = PacedRedraw(session.overhead)
         self._syncing = False
         tabs = w.Tab([w.VBox([self.controls[name] for name in names]) for names in TABS.values()])
         for i, title in enumerate(TABS):
@@ -169,9 +169,9 @@ class Panel(w.VBox):
             self._redraw(force=True)
 
     def _redraw(self, force: bool = False) -> None:
-        if not (force or self._pacer.due()):
+        if not self._pacer.due(force):
             return
-        started = time.monotonic()
+        started = time.perf_counter()
         history = self.session.history
         self.chart.value = figure_png(draw_memory(self._figure, history))
         self._pacer.drew(started)

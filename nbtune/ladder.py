@@ -1,0 +1,131 @@
+"""The technique ladder: run configurations in turn and tabulate what each one buys.
+
+Each row's changes apply on top of the previous row's techniques, as in torchtune's
+"optimization flags" table: start with ``{}`` for the baseline. The rows run on a trial
+session (a fresh copy of the model: the session itself is not trained), which flips its
+toggles row by row through ``Session.set``, so what a row replaces is released before the
+next one runs. Each row reports its measured peak (every step tracked), the change from
+the row before, tokens per second after the first step, and the estimate for its shape.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from dataclasses import dataclass, field
+
+from .techniques import Techniques
+
+
+@dataclass(frozen=True)
+class LadderRow:
+    label: str  # what this row changed, e.g. "+activation_checkpointing"
+    techniques: Techniques
+    peak: int = 0  # bytes: highest step peak over the row's steps
+    change: float | None = None  # peak vs the previous row, in percent
+    tokens_per_second: float = 0.0  # over the timed steps after the first (which pays set-up costs)
+    estimated_peak: int | None = None  # what ``estimate`` predicts for the row's batch shape
+    loss: float = float("nan")  # last step's loss
+    at_peak: dict = field(default_factory=dict)  # the categories that made up the peak
+    error: str | None = None  # the row could not run (out of memory, say)
+
+
+def label_of(changes: dict) -> str:
+    if not changes:
+        return "baseline"
+    parts = []
+    for name, value in changes.items():
+        if value is True:
+            parts.append(f"+{name}")
+        elif value is False or value == 0:
+            parts.append(f"-{name}")
+        else:
+            parts.append(f"{name}={value}")
+    return ", ".join(parts)
+
+
+def ladder_techniques(start: Techniques, configs) -> list[tuple[str, Techniques]]:
+    """(label, techniques) per row, each row's changes on top of the last; all validated
+    before anything runs. A row may also be a whole ``Techniques``."""
+    rows, current = [], start
+    for i, config in enumerate(configs):
+        if isinstance(config, Techniques):
+            changes = {name: getattr(config, name) for name in config.changed(current)}
+            current, label = config, label_of(changes)
+        elif isinstance(config, dict):
+            try:
+                current = current.replace(**config)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"compare: row {i} ({config!r}) is not valid: {err}") from None
+            label = label_of(config)
+        else:
+            raise TypeError(f"compare: row {i} is a {type(config).__name__}; give a dict of "
+                            "toggle changes (e.g. {'activation_checkpointing': True}) or a Techniques.")
+        rows.append((label, current))
+    if not rows:
+        raise ValueError("compare: give at least one configuration, e.g. [{}, {'dtype': 'bf16'}].")
+    return rows
+
+
+class Ladder:
+    """The ladder's rows (``len()``, indexing and iteration work), a table and a bar chart."""
+
+    def __init__(self, rows: list[LadderRow], device: str, steps: int) -> None:
+        self.rows, self.device, self.steps = rows, device, steps
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return self.rows[index]
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def as_dicts(self) -> list[dict]:
+        return [{"configuration": r.label, "peak_bytes": r.peak, "change_pct": r.change,
+                 "tokens_per_second": r.tokens_per_second,
+                 "estimated_peak_bytes": r.estimated_peak, "loss": r.loss, "error": r.error}
+                for r in self.rows]
+
+    def _cells(self) -> list[list[str]]:
+        from .ui.charts import format_bytes
+
+        out = []
+        for r in self.rows:
+            if r.error:
+                out.append([r.label, r.error, "", "", ""])
+                continue
+            change = "" if r.change is None else f"{r.change:+.1f}%"
+            estimate = "" if r.estimated_peak is None else format_bytes(r.estimated_peak)
+            out.append([r.label, format_bytes(r.peak), change, f"{r.tokens_per_second:,.0f}",
+                        estimate])
+        return out
+
+    HEADER = ["configuration", "peak", "change", "tokens/s", "estimated peak"]
+
+    def __repr__(self) -> str:
+        cells = [self.HEADER] + self._cells()
+        widths = [max(len(row[i]) for row in cells) for i in range(len(self.HEADER))]
+        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                 for row in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def chart(self):
+        """Bars of each row's peak, split by what held memory at that moment."""
+        from .ui.charts import ladder_figure
+
+        return ladder_figure(self)
+
+    def _repr_html_(self) -> str:
+        from .ui.charts import figure_png
+
+        head = "".join(f"<th>{h}</th>" for h in self.HEADER)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+                       for row in self._cells())
+        png = base64.b64encode(figure_png(self.chart(), dpi=90)).decode()
+        return (f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+                f"<p style='font-size:smaller'>{self.steps} steps per row on {self.device}; "
+                f"peak = most memory held at one moment.</p>"
+                f"<img src='data:image/png;base64,{png}'/>")

@@ -1,0 +1,63 @@
+"""Which steps to track: all of them on CUDA (allocator counters are nearly free), a
+budgeted sample on CPU (the dispatch-level tracker makes a tiny model's step ~1.6x slower).
+
+A CPU step is tracked when nothing has been measured since the techniques changed, else
+only when its extra cost fits the session's ``OverheadBudget``. Untracked steps report the
+last measurement, marked ``measured=False``.
+"""
+
+from __future__ import annotations
+
+from ..overhead import OverheadBudget
+
+_SMOOTHING = 0.3  # weight of the newest step in the running step-time averages
+
+
+class MemorySampler:
+    MODES = ("sampled", "every_step", "off")
+
+    def __init__(self, budget: OverheadBudget, mode: str = "sampled") -> None:
+        self.budget = budget
+        self.mode = mode
+        self.stale = True  # nothing measured under the current techniques
+        self._tracked_s: float | None = None
+        self._plain_s: float | None = None
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        if value not in self.MODES:
+            raise ValueError(f"memory tracking {value!r} is not one of {', '.join(self.MODES)}.")
+        self._mode = value
+
+    def should_track(self, device_type: str, sampled: bool) -> bool:
+        if self.mode == "off":
+            return False
+        if self.mode == "every_step" or device_type == "cuda" or not sampled or self.stale:
+            return True
+        return self.budget.allows(self._extra_cost())
+
+    def _extra_cost(self) -> float:
+        if self._tracked_s is None:
+            return 0.0
+        return self._tracked_s - (self._plain_s or 0.0)  # unknown plain time: all of it
+
+    def record(self, seconds: float, tracked: bool, device_type: str) -> None:
+        """Charge a finished step to the budget: its tracking share as overhead."""
+        if tracked:
+            self.stale = False
+        if not tracked or device_type == "cuda":
+            self._plain_s = _average(self._plain_s, seconds)
+            self.budget.work(seconds)
+            return
+        self._tracked_s = _average(self._tracked_s, seconds)
+        extra = min(seconds, self._extra_cost())
+        self.budget.work(seconds - extra)
+        self.budget.charge(extra)
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else (1 - _SMOOTHING) * old + _SMOOTHING * new

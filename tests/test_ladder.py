@@ -1,0 +1,114 @@
+"""The technique ladder (compare), snapshots, and what sampled memory tracking reports."""
+
+import pytest
+import torch
+
+from nbtune.memory.sampling import MemorySampler
+from nbtune.overhead import OverheadBudget
+
+from helpers import small_session
+
+
+def test_compare_runs_each_row_on_a_trial_and_leaves_the_session_alone():
+    session = small_session()
+    session.step()
+    weights = {n: p.detach().clone() for n, p in session.model.named_parameters()}
+    techniques, steps = session.techniques, len(session.history)
+    ladder = session.compare([{}, {"activation_checkpointing": True}, {"dtype": "bf16"},
+                              {"method": "lora"}], steps=3, progress=False)
+    assert len(ladder) == 4
+    assert [r.label for r in ladder] == ["baseline", "+activation_checkpointing", "dtype=bf16",
+                                         "method=lora"]
+    assert ladder[3].techniques.activation_checkpointing and ladder[3].techniques.dtype == "bf16"
+    peaks = [r.peak for r in ladder]
+    assert peaks[0] > peaks[1] > peaks[2] > peaks[3] > 0  # each of these buys memory here
+    assert ladder[0].change is None
+    assert ladder[1].change == pytest.approx(100 * (peaks[1] - peaks[0]) / peaks[0])
+    for row in ladder:
+        assert row.estimated_peak == pytest.approx(row.peak, rel=0.02)
+        assert sum(row.at_peak.values()) == row.peak
+        assert row.tokens_per_second > 0 and row.loss > 0
+    # The session itself did not move.
+    assert session.techniques == techniques and len(session.history) == steps
+    assert all(torch.equal(p, weights[n]) for n, p in session.model.named_parameters())
+    text = repr(ladder)
+    assert text.splitlines()[0].split() == ["configuration", "peak", "change", "tokens/s",
+                                            "estimated", "peak"]
+    assert f"{ladder[1].change:+.1f}%" in text.splitlines()[3]  # header, rule, baseline, row 1
+    html = ladder._repr_html_()
+    assert "<table>" in html and "data:image/png;base64," in html
+    assert ladder.as_dicts()[1]["change_pct"] == ladder[1].change
+
+
+def test_a_bad_row_is_refused_before_anything_runs():
+    session = small_session()
+    with pytest.raises(ValueError, match="row 1 .*optimizer='adam'"):
+        session.compare([{}, {"optimizer": "adam"}], progress=False)
+    with pytest.raises(ValueError, match="row 'optimizer=paged_adamw8bit'.*CUDA"):
+        session.compare([{}, {"optimizer": "paged_adamw8bit"}], progress=False)
+    with pytest.raises(TypeError, match="row 0 is a str"):
+        session.compare(["bf16"], progress=False)
+    with pytest.raises(ValueError, match="steps must be a positive int"):
+        session.compare([{}], steps=0, progress=False)
+    assert session.history == [] and session.step().loss > 0
+
+
+def test_snapshot_on_cpu_says_it_needs_cuda_and_changes_nothing(tmp_path):
+    session = small_session()
+    with pytest.raises(RuntimeError, match="CUDA caching allocator.*runs on cpu"):
+        session.snapshot(tmp_path / "snap.pickle")
+    assert not (tmp_path / "snap.pickle").exists() and session.history == []
+
+
+def test_each_step_reports_phases_and_parameter_kinds():
+    session = small_session(method="qlora", dtype="bf16")
+    mem = session.step().memory
+    assert set(mem.phases) == {"forward", "backward", "optimizer"}
+    assert mem.peak == max(p["peak"] for p in mem.phases.values())
+    assert mem.peak_phase in ("forward", "backward")
+    assert all(p["largest"] in mem.categories for p in mem.phases.values())
+    assert mem.parameters == mem.trainable + mem.frozen + mem.quantized
+    assert mem.trainable > 0 and mem.frozen > 0 and mem.quantized > 0  # adapters, norms, NF4
+    assert mem.measured and mem.reserved == 0 and mem.outside == 0  # CPU: no allocator cache
+
+
+def test_sampled_tracking_measures_after_a_change_and_carries_between():
+    session = small_session()
+    assert session.memory_tracking == "sampled"
+    first = session.run(12, progress=False, live=False)
+    assert first[0].memory.measured  # nothing measured yet under these techniques
+    carried = [r for r in first if not r.memory.measured]
+    assert carried  # tracking costs ~1.6x a step here: most steps are not tracked
+    for report in carried:  # they show the last measurement
+        last = max((r for r in first if r.memory.measured and r.step < report.step),
+                   key=lambda r: r.step)
+        assert report.memory.peak == last.memory.peak
+    assert session.overhead.overhead < 0.5
+    session.set(activation_checkpointing=True)
+    after = session.run(2, progress=False, live=False)
+    assert after[0].memory.measured and after[0].memory.peak < first[0].memory.peak
+    assert session.step().memory.measured  # a step on its own is always measured
+    session.memory_tracking = "every_step"
+    assert all(r.memory.measured for r in session.run(3, progress=False, live=False))
+    session.memory_tracking = "off"
+    assert not any(r.memory.measured for r in session.run(2, progress=False, live=False))
+    with pytest.raises(ValueError, match="'sometimes' is not one of sampled"):
+        session.memory_tracking = "sometimes"
+
+
+def test_the_budget_allows_tracking_only_within_its_share():
+    budget = OverheadBudget(share=0.05)
+    sampler = MemorySampler(budget)
+    assert sampler.should_track("cpu", sampled=True)  # stale: nothing measured yet
+    sampler.record(1.6, tracked=True, device_type="cpu")  # unknown plain time: all charged
+    assert budget.spent == pytest.approx(1.6)
+    assert not sampler.should_track("cpu", sampled=True)
+    for _ in range(10):
+        sampler.record(1.0, tracked=False, device_type="cpu")
+    assert not sampler.should_track("cpu", sampled=True)  # 1.6 s spent of 11.6: 14 %
+    for _ in range(100):
+        sampler.record(1.0, tracked=False, device_type="cpu")
+    assert sampler.should_track("cpu", sampled=True)  # 1.6 + ~0.6 of ~112: under 5 %
+    assert sampler.should_track("cuda", sampled=True)  # allocator counters: always
+    assert sampler.should_track("cpu", sampled=False)  # an explicit step()
+    assert budget.overhead == pytest.approx(1.6 / 111.6)

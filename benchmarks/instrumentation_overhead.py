@@ -6,8 +6,10 @@
 "on" is what a notebook user gets: memory tracking as the session does it by default
 ("sampled") and the live chart drawn through IPython's display machinery (its output
 discarded here). "off" tracks nothing and draws nothing. Each arm trains a fresh demo
-session for the same steps; arms alternate so machine noise hits both. The target is at
-most 3 % overhead: tracking and redraws share one budget of 2.5 % of training time
+session for the same steps; arms alternate in ABBA order so a machine that drifts (this
+2-core box runs the same arm 5 % slower or faster from one minute to the next) biases
+neither. The ratio is total "on" time over total "off" time. The target is at
+most 3 % overhead: tracking and redraws share one budget of 2 % of training time
 (``nbtune.overhead.OverheadBudget``), the first step after a change is always measured and
 the last chart always drawn.
 """
@@ -41,12 +43,16 @@ def timed_run(steps: int, on: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     timed_run(10, on=True)  # warm up: imports, first allocations
     rounds = []
-    for _ in range(args.rounds):
-        rounds.append({"off": timed_run(args.steps, on=False), "on": timed_run(args.steps, on=True)})
+    for i in range(args.rounds):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        runs = {on: timed_run(args.steps, on=on) for on in order}
+        rounds.append({"first": "off" if order[0] is False else "on",
+                       "off": runs[False], "on": runs[True],
+                       "ratio": runs[True]["seconds"] / runs[False]["seconds"]})
     off = sum(r["off"]["seconds"] for r in rounds)
     on = sum(r["on"]["seconds"] for r in rounds)
     result = {

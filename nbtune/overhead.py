@@ -13,7 +13,7 @@ from __future__ import annotations
 class OverheadBudget:
     """Seconds of instrumentation allowed per second of training: ``share`` of the total."""
 
-    def __init__(self, share: float = 0.025) -> None:
+    def __init__(self, share: float = 0.02) -> None:
         self.share = share
         self.worked = 0.0  # seconds of plain training
         self.spent = 0.0  # seconds of instrumentation

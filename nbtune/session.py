@@ -201,7 +201,7 @@ class Session:
     @property
     def memory_tracking(self) -> str:
         """"sampled" (default: every step on CUDA; on CPU the first step after a change,
-        then as many as fit 2.5 % of training time), "every_step" or "off"."""
+        then as many as fit 2 % of training time), "every_step" or "off"."""
         return self._sampler.mode
 
     @memory_tracking.setter

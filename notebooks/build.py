@@ -120,7 +120,7 @@ ladder = session.compare([{}, {"activation_checkpointing": True}, {"dtype": "bf1
 ladder"""),
     ("md", "Every step's breakdown over a run: the bars are each category's high point in the "
            "step, the line the most held at one moment. On CPU the tracker measures the first "
-           "step after a change and then as many as fit 2.5 % of the training time (marked "
+           "step after a change and then as many as fit 2 % of the training time (marked "
            "dots); other steps repeat the last measurement."),
     ("code", """# NBVAL_IGNORE_OUTPUT
 session.run(30, progress=False, live=False)

@@ -13,8 +13,10 @@ def live_tensor_bytes() -> int:
     """Bytes of every tensor storage alive in this process (deduplicated)."""
     gc.collect()
     seen, total = set(), 0
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for obj in gc.get_objects():  # fake tensors (an estimate's) hold no memory
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not isinstance(obj, FakeTensor):
             try:
                 storage = obj.untyped_storage()
                 pointer = storage.data_ptr()

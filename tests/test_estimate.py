@@ -152,6 +152,9 @@ def test_estimate_reads_config_json_and_folders_and_says_what_it_accepts(tmp_pat
         nt.estimate("qwen2.5-0.5b", device="mps")
     with pytest.raises(ValueError, match="CUDA"):
         nt.estimate("qwen2.5-0.5b", nt.Techniques(optimizer="paged_adamw8bit"), device="cpu")
+    paged = nt.estimate("qwen2.5-0.5b", nt.Techniques(method="lora", optimizer="paged_adamw8bit",
+                                                      batch_size=1, seq_len=32), device="cuda")
+    assert paged.outside == paged.optimizer_state > 0  # managed memory, outside the allocator
 
 
 def test_session_estimate_bounds_its_steps_and_matches_their_shape():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from torch import nn
 from ..models.config import ModelConfig
 from ..models.decoder import CausalLM
 from ..techniques import PAGED_OPTIMIZERS, Techniques
+from .accounting import optimizer_state_bytes
 from .breakdown import MemoryBreakdown
 
 _QUANTIZED_OPTIMIZERS = {"adamw8bit", "paged_adamw8bit", "paged_adamw", "ao_adamw8bit",
@@ -199,21 +201,5 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
                        offload_activations=t.activation_offloading,
                        max_grad_norm=t.max_grad_norm, offload_to=offload)
         result = memory.result()
-    paged = _paged_bytes(optimizer) if target == "cuda" else 0
-    return _as_estimate(result, target, paged)
-
-
-def _paged_bytes(optimizer: torch.optim.Optimizer) -> int:
-    from .accounting import storage_bytes
-
-    seen: set = set()
-    return sum(storage_bytes([t], seen) for state in optimizer.state.values()
-               for t in state.values() if t.device.type == "meta")
-
-
-def _as_estimate(result: MemoryBreakdown, device: str, outside: int) -> MemoryBreakdown:
-    from dataclasses import replace
-
-    return replace(result, device=device, measured=False, outside=outside)
-
-
+    paged = optimizer_state_bytes(optimizer, torch.device("meta"))  # the stand-in parks it there
+    return replace(result, device=target, measured=False, outside=paged)

@@ -348,13 +348,18 @@ class Session:
             predicted = estimate_step(self.model.config, t, batch_size=top.shape[0],
                                       seq_len=top.shape[1], device=self.device.type).peak
         peak = top.memory.peak - baseline
+        at_peak, left = dict(top.memory.at_peak), baseline
+        for residual in ("other", "activations"):  # CUDA: the session's own memory sits in the rest
+            taken = min(left, at_peak.get(residual, 0))
+            at_peak[residual] = at_peak.get(residual, 0) - taken
+            left -= taken
         change = None
         if previous is not None and previous.peak:
             change = 100.0 * (peak - previous.peak) / previous.peak
         return LadderRow(label, t, peak=peak, change=change,
                          tokens_per_second=sum(r.tokens for r in timed) / seconds if seconds else 0.0,
                          estimated_peak=predicted, loss=reports[-1].loss,
-                         at_peak=dict(top.memory.at_peak))
+                         at_peak=at_peak)
 
     def snapshot(self, path: str | os.PathLike, steps: int = 1) -> Path:
         """CUDA only: record the allocator's history over the next ``steps`` steps to

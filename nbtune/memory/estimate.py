@@ -109,9 +109,9 @@ class _StateStandIn(torch.optim.Optimizer):
                 layout = quantized_state_layout(self.name, p)
                 self.state[p] = {f"state{i}": torch.empty(n, dtype=dtype, device=device or p.device)
                                  for i, (n, dtype) in enumerate(layout)}
-        if self.name in ("adamw8bit", "paged_adamw8bit") and "tables" not in self.defaults:
-            self.defaults["tables"] = True  # the two shared 256-entry tables, once
-            first = next(iter(self.state))
+        shared_tables = self.name in ("adamw8bit", "paged_adamw8bit")
+        if shared_tables and self.state and not any("tables" in s for s in self.state.values()):
+            first = next(iter(self.state))  # bitsandbytes' two 256-entry tables, held once
             self.state[first]["tables"] = torch.empty(512, dtype=torch.float32,
                                                       device=device or first.device)
 

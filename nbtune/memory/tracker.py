@@ -178,10 +178,12 @@ class CudaStepMemory:
         self._forward_start = 0
         self._phase_peak: dict[str, int] = {}
         self._phase_grads: dict[str, int] = {}
-        self._state_before = 0
+        self._state_before = 0  # optimizer state in the allocator when the step began
 
     def __enter__(self) -> "CudaStepMemory":
-        self._state_before = optimizer_state_bytes(self.optimizer, self.device)
+        # Paged state lives in managed memory, outside the allocator whose peaks are read.
+        self._state_before = (optimizer_state_bytes(self.optimizer, self.device)
+                              - paged_state_bytes(self.optimizer))
         torch.cuda.reset_peak_memory_stats(self.device)
         return self
 
@@ -217,7 +219,7 @@ class CudaStepMemory:
         phases = {}
         for phase, peak in self._phase_peak.items():
             held = {"parameters": params, "gradients": self._phase_grads[phase],
-                    "optimizer_state": (state if phase == "optimizer" else self._state_before) - paged}
+                    "optimizer_state": state - paged if phase == "optimizer" else self._state_before}
             rest = max(0, peak - sum(held.values()))
             held["other" if phase == "optimizer" else "activations"] = rest
             phases[phase] = held

@@ -14,11 +14,14 @@ from safetensors.torch import load_file, save_file
 
 from .memory import MemoryBreakdown
 from .models.hf import plain_state_dict, write_atomically, write_hf_folder
-from .peft import adapter_config, adapter_state_dict, has_lora, is_nf4, merged_state_dict
+from .peft import adapter_config, adapter_state_dict, has_lora, merged_state_dict
 from .step import StepReport
+from .techniques import Techniques
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 TRAINER_STATE = "trainer_state.json"
+CHECKPOINT_FILES = ("weights.safetensors", "optimizer.safetensors", "rng.safetensors", TRAINER_STATE)
+FORMAT = 2  # 2: records the base model's fingerprint and the data position as a state dict
 
 
 def save_session(session, folder, merge: bool = False) -> Path:
@@ -71,107 +74,70 @@ def _optimizer_state(tensors: dict, meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-def _rng_tensors() -> dict[str, torch.Tensor]:
-    out = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        out.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    return out
-
-
 def save_training_checkpoint(session, folder) -> Path:
-    """Everything a run needs to continue exactly: weights, optimizer, RNG, data position."""
-    full_weights = not has_lora(session.model) or session.base_changed
-    weights = (_full_weights(session.model) if full_weights
-               else adapter_state_dict(session.model))
+    """Everything a run needs to continue exactly: the trainer's whole ``state_dict``."""
+    state = session.trainer.state_dict()
+    weights = {k: v.contiguous() for k, v in state["weights"].items()}
     opt_tensors, opt_meta = _optimizer_files(session.optimizer)
-    stream = session._stream
     trainer = {
-        "format": 1, "source": session.source, "base_changed": session.base_changed,
-        "full_weights": full_weights, "techniques": session.techniques.as_dict(),
-        "steps": len(session.history), "optimizer": opt_meta,
-        "data": {"seed": stream.seed, "epoch": stream.epoch, "position": stream.position,
-                 "examples": len(session.train_examples)},
+        "format": FORMAT, "source": session.source, "base_changed": state["base_changed"],
+        "base_fingerprint": state["base_fingerprint"], "full_weights": state["full_weights"],
+        "techniques": state["techniques"].as_dict(), "steps": len(state["history"]),
+        "optimizer": opt_meta, "data": state["data"],
         "history": [{**{k: v for k, v in vars(r).items() if k != "memory"},
-                     "memory": r.memory.as_dict()} for r in session.history],
+                     "memory": r.memory.as_dict()} for r in state["history"]],
     }
 
     def write(tmp: Path) -> None:
         save_file(weights, str(tmp / "weights.safetensors"))
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-        save_file(_rng_tensors(), str(tmp / "rng.safetensors"))
+        save_file(state["rng"], str(tmp / "rng.safetensors"))
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer, indent=2))
 
     return write_atomically(folder, write)
 
 
-def load_training_checkpoint(session, folder) -> None:
-    """Bring ``session`` (same base model and data) to the checkpoint's exact training state."""
+def read_training_checkpoint(folder) -> dict:
+    """A checkpoint folder as a trainer state dict; every file is read and checked first."""
     folder = Path(folder)
-    if not (folder / TRAINER_STATE).exists():
-        raise FileNotFoundError(f"{folder} is not an nbtune training checkpoint (no {TRAINER_STATE}).")
-    trainer = json.loads((folder / TRAINER_STATE).read_text())
-    data = trainer["data"]
-    if data["examples"] != len(session.train_examples):
-        raise ValueError(f"The checkpoint was trained on {data['examples']} rows but this session "
-                         f"has {len(session.train_examples)}: resume with the same data.")
+    if not folder.is_dir() or not (folder / TRAINER_STATE).is_file():
+        raise FileNotFoundError(f"{folder} is not an nbtune training checkpoint (no {TRAINER_STATE}): "
+                                "give the folder that session.save_checkpoint wrote.")
+    absent = [name for name in CHECKPOINT_FILES if not (folder / name).is_file()]
+    if absent:
+        raise FileNotFoundError(f"The checkpoint {folder} is incomplete: {', '.join(absent)} missing. "
+                                "Nothing was loaded; save the checkpoint again.")
+    try:
+        trainer = json.loads((folder / TRAINER_STATE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{folder / TRAINER_STATE} is damaged ({err}). Nothing was loaded.") from None
+    if trainer.get("format") != FORMAT:
+        raise ValueError(f"{folder} was written by another version of nbtune (format "
+                         f"{trainer.get('format')!r}, this one reads {FORMAT}): it records no "
+                         "fingerprint of its base model, so it cannot be checked. Save it again.")
+    tensors = {}
+    for name in ("weights.safetensors", "optimizer.safetensors", "rng.safetensors"):
+        try:
+            tensors[name] = load_file(str(folder / name))
+        except Exception as err:  # safetensors raises its own error types
+            raise ValueError(f"{folder / name} is damaged ({err}). Nothing was loaded.") from None
     techniques = dict(trainer["techniques"], lora_targets=tuple(trainer["techniques"]["lora_targets"]))
-    session.set(**techniques)  # builds LoRA layers, dtype, data stream, a fresh optimizer
-    weights = load_file(str(folder / "weights.safetensors"))
-    if trainer["full_weights"]:
-        missing = _load_plain(session.model, weights)
-        if missing:
-            raise ValueError(f"The checkpoint lacks weights for {missing[:3]}: not this model.")
-    else:
-        _load_adapters(session.model, weights)
-    session.optimizer.load_state_dict(_optimizer_state(
-        load_file(str(folder / "optimizer.safetensors")), trainer["optimizer"]))
-    rng = load_file(str(folder / "rng.safetensors"))
-    torch.set_rng_state(rng["cpu"])
-    if torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([rng[k] for k in sorted(k for k in rng if k.startswith("cuda"))])
-    session._stream.epoch, session._stream.position = data["epoch"], data["position"]
-    session._stream._order = session._stream._shuffle()
-    session.base_changed = trainer["base_changed"]
-    session.history = [StepReport(**{**r, "memory": MemoryBreakdown(**r["memory"])})
-                       for r in trainer["history"]]
+    return {
+        "techniques": Techniques(**techniques),
+        "full_weights": trainer["full_weights"],
+        "weights": tensors["weights.safetensors"],
+        "optimizer": _optimizer_state(tensors["optimizer.safetensors"], trainer["optimizer"]),
+        "data": trainer["data"],
+        "rng": tensors["rng.safetensors"],
+        "history": [StepReport(**{**r, "shape": tuple(r.get("shape", (0, 0))),
+                                  "memory": MemoryBreakdown(**r["memory"])})
+                    for r in trainer["history"]],
+        "base_changed": trainer["base_changed"],
+        "base_fingerprint": trainer["base_fingerprint"],
+    }
 
 
-def _full_weights(model) -> dict[str, torch.Tensor]:
-    """Weights under their parameter names, without the tied head; an NF4 weight as its parts
-    (``<name>.nf4.<part>``), so a resumed run gets it bit for bit (dequantized and quantized
-    again it would differ)."""
-    out = {}
-    for name, value in model.state_dict().items():
-        if is_nf4(value):
-            parts, _ = value.__tensor_flatten__()
-            out.update({f"{name}.nf4.{part}": getattr(value, part).contiguous() for part in parts})
-        else:
-            out[name] = value.detach().contiguous()
-    if model.config.tie_word_embeddings:
-        out.pop("lm_head.weight", None)  # safetensors refuses shared storage
-    return out
-
-
-@torch.no_grad()
-def _load_plain(model, weights: dict) -> list[str]:
-    """Copy weights saved under ``model``'s own parameter names; return the names missing."""
-    missing = []
-    for name, param in model.named_parameters():  # a tied head is listed once, as the embedding
-        if is_nf4(param) and f"{name}.nf4.quantized_data" in weights:
-            for part in param.__tensor_flatten__()[0]:
-                getattr(param, part).copy_(weights[f"{name}.nf4.{part}"])
-        elif name in weights:
-            param.copy_(weights[name])  # into an NF4 weight: torchao quantizes the dense value
-        else:
-            missing.append(name)
-    return missing
-
-
-@torch.no_grad()
-def _load_adapters(model, weights: dict) -> None:
-    params = dict(model.named_parameters())
-    for key, value in weights.items():
-        name = key.removeprefix("base_model.model.")
-        if name not in params:
-            raise ValueError(f"The checkpoint's adapter {name} does not match this model's LoRA layers.")
-        params[name].copy_(value)
+def load_training_checkpoint(session, folder) -> None:
+    """Bring ``session`` (same base model and data) to the checkpoint's exact training state:
+    the whole checkpoint is read and checked before any of it is applied."""
+    session.trainer.load_state_dict(read_training_checkpoint(folder))

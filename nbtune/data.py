@@ -26,12 +26,15 @@ no response tokens is dropped and counted.
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
 import torch
 
+from .hub import resolve_data_file
 from .models.tokenizer import Tokenizer
 
 IGNORE = -100  # label of positions that do not count in the loss
@@ -177,7 +180,9 @@ def _row_to_example(row, where: str) -> Example:
                         "'instruction' and 'output' (and optionally 'input'), or 'messages'.")
     for key in ("instruction", "input", "output"):
         if key in row and not isinstance(row[key], str):
-            raise DataError(f"{where}: {key!r} must be a string, got {type(row[key]).__name__}.")
+            hint = " Use \"\" (or leave it out) for no input." if key == "input" else ""
+            raise DataError(f"{where}: {key!r} must be a string, got "
+                            f"{type(row[key]).__name__}.{hint}")
     if not row["output"]:
         raise DataError(f"{where}: 'output' is empty, so there is nothing to learn from the row.")
     instruction, input = row["instruction"], row.get("input", "")
@@ -185,19 +190,81 @@ def _row_to_example(row, where: str) -> Example:
     return Example(messages, instruction=(instruction, input), where=where)
 
 
+# Formats people reach for that are not JSON rows: named, with how to convert them.
+_OTHER_FORMATS = {".csv": "CSV", ".tsv": "TSV", ".parquet": "Parquet", ".arrow": "Arrow",
+                  ".xlsx": "Excel", ".xls": "Excel", ".pkl": "pickle", ".pickle": "pickle"}
+ACCEPTED = ("a .jsonl/.json file path (or an hf://datasets/owner/name/file.jsonl URL), a list of "
+            "row dicts, a list of nbtune Examples, or a Hugging Face datasets.Dataset (one split)")
+
+
+def _data_files(folder: Path) -> list[str]:
+    return sorted(str(p) for p in folder.iterdir() if p.suffix in (".jsonl", ".json") and p.is_file())
+
+
+def _decode(path: Path, raw: bytes) -> str:
+    """The file as text; where it is not UTF-8, which line and byte, and how to fix it."""
+    try:
+        return raw.decode("utf-8-sig")  # a UTF-8 byte-order mark, as some editors write, is fine
+    except UnicodeDecodeError as err:
+        if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            found = " It starts with a UTF-16 byte-order mark: it was saved as UTF-16 ('Unicode')."
+            line, column = 1, 1
+        else:
+            found = ""
+            line = raw.count(b"\n", 0, err.start) + 1
+            column = err.start - (raw.rfind(b"\n", 0, err.start) + 1) + 1
+        raise DataError(
+            f"{path}: line {line}, byte {column} of the line (offset {err.start} in the file): "
+            f"byte 0x{raw[err.start]:02x} is not valid UTF-8, so the file is not UTF-8 text.{found} "
+            "Save it as UTF-8 (in an editor: 'Save with encoding' > UTF-8; in Python: "
+            "open(path, 'w', encoding='utf-8')), or convert it, e.g. "
+            f"iconv -f latin1 -t utf-8 {path.name} > fixed.jsonl.") from err
+
+
+def _missing_file_hint(name: str) -> str:
+    hint = f" Check the path (a relative path starts from the current folder, {Path.cwd()})."
+    parts = name.split("/")
+    if len(parts) == 2 and all(parts) and not Path(name).suffix and not name.startswith((".", "~")):
+        hint += (f" If {name!r} is a Hub dataset id: nbtune reads files, so pass "
+                 f"'hf://datasets/{name}/<file>.jsonl', or load it with "
+                 f"datasets.load_dataset({name!r}) and pass one split, e.g. ds['train'].")
+    return hint
+
+
 def load_examples(path: str | Path) -> list[Example]:
     """Read a .jsonl (one row per line) or .json (a list of rows) file."""
     path = Path(path)
     if not path.exists():
-        raise DataError(f"{path}: no such data file.")
-    text = path.read_text(encoding="utf-8")
+        raise DataError(f"{path}: no such data file.{_missing_file_hint(str(path))}")
+    if path.is_dir():
+        inside = _data_files(path)
+        hint = (f" It holds {', '.join(repr(p) for p in inside[:5])}"
+                f"{' ...' if len(inside) > 5 else ''}: pass one of them." if inside else
+                " It holds no .jsonl or .json file.")
+        raise DataError(f"{path} is a folder, not a data file: give a .jsonl file (one row per "
+                        f"line) or a .json file (a list of rows).{hint}")
+    if path.suffix.lower() in _OTHER_FORMATS:
+        kind = _OTHER_FORMATS[path.suffix.lower()]
+        raise DataError(f"{path}: a {kind} file, but nbtune reads .jsonl or .json rows. Convert it "
+                        "(pandas: df.to_json('data.jsonl', orient='records', lines=True)), or load "
+                        "it with datasets.load_dataset and pass the Dataset (ds['train']).")
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise DataError(f"{path}: cannot read the data file ({err.strerror or err}). Check that "
+                        "it is a readable file.") from err
+    text = _decode(path, raw)
     if path.suffix == ".json":
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as err:
             raise DataError(f"{path}: line {err.lineno}: not valid JSON ({err.msg}).") from err
         if not isinstance(rows, list):
-            raise DataError(f"{path}: a .json data file must hold a list of rows.")
+            lists = [k for k, v in rows.items() if isinstance(v, list)] if isinstance(rows, dict) else []
+            hint = (f" It holds an object whose {', '.join(map(repr, lists))} "
+                    f"{'is a list' if len(lists) == 1 else 'are lists'}: write that list alone to "
+                    "the file, or pass it as the data." if lists else "")
+            raise DataError(f"{path}: a .json data file must hold a list of rows.{hint}")
         examples = [_row_to_example(row, f"{path}: row {i + 1}") for i, row in enumerate(rows)]
     else:
         examples = []
@@ -212,6 +279,89 @@ def load_examples(path: str | Path) -> list[Example]:
             examples.append(_row_to_example(row, f"{path}: line {lineno}"))
     if not examples:
         raise DataError(f"{path}: the file holds no rows.")
+    return examples
+
+
+def _cap(text: str) -> str:
+    """``text`` to start a sentence ("the data" -> "The data")."""
+    return text[:1].upper() + text[1:]
+
+
+def _refuse(data, source: str) -> DataError:
+    """The error for data of a kind nbtune does not read, with what to pass instead."""
+    kind = type(data).__name__
+    module = type(data).__module__.split(".")[0]
+    if module == "pandas" or (hasattr(data, "columns") and hasattr(data, "iloc")):
+        fix = " Pass df.to_dict('records') (a list of row dicts), or save it as JSONL first."
+    elif isinstance(data, Mapping) and any(hasattr(v, "column_names") for v in data.values()):
+        splits = ", ".join(repr(k) for k in data)
+        first = next(iter(data))
+        return DataError(f"{_cap(source)} is a DatasetDict with splits {splits}: pick one split, "
+                         f"e.g. ds[{first!r}].")
+    elif isinstance(data, Mapping):
+        looks_like_row = "messages" in data or "instruction" in data
+        fix = (" It looks like one row: wrap it in a list, [row]." if looks_like_row else
+               " Give its list of rows instead of the dict itself.")
+    elif isinstance(data, Example):
+        fix = " It is a single Example: wrap it in a list, [example]."
+    elif isinstance(data, (bytes, bytearray)):
+        fix = " Decode it and write it to a .jsonl file, or pass the rows as a list of dicts."
+    elif data is None:
+        return DataError(f"{_cap(source)}: no data was given (None). Pass {ACCEPTED}.")
+    else:
+        fix = ""
+    name = kind if module in ("builtins", "nbtune") else f"{module}.{kind}"
+    return DataError(f"{_cap(source)} has type {name}, which nbtune cannot read rows from.{fix} "
+                     f"Pass {ACCEPTED}.")
+
+
+def _dataset_columns(data, source: str) -> None:
+    """A Dataset whose columns are neither format: name them and what is needed, up front."""
+    columns = data.column_names
+    if not isinstance(columns, (list, tuple)) or not columns:
+        return  # not a plain Dataset, or empty: the rows themselves tell
+    if "messages" in columns or {"instruction", "output"} <= set(columns):
+        return
+    raise DataError(f"{_cap(source)} is a Dataset with columns {', '.join(map(repr, columns))}, but "
+                    "nbtune needs 'instruction' and 'output' (and optionally 'input'), or "
+                    "'messages'. Rename them first, e.g. ds.rename_columns({'question': "
+                    "'instruction', 'answer': 'output'}).")
+
+
+def examples_from(data, source: str = "the data") -> list[Example]:
+    """Rows from a path, an ``hf://datasets/...`` URL, row dicts, Examples or a datasets.Dataset.
+
+    ``source`` names the data in errors (``"the held-out data"``). Anything else, and no
+    rows at all, raise ``DataError`` saying what to pass instead.
+    """
+    if isinstance(data, str):
+        text = data.strip()
+        if "\n" in text or text.startswith(("{", "[")):
+            shown = f"{text[:40]!r}{'...' if len(text) > 40 else ''}"
+            raise DataError(f"{_cap(source)} is a string that holds text ({shown}), not a file "
+                            f"path. Write the rows to a .jsonl file and pass its path, or pass the "
+                            "rows as a list of dicts.")
+        return load_examples(resolve_data_file(data))
+    if isinstance(data, os.PathLike):
+        return load_examples(resolve_data_file(data))
+    if isinstance(data, (Mapping, bytes, bytearray, Example)) or data is None \
+            or not isinstance(data, Iterable) or hasattr(data, "iloc"):
+        raise _refuse(data, source)
+    if hasattr(data, "column_names"):
+        _dataset_columns(data, source)
+    examples = []
+    for i, row in enumerate(data):
+        where = f"{source}: row {i + 1}"
+        if isinstance(row, Example):
+            examples.append(row)
+        elif isinstance(row, Mapping):
+            examples.append(_row_to_example(dict(row), where))
+        else:
+            raise DataError(f"{_cap(where)} has type {type(row).__name__} ({row!r:.60}); each row "
+                            "must be a dict ('instruction' and 'output', or 'messages') or an "
+                            "nbtune Example.")
+    if not examples:
+        raise DataError(f"{_cap(source)} holds no rows: give at least one.")
     return examples
 
 
@@ -319,6 +469,34 @@ class BatchStream:
         """Carry on where ``previous`` stopped, if both walk the same rows in the same order."""
         if previous.seed == self.seed and len(previous.samples) == len(self.samples):
             self.epoch, self.position, self._order = previous.epoch, previous.position, previous._order
+
+    def state_dict(self) -> dict:
+        """Where the stream stands: the order is remade from ``seed`` and ``epoch``."""
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
+                "samples": len(self.samples)}
+
+    def check_state(self, state: dict) -> None:
+        """Refuse a position taken on other data or another seed, before anything changes."""
+        if (state.get("seed"), state.get("samples")) != (self.seed, len(self.samples)):
+            raise DataError(
+                f"The saved data position is for {state.get('samples')} samples with seed "
+                f"{state.get('seed')}; this session has {len(self.samples)} with seed {self.seed}: "
+                "resume with the same data (the same rows, seq_len, packing and seed).")
+        if not 0 <= state.get("position", -1) <= len(self.samples) or state.get("epoch", -1) < 0:
+            raise DataError(f"The saved data position {state} is outside the data.")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.check_state(state)
+        moved = state["epoch"] != self.epoch
+        self.epoch, self.position = state["epoch"], state["position"]
+        if moved:
+            self._order = self._shuffle()
+
+    def copy(self) -> "BatchStream":
+        """The same samples and shape at the same position, to move independently."""
+        other = BatchStream.__new__(BatchStream)
+        other.__dict__.update(self.__dict__)
+        return other
 
     def next(self) -> dict[str, torch.Tensor]:
         picked = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .models.decoder import CausalLM, KVCache
@@ -22,6 +24,33 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_generation_args(prompt_tokens: int, limit: int, *, max_new_tokens, temperature,
+                          top_p) -> None:
+    """Refuse settings generation cannot honour, before any compute, saying what to pass."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) \
+            or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: it must be a whole number of tokens, "
+                         "0 or more (e.g. max_new_tokens=48).")
+    if not _is_number(temperature) or not temperature >= 0:  # `not >=` also catches NaN
+        raise ValueError(f"temperature={temperature!r}: it must be a number, 0 or more. Use 0 for "
+                         "greedy decoding, or about 0.7-1.0 to sample.")
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r}: it must be a number in (0, 1], the share of "
+                         "probability mass sampled from. Use 1.0 to keep every token, or e.g. "
+                         "0.9 for nucleus sampling.")
+    if prompt_tokens == 0:
+        raise ValueError("The prompt is empty (0 tokens): generation needs at least one prompt "
+                         "token. Give some text to continue.")
+    if prompt_tokens > limit:
+        raise ValueError(f"The prompt is {prompt_tokens} tokens long but the model reads at most "
+                         f"{limit} (max_position_embeddings). Shorten the prompt (or its input) "
+                         f"by at least {prompt_tokens - limit} tokens.")
+
+
 @torch.no_grad()
 def generate_ids(model: CausalLM, prompt_ids: list[int], *, max_new_tokens: int,
                  stop_ids: frozenset[int] | set[int], temperature: float = 0.0, top_p: float = 1.0,
@@ -29,12 +58,15 @@ def generate_ids(model: CausalLM, prompt_ids: list[int], *, max_new_tokens: int,
     """New token ids after ``prompt_ids``, up to a stop token (not returned) or the budget.
 
     The prompt is read once; each new token then costs one single-token forward over the
-    cached keys and values of everything before it.
+    cached keys and values of everything before it. Bad settings raise ``ValueError`` before
+    any of that (see ``check_generation_args``); ``max_new_tokens=0`` returns ``[]``.
     """
-    if not prompt_ids:
-        raise ValueError("generate needs at least one prompt token.")
-    device = next(model.parameters()).device
     limit = model.config.max_position_embeddings
+    check_generation_args(len(prompt_ids), limit, max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_p=top_p)
+    if max_new_tokens == 0:
+        return []
+    device = next(model.parameters()).device
     cache = KVCache(len(model.model.layers))
     logits = model(torch.tensor([prompt_ids], device=device), cache=cache)[0, -1]
     out: list[int] = []

@@ -140,10 +140,9 @@ class LoRALinear(nn.Module):
         """The base Linear with the low-rank update folded into its weight (dense, even if NF4)."""
         base = self.base_layer
         weight = (dequantize(base.weight).float() + self.delta_weight()).to(base.weight.dtype)
-        if is_nf4(base.weight):  # NF4 cannot hold the update: the base becomes dense
-            base.weight = nn.Parameter(weight, requires_grad=False)
-        else:
-            base.weight.copy_(weight)
+        # A new weight, not written into the old one (NF4 could not hold the update anyway):
+        # a caller undoing a failed change keeps the old tensor and puts it back.
+        base.weight = nn.Parameter(weight, requires_grad=False)
         return base
 
 

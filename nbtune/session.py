@@ -11,32 +11,20 @@ from typing import Callable, Iterable
 
 import torch
 
-from .activations import set_activation_checkpointing, set_compiled
-from .data import (BatchStream, DataError, Example, check_renderable, load_examples, pack,
+from .data import (BatchStream, DataError, Example, check_renderable, examples_from, pack,
                    prompt_and_reference, prompt_ids, prompt_text, tokenize_all)
 from .generate import generate_ids
-from .hub import resolve_data_file, resolve_model_folder
-from .memory import MemoryBreakdown
+from .hub import resolve_model_folder
 from .memory.sampling import MemorySampler
 from .models import Tokenizer, demo_model_dir, load_model
 from .models.decoder import CausalLM
-from .models.hf import DTYPES
-from .optim import build_optimizer, release_optimizer
 from .overhead import OverheadBudget
-from .peft import apply_lora, cast_model, has_lora, merge_lora, replace_adapters, set_lora_options
-from .step import StepReport, train_step
+from .step import StepReport
 from .techniques import Techniques
+from .trainer import Trainer
 
 DEMO_TECHNIQUES = Techniques(method="full", dtype="fp32", batch_size=16, seq_len=96, lr=1e-3)
 DEMO_STEPS = 300  # enough for the embedded default to learn visibly: about a minute on 2 cores
-
-# Which built component each toggle invalidates. Anything not listed is read live each step.
-_REBUILDS_MODEL = {"dtype", "method", "lora_rank", "lora_targets"}
-_RETUNES_MODEL = {"lora_alpha", "lora_dropout", "activation_checkpointing", "compile"}
-_REBUILDS_DATA = {"seq_len", "batch_size", "seed", "packing"}
-_REBUILDS_OPTIMIZER = _REBUILDS_MODEL | {"optimizer", "optimizer_in_backward",
-                                          "cpu_offload_optimizer"}
-
 
 def demo_data_file(split: str) -> Path:
     """Path of a split ("train" or "heldout") of the dataset shipped with nbtune."""
@@ -47,11 +35,16 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _examples(data) -> list[Example]:
-    """Rows from a local path, an ``hf://datasets/owner/name[@rev]/file`` URL, or an iterable."""
-    if isinstance(data, (str, os.PathLike)):
-        return load_examples(resolve_data_file(data))
-    return list(data)
+def as_techniques(value) -> Techniques:
+    """``Techniques`` from a Techniques, a dict of fields or None (the defaults)."""
+    if value is None:
+        return Techniques()
+    if isinstance(value, Techniques):
+        return value
+    if isinstance(value, dict):
+        return Techniques().replace(**value)
+    raise TypeError(f"techniques must be an nt.Techniques (or a dict of its fields), got "
+                    f"{type(value).__name__}: write techniques=nt.Techniques(method='lora', ...).")
 
 
 class Session:
@@ -64,25 +57,62 @@ class Session:
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, train: Iterable[Example] | str,
                  *, heldout: Iterable[Example] | str | None = None,
-                 techniques: Techniques | None = None, device: str | torch.device | None = None):
+                 techniques: Techniques | dict | None = None,
+                 device: str | torch.device | None = None):
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else default_device()
-        self.train_examples = _examples(train)
-        self.heldout_examples = _examples(heldout) if heldout is not None else []
-        self.history: list[StepReport] = []
+        self.train_examples = examples_from(train)
+        self.heldout_examples = examples_from(heldout, "the held-out data") if heldout is not None else []
         self.source: str | None = None  # the folder or repo id the base model came from
-        self.base_changed = False  # True once full training or a merge altered the base weights
         self._listeners: list[weakref.ref] = []
         self.overhead = OverheadBudget()  # what memory tracking and live charts may cost
         self._sampler = MemorySampler(self.overhead)
-        self._last_memory: MemoryBreakdown | None = None
-        techniques = techniques or Techniques()
-        self._check_device_rules(techniques)
-        self._stream = self._build_stream(techniques)
-        self.model = model.to(self.device)
-        self._transform_model(techniques, previous=None)
-        self.optimizer = build_optimizer(self.model, techniques)
-        self._techniques = techniques
+        self.trainer = Trainer(model, self._build_stream, as_techniques(techniques), self.device,
+                               tokenizer.pad_id, say=lambda message: self._say(message))
+
+    # The training state belongs to the trainer; these names are the notebook's view of it.
+    model = property(lambda self: self.trainer.model, doc="The nn.Module being trained.")
+    history = property(lambda self: self.trainer.history,
+                       doc="Every step's StepReport, oldest first.")
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.trainer.optimizer
+
+    @optimizer.setter
+    def optimizer(self, value: torch.optim.Optimizer) -> None:
+        self.trainer.optimizer = value
+
+    @property
+    def _stream(self) -> BatchStream:
+        return self.trainer.stream
+
+    @_stream.setter
+    def _stream(self, value: BatchStream) -> None:
+        self.trainer.stream = value
+
+    @property
+    def base_changed(self) -> bool:
+        """True once full training or a merge altered the base weights."""
+        return self.trainer.base_changed
+
+    @property
+    def rollback(self) -> str:
+        """How a failed step is undone. "auto" (default): a host copy of the trainable weights
+        and optimizer state is kept before each update when the optimizer steps in backward,
+        on the first step after a rebuild, or when the copy is at most 256 MiB (any LoRA run);
+        otherwise only Ctrl-C is held off during the in-place update, and an update that still
+        fails half-way marks the session damaged until a state is loaded. "copy": always keep
+        the copy. "none": never."""
+        return self.trainer.rollback
+
+    @rollback.setter
+    def rollback(self, mode: str) -> None:
+        from .trainer import ROLLBACK_MODES
+
+        if mode not in ROLLBACK_MODES:
+            raise ValueError(f"rollback={mode!r} is not one of {', '.join(map(repr, ROLLBACK_MODES))}.")
+        self.trainer.rollback = mode
 
     # ---- construction -------------------------------------------------------------------
 
@@ -92,8 +122,8 @@ class Session:
                         revision: str | None = None) -> "Session":
         """Load a Hugging Face folder or Hub repo id and the training data (JSONL path)."""
         techniques = techniques or Techniques()
-        train = _examples(data)  # read the data before the weights: fail fast on bad rows
-        held = _examples(heldout) if heldout is not None else None
+        train = examples_from(data)  # read the data before the weights: fail fast on bad rows
+        held = examples_from(heldout, "the held-out data") if heldout is not None else None
         folder = resolve_model_folder(path_or_id, revision)
         tokenizer = Tokenizer.from_folder(folder)
         check_renderable(train + (held or []), tokenizer)
@@ -116,43 +146,21 @@ class Session:
 
     @property
     def techniques(self) -> Techniques:
-        return self._techniques
+        return self.trainer.techniques
 
     @techniques.setter
     def techniques(self, value: Techniques) -> None:
-        self.set(**{name: getattr(value, name) for name in value.changed(self._techniques)})
+        value = as_techniques(value)
+        self.set(**{name: getattr(value, name) for name in value.changed(self.techniques)})
 
     def set(self, **changes) -> Techniques:
-        """Change toggles; rebuilds only what depends on them. Bad values change nothing."""
-        new = self._techniques.replace(**changes)  # validates the whole combination first
-        changed = new.changed(self._techniques)
-        if not changed:
-            return new
-        self._check_device_rules(new)
-        stream = self._stream
-        if changed & _REBUILDS_DATA:
-            stream = self._build_stream(new)
-            stream.continue_from(self._stream)  # a new batch size goes on through the epoch
-        if changed & (_REBUILDS_MODEL | _RETUNES_MODEL):
-            self._transform_model(new, previous=self._techniques)
-        if changed & _REBUILDS_OPTIMIZER:
-            had_state = bool(self.optimizer.state)
-            release_optimizer(self.optimizer)  # hooks off, state freed before the new one exists
-            self.optimizer = build_optimizer(self.model, new)
-            if had_state:
-                self._say(f"optimizer state reset ({', '.join(sorted(changed & _REBUILDS_OPTIMIZER))} changed).")
-        else:
-            for group in self.optimizer.param_groups:
-                group["lr"], group["weight_decay"] = new.lr, new.weight_decay
-        self._stream, self._techniques = stream, new
-        self._sampler.stale = True  # the next step is measured: it shows what the change did
-        self._notify("techniques", new)
+        """Change toggles; rebuilds only what depends on them. All or nothing: a refused or
+        failed change leaves the model, optimizer, data and techniques as they were."""
+        new = self.techniques.replace(**changes)  # validates the whole combination first
+        if self.trainer.set(new):
+            self._sampler.stale = True  # the next step is measured: it shows what the change did
+            self._notify("techniques", new)
         return new
-
-    def _check_device_rules(self, t: Techniques) -> None:
-        broken = t.conflicts(self.device.type)
-        if broken:
-            raise ValueError(" ".join(rule.reason for rule in broken))
 
     def _build_stream(self, t: Techniques) -> BatchStream:
         samples, dropped = tokenize_all(self.train_examples, self.tokenizer, t.seq_len,
@@ -163,38 +171,6 @@ class Session:
         if t.packing:
             samples = pack(samples, t.seq_len)
         return BatchStream(samples, t.batch_size, self.tokenizer.pad_id, seed=t.seed)
-
-    def _transform_model(self, new: Techniques, previous: Techniques | None) -> None:
-        """Bring the model to ``new``'s method, dtype and checkpointing, keeping what it learned."""
-        model = self.model
-        reshape = previous is None or bool(new.changed(previous) & {"method", "lora_rank", "lora_targets"})
-        if reshape and previous is not None and previous.method == new.method == "qlora":
-            # New rank or targets: fresh adapters on the same NF4 base. Folding the old ones
-            # in would quantize the base again, losing precision each time.
-            cast_model(model, DTYPES[new.dtype])
-            replace_adapters(model, new.lora_targets, new.lora_rank, new.lora_alpha,
-                             new.lora_dropout, quantize_base=True)
-            self._say("new zero-initialised QLoRA adapters; the previous ones were dropped "
-                      "(folding them into the NF4 base would quantize it again).")
-        else:
-            if reshape and has_lora(model):
-                merge_lora(model)  # adapters are folded into the base, not thrown away
-                self.base_changed = True
-                self._say("LoRA adapters merged into the base weights.")
-            if previous is None or previous.dtype != new.dtype:
-                cast_model(model, DTYPES[new.dtype])  # model.to(dtype) would densify NF4 weights
-            if reshape:
-                if new.method in ("lora", "qlora"):
-                    apply_lora(model, new.lora_targets, new.lora_rank, new.lora_alpha,
-                               new.lora_dropout, quantize_base=new.method == "qlora")
-                else:
-                    model.requires_grad_(True)
-            elif new.method in ("lora", "qlora"):
-                set_lora_options(model, new.lora_alpha, new.lora_dropout)
-        set_activation_checkpointing(model, new.checkpoint_every)
-        if previous is None or previous.compile != new.compile:
-            set_compiled(model, new.compile)
-        model.train()
 
     # ---- training -----------------------------------------------------------------------
 
@@ -215,38 +191,63 @@ class Session:
         return self._step(sampled=False)
 
     def _step(self, sampled: bool) -> StepReport:
-        t = self._techniques
-        batches = [{k: v.to(self.device) for k, v in self._stream.next().items()}
-                   for _ in range(t.grad_accum)]
-        step = len(self.history) + 1
-        for group in self.optimizer.param_groups:
-            group["lr"] = t.lr_at(step)
         track = self._sampler.should_track(self.device.type, sampled)
-        report = train_step(self.model, self.optimizer, batches, self.tokenizer.pad_id, step=step,
-                            loss_chunks=t.chunked_loss, offload_activations=t.activation_offloading,
-                            max_grad_norm=t.max_grad_norm, compiled_loss=t.compile, track=track)
+        report = self.trainer.step(track)
         self._sampler.record(report.seconds, track, self.device.type)
-        if report.memory is not None:
-            self._last_memory = report.memory
-        else:
-            last = self._last_memory or MemoryBreakdown(device=str(self.device))
-            report = dataclasses.replace(report, memory=last.carried())
-        self.base_changed |= self._techniques.method == "full"
-        self.history.append(report)
         self._notify("step", report)
         return report
 
-    def run(self, steps: int, *, progress: bool = True, live: bool | None = None) -> list[StepReport]:
-        """``steps`` steps with a progress bar; in a notebook the memory chart updates in place."""
+    def state_dict(self) -> dict:
+        """The whole training state (model or adapters, optimizer, data position, RNG, history,
+        techniques), by reference: ``copy.deepcopy`` it to keep a snapshot."""
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Return to a state from ``state_dict`` (same base model and data), all or nothing."""
+        self.trainer.load_state_dict(state)
+        self._sampler.stale = True
+        self._notify("techniques", self.techniques)
+
+    def run(self, steps: int, *, progress: bool = True, live: bool | None = None,
+            on_oom: str = "raise") -> list[StepReport]:
+        """``steps`` steps with a progress bar; in a notebook the memory chart updates in place.
+
+        Ctrl-C (Kernel > Interrupt) ends the run cleanly after rolling back the step under
+        way. ``on_oom="adapt"``: when a step runs out of memory, apply the estimator's first
+        suggestion (said in the output), and retry the step; at most three times a run.
+        """
         from tqdm.auto import tqdm
 
+        from .oom import OutOfMemory
+        from .ui.charts import format_bytes
         from .ui.live import LiveChart, in_notebook
 
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"run(steps={steps!r}): steps must be a positive int, e.g. run(50).")
+        if on_oom not in ("raise", "adapt"):
+            raise ValueError(f"on_oom={on_oom!r} is not 'raise' or 'adapt'.")
         chart = LiveChart(self.overhead) if (in_notebook() if live is None else live) else None
-        reports = []
+        start, reports, adapted = len(self.history), [], 0
         with tqdm(total=steps, desc="training", unit="step", disable=not progress) as bar:
-            for _ in range(steps):
-                reports.append(self._step(sampled=True))
+            while len(reports) < steps:
+                try:
+                    reports.append(self._step(sampled=True))
+                except OutOfMemory as err:
+                    if on_oom != "adapt" or not err.suggestions or adapted == 3:
+                        raise
+                    best, adapted = err.suggestions[0], adapted + 1
+                    self._say(f"out of memory in the {err.phase} phase: set {best.label} "
+                              f"(predicted peak {format_bytes(err.predicted or 0)} -> "
+                              f"{format_bytes(best.peak)}) and retried the step.")
+                    self.set(**best.changes)
+                    continue
+                except KeyboardInterrupt:
+                    # The step under way was rolled back (or, if its update was being written,
+                    # completed first): the session is consistent, so the run just ends here.
+                    reports = self.history[start:]
+                    self._say(f"interrupted: stopped after {len(reports)} of {steps} steps; the "
+                              "session is as it was after the last completed step.")
+                    break
                 bar.update()
                 bar.set_postfix(loss=f"{reports[-1].loss:.3f}")
                 if chart is not None:
@@ -263,7 +264,7 @@ class Session:
         session's shape (or ``batch_size`` x ``seq_len``): seconds, no memory used."""
         from .memory.estimate import estimate
 
-        return estimate(self.model.config, self._techniques, batch_size=batch_size,
+        return estimate(self.model.config, self.techniques, batch_size=batch_size,
                         seq_len=seq_len, device=self.device.type)
 
     def compare(self, configs, steps: int = 4, *, estimate: bool = True, progress: bool = True):
@@ -288,7 +289,7 @@ class Session:
 
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"compare: steps must be a positive int, got {steps!r}.")
-        rows = ladder_techniques(self._techniques, configs)
+        rows = ladder_techniques(self.techniques, configs)
         for label, t in rows:  # every row checked before anything runs
             broken = t.conflicts(self.device.type)
             if broken:
@@ -436,8 +437,7 @@ class Session:
 
         load_training_checkpoint(self, folder)
         self._sampler.stale = True
-        self._last_memory = next((r.memory for r in reversed(self.history) if r.memory.measured), None)
-        self._notify("techniques", self._techniques)
+        self._notify("techniques", self.techniques)
 
     # ---- showing ------------------------------------------------------------------------
 
@@ -480,4 +480,4 @@ class Session:
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return (f"Session({self.model.config.model_type}, {n / 1e6:.2f}M params, "
                 f"{trainable / 1e6:.2f}M trainable, {self.device}, steps={len(self.history)}, "
-                f"{self._techniques})")
+                f"{self.techniques})")

@@ -33,29 +33,87 @@ class StepReport:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
+class NonFiniteError(FloatingPointError):
+    """A step whose loss or gradients are not finite: it was not applied."""
+
+
+def finite_guard(step: int, lr: float):
+    """The check ``update`` runs before the optimizer changes anything (one sync per step)."""
+    def check(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        both = loss if grad_norm is None else loss + grad_norm.float().cpu()  # one read-back
+        if not both.isfinite():
+            what = "loss" if not loss.isfinite() else "gradient norm"
+            value = float(loss if what == "loss" else grad_norm)
+            raise NonFiniteError(
+                f"Step {step} was not applied: its {what} is {value} (lr={lr:g}). Weights and "
+                "optimizer state are unchanged. Likely causes: a learning rate too high for this "
+                "model (lower lr, add warmup_steps), no gradient clipping (set max_grad_norm=1.0), "
+                "or bf16 overflow (try dtype='fp32').")
+    return check
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                micro_batches: list[dict[str, torch.Tensor]], pad_id: int, step: int, *,
                loss_chunks: int = 0, offload_activations: bool = False,
                max_grad_norm: float = 0.0, compiled_loss: bool = False,
-               track: bool = True) -> StepReport:
+               track: bool = True, phase: list | None = None, critical=None) -> StepReport:
     """Forward and backward over the micro-batches, then one optimizer step.
 
     The loss of every micro-batch is divided by the number of trained tokens in *all*
     of them, so accumulating k micro-batches gives the gradient of one k-times batch.
     Without ``track`` the report's memory is None (the caller says what to show instead).
+    A non-finite loss or gradient raises ``NonFiniteError`` before the optimizer runs.
+    ``phase`` (a one-item list) is kept at the phase running, for errors to name it;
+    ``critical()`` (a context manager) wraps the optimizer's in-place update.
     """
     started = time.perf_counter()
     trained = int(sum((b["labels"] != IGNORE).sum() for b in micro_batches))
     read = int(sum((b["input_ids"] != pad_id).sum() for b in micro_batches))
     inputs = [t for b in micro_batches for t in b.values()]
-    with track_step(model, optimizer, *inputs) if track else _Untracked() as memory:
+    lr = optimizer.param_groups[0]["lr"]
+    tracker = track_step(model, optimizer, *inputs) if track else _Untracked()
+    with _Phases(tracker, phase if phase is not None else [None]) as memory:
         total = update(model, optimizer, micro_batches, trained, memory, loss_chunks=loss_chunks,
                        offload_activations=offload_activations, max_grad_norm=max_grad_norm,
-                       compiled_loss=compiled_loss)
+                       compiled_loss=compiled_loss, guard=finite_guard(step, lr),
+                       critical=critical)
     shape = max((tuple(b["input_ids"].shape) for b in micro_batches), key=lambda s: s[0] * s[1])
     return StepReport(step=step, loss=float(total), tokens=read, trained_tokens=trained, shape=shape,
                       seconds=time.perf_counter() - started,
-                      lr=optimizer.param_groups[0]["lr"], memory=memory.result())
+                      lr=lr, memory=memory.result())
+
+
+class _Phases:
+    """Forwards the step's phase calls to the tracker and notes the phase running."""
+
+    def __init__(self, tracker, phase: list) -> None:
+        self.tracker, self.phase = tracker, phase
+
+    def __enter__(self) -> "_Phases":
+        self.phase[0] = "forward"
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.tracker.__exit__(*exc)
+
+    def before_forward(self) -> None:
+        self.phase[0] = "forward"
+        self.tracker.before_forward()
+
+    def after_forward(self) -> None:
+        self.phase[0] = "backward"
+        self.tracker.after_forward()
+
+    def after_backward(self) -> None:
+        self.tracker.after_backward()
+
+    def before_optimizer(self) -> None:
+        self.phase[0] = "optimizer"
+        self.tracker.before_optimizer()
+
+    def result(self):
+        return self.tracker.result()
 
 
 class _Untracked(contextlib.nullcontext):
@@ -76,11 +134,14 @@ class _Untracked(contextlib.nullcontext):
 def update(model: nn.Module, optimizer: torch.optim.Optimizer,
            micro_batches: list[dict[str, torch.Tensor]], trained: int, memory, *,
            loss_chunks: int = 0, offload_activations: bool = False, max_grad_norm: float = 0.0,
-           compiled_loss: bool = False, offload_to: str | None = None) -> torch.Tensor:
+           compiled_loss: bool = False, offload_to: str | None = None,
+           guard=None, critical=None) -> torch.Tensor:
     """The step's tensor work, telling ``memory`` its phases; returns the loss (a tensor).
 
-    Free of Python numbers read back from tensors, so the estimator runs it on fake ones
-    (with ``offload_to="meta"``: offloaded activations leave the device it counts).
+    ``guard(loss, grad_norm)`` runs after backward and before the optimizer changes
+    anything; it may raise to refuse the update. Without it the function reads no Python
+    number back from a tensor, so the estimator runs it on fake ones (with
+    ``offload_to="meta"``: offloaded activations leave the device it counts).
     """
     total = torch.zeros((), dtype=torch.float32)
     for batch in micro_batches:
@@ -96,10 +157,18 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
         memory.after_backward()
         total += loss.detach().cpu()
         del hidden, loss
+    grads = [p for p in model.parameters() if p.grad is not None]
+    norm = None
     if max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_(
-            [p for p in model.parameters() if p.grad is not None], max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(grads, max_grad_norm)
+    elif guard is not None and grads:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in grads])
+    if guard is not None:
+        # With the optimizer stepped in backward no gradient is left: the loss alone is
+        # checked, and the weights it already changed are the caller's to restore.
+        guard(total, norm)
     memory.before_optimizer()
-    optimizer.step()
+    with critical() if critical is not None else contextlib.nullcontext():
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total

@@ -9,6 +9,7 @@ its reason: the same reason is the error message and the panel's tooltip.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, fields
 from typing import Callable
 
@@ -102,8 +103,11 @@ class Techniques:
 
         def positive(name, kind=int):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (kind, int)) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (kind, int)) or not value > 0:
                 out.append(f"{name} must be a positive {kind.__name__}, got {value!r}.")
+            elif kind is float and not math.isfinite(value):
+                out.append(f"{name} must be finite, got {value!r}: pick a value such as "
+                           f"{getattr(Techniques, name)!r}.")
 
         choice("method", METHODS)
         choice("dtype", DTYPES)
@@ -126,10 +130,12 @@ class Techniques:
                      "activation_offloading", "compile"):
             if not isinstance(getattr(self, name), bool):
                 out.append(f"{name} must be True or False, got {getattr(self, name)!r}.")
-        if not isinstance(self.max_grad_norm, (int, float)) or self.max_grad_norm < 0:
-            out.append(f"max_grad_norm must be a number >= 0 (0 = off), got {self.max_grad_norm!r}.")
-        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
-            out.append(f"weight_decay must be a number >= 0, got {self.weight_decay!r}.")
+        for name, what in (("max_grad_norm", "a finite number >= 0 (0 = off), e.g. 1.0"),
+                           ("weight_decay", "a finite number >= 0, e.g. 0.01")):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value < 0):
+                out.append(f"{name} must be {what}; got {value!r}.")
         targets = self.lora_targets if isinstance(self.lora_targets, tuple) else ()
         unknown = [t for t in targets if t not in LORA_TARGETS]
         if unknown or not targets:

@@ -131,16 +131,45 @@ session.chart("steps")"""),
     session.snapshot("step.pickle")
 except RuntimeError as err:
     print(str(err)[:90], "...")"""),
+    ("md", """## Out of memory, without a restart
+
+On a GPU a step that asks for more than the card holds raises an out-of-memory error. nbtune
+rolls that step back (weights, optimizer state, data position and random state are exactly
+as before it, and its activations are freed), then says in which phase memory ran out, what
+held it, and which toggles the estimator predicts would fit. On this CPU really running out
+would get the kernel killed by the operating system, so `nt.SimulatedCard` pretends the card
+holds only 40 MiB of activations: an unchecked step of the demo saves about 77 MiB."""),
+    ("code", """import torch
+
+session = nt.Session.demo()
+session.step()
+before = [p.detach().clone() for p in session.model.parameters()]
+try:
+    with nt.SimulatedCard(40 * 2**20):
+        session.step()
+except nt.OutOfMemory as err:
+    oom = err
+    print(err)"""),
+    ("md", "Nothing was half-applied, so the same session goes on. `run(n, on_oom=\"adapt\")` "
+           "applies the first suggestion, says so, and retries the step:"),
+    ("code", """unchanged = all(torch.equal(a, p) for a, p in zip(before, session.model.parameters()))
+print("weights unchanged:", unchanged, "| steps so far:", len(session.history))
+with nt.SimulatedCard(40 * 2**20):
+    adapted = session.run(5, on_oom="adapt", progress=False, live=False)
+print("now:", {k: getattr(session.techniques, k) for k in oom.suggestions[0].changes})"""),
     ("md", "The outcomes this notebook promises, checked:"),
     ("code", """# NBVAL_CHECK_OUTPUT
 print("8B QLoRA fits in 24 GB:", guess.peak < 24 * 2**30)
 print("estimate within 2% of the measured step:", abs(predicted.peak - report.memory.peak) <= 0.02 * report.memory.peak)
 print("ladder rows:", len(ladder))
-print("checkpointing lowered the peak:", ladder[1].peak < ladder[0].peak)"""),
+print("checkpointing lowered the peak:", ladder[1].peak < ladder[0].peak)
+print("out of memory explained, nothing changed:", oom.phase is not None and unchanged)
+print("adapted and trained on:", len(adapted) == 5 and len(session.history) == 6)"""),
 ]
 
 MEMORY_CHECK = ("8B QLoRA fits in 24 GB: True\nestimate within 2% of the measured step: True\n"
-                "ladder rows: 5\ncheckpointing lowered the peak: True\n")
+                "ladder rows: 5\ncheckpointing lowered the peak: True\n"
+                "out of memory explained, nothing changed: True\nadapted and trained on: True\n")
 
 
 def build(cells, check_output: str) -> nbformat.NotebookNode:

@@ -54,4 +54,10 @@ def test_memory_notebook_outcomes(tmp_path):
     assert "CUDA caching allocator" in "".join(o.get("text", "") for o in snapshot.outputs)
     text = "".join(o.get("text", "") for o in cells[-1].outputs)
     assert text == ("8B QLoRA fits in 24 GB: True\nestimate within 2% of the measured step: True\n"
-                    "ladder rows: 5\ncheckpointing lowered the peak: True\n")
+                    "ladder rows: 5\ncheckpointing lowered the peak: True\n"
+                    "out of memory explained, nothing changed: True\nadapted and trained on: True\n")
+    oom = next(c for c in cells if "nt.SimulatedCard" in c.source and "except" in c.source)
+    explained = "".join(o.get("text", "") for o in oom.outputs)
+    assert "Out of memory in the forward phase" in explained and "activation_checkpointing=True" in explained
+    adapt = next(c for c in cells if 'on_oom="adapt"' in c.source)
+    assert "nbtune: out of memory in the" in "".join(o.get("text", "") for o in adapt.outputs)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import nbtune as nt
 import nbtune.peft as nt_peft
-from nbtune.checkpoint import _full_weights, _load_plain
+from nbtune.trainer import check_weights, full_weights, write_weights
 from nbtune.memory.accounting import storage_bytes
 from nbtune.models import demo_model_dir
 from nbtune.peft import (LoRALinear, adapter_config, adapter_state_dict, apply_lora, cast_model,
@@ -224,13 +224,16 @@ def holds_dense_data(weight) -> bool:
 
 def test_training_checkpoint_restores_nf4_weights_bit_for_bit(tmp_path):
     model = lora_model()
-    save_file(_full_weights(model), str(tmp_path / "weights.safetensors"))
+    save_file({k: v.contiguous() for k, v in full_weights(model).items()},
+              str(tmp_path / "weights.safetensors"))
     other = nt.load_model(demo_model_dir())
     with torch.no_grad():
         for p in other.parameters():
             p.add_(0.01)  # another base: its NF4 codes differ
     apply_lora(other, LORA_TARGETS, 8, 16.0, 0.0, quantize_base=True)
-    assert _load_plain(other, load_file(str(tmp_path / "weights.safetensors"))) == []
+    weights = load_file(str(tmp_path / "weights.safetensors"))
+    check_weights(other, weights, full=True)  # every name and shape fits: nothing missing
+    write_weights(other, weights, full=True)
     for name, p in nf4_weights(model).items():
         q = other.get_parameter(name)
         assert torch.equal(p.quantized_data, q.quantized_data) and torch.equal(p.nf4, q.nf4), name

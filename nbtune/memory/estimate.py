@@ -22,7 +22,6 @@ fragmentation and the CUDA context are not predicted: ``peak`` is what tensors h
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -54,12 +53,12 @@ def resolve_config(model) -> ModelConfig:
         return preset_config(name)
     path = Path(name).expanduser()
     if path.is_file():
-        return ModelConfig.from_hf(json.loads(path.read_text()))
+        return ModelConfig.from_file(path)
     try:
         folder = resolve_model_folder(name, files=["config.json"])
     except FileNotFoundError as err:
         raise FileNotFoundError(f"{err} Presets work offline: {', '.join(PRESETS)}.") from None
-    return ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    return ModelConfig.from_file(folder / "config.json")
 
 
 # ---- optimizer state of the quantizing optimizers ---------------------------------------
@@ -159,9 +158,9 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..activations import set_activation_checkpointing
     from ..models.hf import DTYPES
-    from ..peft import apply_lora, cast_model
+    from ..peft import cast_model
+    from ..plan import check, transform_model
     from ..step import update
     from .tracker import CpuStepMemory
 
@@ -170,26 +169,20 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     target = torch.device(device).type
     if target not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: nbtune estimates for 'cpu' or 'cuda'.")
-    broken = t.conflicts(target)
-    if broken:
-        raise ValueError(" ".join(rule.reason for rule in broken))
     real = _fake_batch(config, t, batch_size or t.batch_size, seq_len or t.seq_len)
     micro_batches = [real] * t.grad_accum
     trained = real["labels"].numel() * t.grad_accum
 
     with torch.device("meta"):
         built = CausalLM(config)
+    problems = check(t.replace(seq_len=min(t.seq_len, config.max_position_embeddings)), built, target)
+    if problems:  # (an explicit seq_len may go beyond the context: the estimate says what it costs)
+        raise ValueError(" ".join(problems))
     cast_model(built, DTYPES[t.dtype])
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         built.to_empty(device="cpu")
         built.tie_weights()  # to_empty gives tied weights separate tensors
-        if t.method in ("lora", "qlora"):
-            apply_lora(built, t.lora_targets, t.lora_rank, t.lora_alpha, t.lora_dropout,
-                       quantize_base=t.method == "qlora")
-        else:
-            built.requires_grad_(True)
-        set_activation_checkpointing(built, t.checkpoint_every)
-        built.train()
+        transform_model(built, t, previous=None, cast=False)  # the session's own planner
         optimizer = _estimate_optimizer(built, t, target)
         batches = [{k: mode.from_tensor(v) for k, v in b.items()} for b in micro_batches]
         inputs = [v for b in batches for v in b.values()]

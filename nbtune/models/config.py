@@ -10,6 +10,63 @@ from pathlib import Path
 # HF `model_type` values this decoder implements, and what each one switches on.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3", None)
+# The transformers class each model_type is saved as (config.json's "architectures").
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# config.json keys without which the shapes are unknown (no sensible default exists).
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads")
+
+
+class ConfigError(ValueError):
+    """A config.json nbtune cannot build a model from, with which file and what to do."""
+
+
+def _supported() -> str:
+    return ", ".join(f"{t} ({ARCHITECTURES[t]})" for t in SUPPORTED_MODEL_TYPES)
+
+
+def _model_type(hf: dict, source: str) -> str:
+    """The model_type, read or (when absent) told by "architectures"; refuses other families."""
+    archs = hf.get("architectures")
+    archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+    model_type = hf.get("model_type")
+    if model_type is None:
+        by_class = {cls: t for t, cls in ARCHITECTURES.items()}
+        known = [by_class[a] for a in archs if a in by_class]
+        if archs and not known:
+            raise ConfigError(
+                f"{source}: architecture {', '.join(map(repr, archs))} is not supported; nbtune "
+                f"implements {_supported()}. Pick a checkpoint of one of these families.")
+        model_type = known[0] if known else "llama"  # older Llama conversions wrote neither
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        named = f" (architecture {', '.join(map(repr, archs))})" if archs else ""
+        raise ConfigError(
+            f"{source}: model_type {model_type!r} is not supported{named}; nbtune implements "
+            f"{_supported()}. Pick a checkpoint of one of these families.")
+    heads = [a for a in archs if not a.endswith("ForCausalLM")]
+    if archs and len(heads) == len(archs):
+        raise ConfigError(
+            f"{source}: architecture {', '.join(map(repr, heads))} is not a causal language model "
+            f"head; nbtune finetunes {ARCHITECTURES[model_type]} checkpoints. Pick the base or "
+            "instruct checkpoint of the model rather than a classification or other head.")
+    return model_type
+
+
+def _check_fields(hf: dict, source: str) -> None:
+    missing = [k for k in REQUIRED_KEYS if hf.get(k) is None]
+    if missing:
+        raise ConfigError(
+            f"{source} is incomplete: it lacks {', '.join(missing)}, which nbtune needs to know "
+            "the model's shape. Download the checkpoint's config.json again (or copy it whole "
+            "from the model's Hub page).")
+    for key in (*REQUIRED_KEYS, "max_position_embeddings", "num_key_value_heads", "head_dim"):
+        value = hf.get(key)
+        if value is None or (value == 0 and key in ("num_key_value_heads", "head_dim")):
+            continue  # absent (or 0, which transformers reads as absent): the default applies
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{source}: {key} is {value!r}, but it must be a positive whole "
+                              "number. Fix it in config.json or download the file again.")
 
 
 @dataclass(frozen=True)
@@ -70,12 +127,21 @@ class ModelConfig:
         return self.vocab_size * d + self.num_layers * layer + d + head
 
     @classmethod
-    def from_hf(cls, hf: dict) -> "ModelConfig":
-        """Read a transformers `config.json` dict."""
-        model_type = hf.get("model_type", "llama")
+    def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
+        """Read a transformers `config.json` dict; ``source`` names it in errors."""
+        if not isinstance(hf, dict):
+            raise ConfigError(f"{source} must hold a JSON object of model settings, not a "
+                              f"{type(hf).__name__}. Download the checkpoint's config.json again.")
+        model_type = _model_type(hf, source)
+        _check_fields(hf, source)
         heads = hf["num_attention_heads"]
         if hf.get("mlp_bias"):
-            raise ValueError("config.json sets mlp_bias=true, which nbtune's decoder does not implement.")
+            raise ConfigError(f"{source} sets mlp_bias=true, which nbtune's decoder does not "
+                              "implement. Pick a checkpoint of a supported family without it.")
+        if not hf.get("head_dim") and hf["hidden_size"] % heads:
+            raise ConfigError(f"{source}: hidden_size ({hf['hidden_size']}) is not a multiple of "
+                              f"num_attention_heads ({heads}) and no head_dim is given, so the "
+                              "head size is unknown. Add head_dim, or download config.json again.")
         # transformers >= 5 writes `rope_parameters`; older checkpoints write rope_theta / rope_scaling.
         rope = dict(hf.get("rope_parameters") or {})
         rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
@@ -101,23 +167,40 @@ class ModelConfig:
             "pad_token_id": hf.get("pad_token_id"),
         }
         if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
-            raise ValueError(f"{model_type} with use_sliding_window=true is not supported; "
-                             "the released Qwen checkpoints leave it off.")
+            raise ConfigError(f"{source}: {model_type} with use_sliding_window=true is not "
+                              "supported; the released Qwen checkpoints leave it off.")
         if model_type == "mistral":
             known["sliding_window"] = hf.get("sliding_window")
-        return cls(**known, extra=dict(hf))
+        try:
+            return cls(**known, extra=dict(hf))
+        except ValueError as err:  # the checks of __post_init__, told which file they are about
+            raise ConfigError(f"{source}: {err}") from err
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
-        return cls.from_hf(json.loads(Path(path).read_text()))
+        """Read a transformers `config.json` file; errors name the file."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such file. A model folder needs its config.json "
+                                    "beside the *.safetensors weights; copy or download it too.")
+        try:
+            hf = json.loads(path.read_bytes().decode("utf-8-sig"))
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path} is not a text (UTF-8) file, so it is not a config.json. "
+                              "Download the checkpoint's config.json again.") from err
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path} is not valid JSON (line {err.lineno}, column {err.colno}: "
+                              f"{err.msg}). Fix it or download the checkpoint's config.json "
+                              "again.") from err
+        return cls.from_hf(hf, source=str(path))
 
     def to_hf(self) -> dict:
         """A transformers `config.json` dict; unknown keys read from the original are kept."""
-        archs = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
         out = dict(self.extra)
         out.update({
-            "architectures": [archs[self.model_type]],
+            "architectures": [ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,

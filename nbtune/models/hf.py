@@ -142,6 +142,17 @@ def _quantized_keys(model: CausalLM, names: Collection[str]) -> set[str]:
     return keys
 
 
+def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``dtype`` as a torch dtype: a name in ``DTYPES``, or a floating torch.dtype of 16+ bits."""
+    names = ", ".join(repr(name) for name in DTYPES)
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2:
+        return dtype  # float64 too (numerical checks); float8 kinds cannot hold trained weights
+    raise ValueError(f"dtype={dtype!r} is not one nbtune loads weights in. Pass one of {names} "
+                     "(or a torch dtype such as torch.bfloat16).")
+
+
 def load_model(path_or_id: str | os.PathLike, dtype: str | torch.dtype = "fp32",
                device: str | torch.device = "cpu", revision: str | None = None,
                quantize: Collection[str] = ()) -> CausalLM:
@@ -156,9 +167,9 @@ def load_model(path_or_id: str | os.PathLike, dtype: str | torch.dtype = "fp32",
     after each is read, so no more than one of them is ever dense. ``apply_lora(...,
     quantize_base=True)`` then keeps them as they are.
     """
+    dtype = _torch_dtype(dtype)  # before any file is read or fetched
     folder = resolve_model_folder(path_or_id, revision)
     config = ModelConfig.from_file(folder / "config.json")
-    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     with torch.device("meta"):
         model = CausalLM(config)
     quantized = _quantized_keys(model, quantize) if quantize else set()

@@ -1,0 +1,198 @@
+"""Out of memory, explained: where it ran out, what held the memory, which toggles would fit.
+
+When a step runs out of memory the trainer rolls it back and raises ``OutOfMemory`` (a
+``torch.OutOfMemoryError``, so existing ``except`` clauses still catch it). The message
+names the phase (forward, backward, optimizer), what held memory at that moment, and the
+toggle changes that the estimator (``nbtune.estimate``, fake tensors) predicts lower the
+step's peak, with the predicted peaks. ``Session.run(n, on_oom="adapt")`` applies the
+first of them and goes on.
+
+Candidates are tried in order of what they cost: changes that keep the maths exact first
+(chunked loss, checkpointing, a split batch, the optimizer step in backward, offloading),
+then those that change it a little (8-bit AdamW, bf16, LoRA, QLoRA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .memory.accounting import gradient_bytes, optimizer_state_bytes, parameter_bytes
+from .techniques import Techniques
+
+MAX_SUGGESTIONS = 3
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    changes: dict  # toggle changes, for session.set(**changes)
+    peak: int  # the step's peak the estimator predicts with them, bytes
+    exact: bool  # keeps the maths exactly as before
+    fits: bool | None  # within the device's memory (None: not known, on CPU)
+
+    @property
+    def label(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.changes.items())
+
+
+class OutOfMemory(torch.OutOfMemoryError):
+    """A step ran out of memory; it was rolled back. ``phase``, ``held`` (bytes by category
+    at the failure), ``predicted`` (the estimate of the failing configuration) and
+    ``suggestions`` (best first) say what to do."""
+
+    def __init__(self, message: str, phase: str | None, held: dict, predicted: int | None,
+                 suggestions: list[Suggestion]) -> None:
+        super().__init__(message)
+        self.phase, self.held, self.predicted, self.suggestions = phase, held, predicted, suggestions
+
+
+def candidates(t: Techniques, device: str) -> list[tuple[dict, bool]]:
+    """Single toggle changes that lower memory, cheapest first, each with whether it keeps the
+    maths exact; only those the rules allow on ``device``."""
+    out = []
+    if t.chunked_loss <= 1:
+        out.append(({"chunked_loss": 8}, True))
+    if not t.activation_checkpointing:
+        out.append(({"activation_checkpointing": True}, True))
+    if t.batch_size > 1 and not t.optimizer_in_backward:
+        out.append(({"batch_size": t.batch_size // 2, "grad_accum": t.grad_accum * 2}, t.batch_size % 2 == 0))
+    if not t.optimizer_in_backward and t.grad_accum == 1 and not t.max_grad_norm:
+        out.append(({"optimizer_in_backward": True}, True))
+    if device == "cuda" and not t.activation_offloading:
+        out.append(({"activation_offloading": True}, True))
+    if t.optimizer == "adamw":
+        out.append(({"optimizer": "adamw8bit"}, False))
+    if t.dtype == "fp32":
+        out.append(({"dtype": "bf16"}, False))
+    if t.method == "full":
+        out.append(({"method": "lora"}, False))
+    elif t.method == "lora":
+        out.append(({"method": "qlora"}, False))
+    allowed = []
+    for changes, exact in out:
+        try:
+            new = t.replace(**changes)
+        except (TypeError, ValueError):
+            continue
+        if not new.conflicts(device):
+            allowed.append((changes, exact))
+    return allowed
+
+
+def held_now(model, optimizer, device: torch.device) -> dict[str, int]:
+    """What held memory at the failure: weights, gradients, optimizer state, and on CUDA the
+    rest of the allocator's memory (activations and temporaries)."""
+    held = {"parameters": sum(parameter_bytes(model).values()), "gradients": gradient_bytes(model),
+            "optimizer_state": optimizer_state_bytes(optimizer)}
+    if device.type == "cuda":
+        held["activations and temporaries"] = max(
+            0, torch.cuda.memory_allocated(device) - sum(held.values()))
+    return held
+
+
+def budget(device: torch.device) -> int | None:
+    """Bytes this process can hold on ``device`` (CUDA: free plus what the allocator holds)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
+
+
+def suggest(config, t: Techniques, device: torch.device, shape: tuple[int, int] | None,
+            limit: int | None) -> tuple[int | None, list[Suggestion]]:
+    """The predicted peak of ``t`` and the changes predicted to lower it, best first."""
+    from .memory.estimate import estimate
+
+    batch, seq = shape if shape else (t.batch_size, t.seq_len)
+
+    def predict(new: Techniques):
+        # Identity hooks shield the fake step from any saved-tensor hooks around the failed
+        # one (offloading, a SimulatedCard); a shape the estimator cannot run is left out.
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x):
+                return estimate(config, new, batch_size=max(1, batch * new.batch_size // t.batch_size),
+                                seq_len=seq, device=device.type)
+        except Exception:  # noqa: BLE001
+            return None
+
+    now = predict(t)
+    current = None if now is None else now.peak
+    found = []
+    for changes, exact in candidates(t, device.type):
+        predicted = predict(t.replace(**changes))
+        if predicted is None or (current is not None and predicted.peak >= 0.95 * current):
+            continue
+        peak = predicted.peak
+        found.append(Suggestion(changes, peak, exact, None if limit is None else peak <= limit))
+    # Fitting first, then exact, then in the cheapest-first order of ``candidates``.
+    found.sort(key=lambda s: (s.fits is False, not s.exact))
+    return now, found[:MAX_SUGGESTIONS]
+
+
+def explain(err: BaseException, phase: str | None, step: int, held: dict, config, t: Techniques,
+            device: torch.device, shape: tuple[int, int] | None) -> OutOfMemory:
+    """The ``OutOfMemory`` to raise in place of ``err``."""
+    from .ui.charts import format_bytes
+
+    limit = budget(device)
+    now, suggestions = suggest(config, t, device, shape, limit)
+    predicted = None if now is None else now.peak
+    if now is not None and "activations and temporaries" not in held:
+        held["activations (estimated)"] = now.activations  # CPU: no allocator to ask
+    top = max(held, key=held.get)
+    lines = [f"Out of memory in the {phase or 'set-up'} phase of step {step}; the step was rolled "
+             "back and the session is as it was before it.",
+             "Held at the failure: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in held.items())
+             + f" (most: {top})."]
+    if suggestions:
+        now = format_bytes(predicted) if predicted is not None else "?"
+        where = f" of {format_bytes(limit)} available" if limit is not None else ""
+        lines.append(f"Predicted peak now {now}{where}; these changes lower it:")
+        for s in suggestions:
+            note = ("fits" if s.fits else "still too big") if s.fits is not None else ""
+            kept = "same maths" if s.exact else "changes the maths slightly"
+            lines.append(f"  {s.label}: {now} -> {format_bytes(s.peak)} ({kept}{', ' + note if note else ''})")
+        lines.append(f"Apply one with session.set({suggestions[0].label}), or run(n, "
+                     "on_oom='adapt') to apply the first and go on.")
+    else:
+        lines.append("No single toggle change is predicted to lower the peak: shorten seq_len or "
+                     "lower batch_size.")
+    if err.args:
+        lines.append(f"(torch: {str(err.args[0]).splitlines()[0][:200]})")
+    return OutOfMemory("\n".join(lines), phase, held, predicted, suggestions)
+
+
+class SimulatedCard(torch.autograd.graph.saved_tensors_hooks):
+    """Within this context, pretend the device holds at most ``limit`` bytes of activations
+    saved for backward: past that, raise ``torch.OutOfMemoryError`` as CUDA would.
+
+    For teaching and tests on a CPU, where really running out of memory would get the
+    process killed. Activations are counted as they are saved and uncounted as backward
+    uses them; weights are not counted. Checkpointed layers save through their own hooks,
+    so checkpointing really does lower what this card sees.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held = limit, 0
+
+        def pack(t: torch.Tensor):
+            if isinstance(t, torch.nn.Parameter):
+                return t
+            nbytes = t.numel() * t.element_size()
+            self.held += nbytes
+            if self.held > self.limit:
+                self.held = 0  # the failed step's activations are dropped with it
+                raise torch.OutOfMemoryError(
+                    f"Out of memory on a simulated card of {self.limit} bytes of activations "
+                    f"(tried to save {nbytes} more).")
+            return (t, nbytes)
+
+        def unpack(packed):
+            if isinstance(packed, torch.Tensor):
+                return packed
+            t, nbytes = packed
+            self.held -= nbytes
+            return t
+
+        super().__init__(pack, unpack)

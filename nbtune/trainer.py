@@ -1,0 +1,475 @@
+"""Trainer: the one owner of training state, and the only code that changes it.
+
+Model, optimizer, data position, RNG, step count and history live here, each with a
+``state_dict``. Commands (``step``, ``set``, ``load_state_dict``) are transactions: they
+either complete or leave the state exactly as it was.
+
+* A step notes what it will change before it starts (data position, RNG, learning rates,
+  history length) and, when the update may write weights in place before it can fail
+  (optimizer stepped in backward, an optimizer failing half-way), a host copy of the
+  trainable weights and optimizer state (``rollback``). On any exception it drops the
+  gradients, restores what it noted, clears the traceback's frames (they hold the step's
+  activations, and IPython keeps the last traceback alive) and re-raises.
+* A non-finite loss or gradient stops the step before the optimizer runs
+  (``NonFiniteError``).
+* ``set`` checks everything it can first (``plan.check``), builds the new components beside
+  the old ones while a ``ModelJournal`` keeps what the model transform replaces, and swaps
+  them in only when all were built; otherwise it puts the old ones back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import json
+import signal
+import threading
+import traceback
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .data import BatchStream
+from .memory import MemoryBreakdown
+from .memory.accounting import optimizer_state_bytes, storage_bytes
+from .oom import OutOfMemory, explain, held_now
+from .optim import build_optimizer, release_optimizer, trainable_parameters
+from .peft import adapter_state_dict, has_lora, is_nf4
+from .plan import (REBUILDS_DATA, REBUILDS_MODEL, REBUILDS_OPTIMIZER, RETUNES_MODEL, ModelJournal,
+                   check, transform_model)
+from .step import StepReport, train_step
+from .techniques import Techniques
+
+ROLLBACK_MODES = ("auto", "copy", "none")
+# "auto" keeps the undo copy whenever it is at most this big (any LoRA run, small models).
+UNDO_AUTO_BYTES = 256 << 20
+
+
+class DamagedStateError(RuntimeError):
+    """An update failed half-way with no copy to undo it: the weights are not trustworthy."""
+
+
+@dataclass
+class _Prepared:
+    """Components built for new techniques, not yet swapped in."""
+
+    techniques: Techniques
+    stream: BatchStream
+    optimizer: torch.optim.Optimizer
+    journal: ModelJournal | None
+    base_changed: bool
+    messages: list
+
+
+class Trainer:
+    """Owns the model, optimizer, data stream, RNG, step count and history of one run.
+
+    ``make_stream(techniques)`` builds the batch stream for a batch shape (the data and
+    tokenizer stay with the caller). ``say`` shows a message to the user.
+    """
+
+    def __init__(self, model: nn.Module, make_stream: Callable[[Techniques], BatchStream],
+                 techniques: Techniques, device: torch.device, pad_id: int,
+                 say: Callable[[str], None] = print) -> None:
+        problems = check(techniques, model, device.type)
+        if problems:
+            raise ValueError(" ".join(problems))
+        self.device, self.pad_id, self.say = device, pad_id, say
+        self._make_stream = make_stream
+        self.stream = make_stream(techniques)
+        self.model = model.to(device)
+        self.base_fingerprint = base_fingerprint(self.model)  # of the weights as loaded
+        transform_model(self.model, techniques, previous=None)
+        self.optimizer = build_optimizer(self.model, techniques)
+        self.techniques = techniques
+        self.history: list[StepReport] = []
+        self.base_changed = False  # True once full training or a merge altered the base weights
+        self.rollback = "auto"
+        self.damaged: str | None = None  # why the state cannot be trusted, after a failed update
+        self.last_memory: MemoryBreakdown | None = None
+        self.last_undo_bytes = 0  # host bytes the last step's undo copy held
+        self._interrupted = False
+
+    # ---- commands ------------------------------------------------------------------------
+
+    def set(self, new: Techniques) -> set[str]:
+        """Switch to ``new`` techniques, all or nothing; returns the fields that changed."""
+        self._usable()
+        changed = new.changed(self.techniques)
+        if changed:
+            self._commit(self._prepare(new))
+        return changed
+
+    def step(self, track: bool) -> StepReport:
+        """One optimizer step, all or nothing. ``track``: measure its memory (else the report
+        carries the last measurement, ``measured=False``)."""
+        self._usable()
+        t = self.techniques
+        mark = self._mark()
+        undo = self._undo_copy(t)
+        phase: list = [None]
+        number, shape = len(self.history) + 1, None
+        try:
+            batches = [{k: v.to(self.device) for k, v in self.stream.next().items()}
+                       for _ in range(t.grad_accum)]
+            shape = max((tuple(b["input_ids"].shape) for b in batches), key=lambda s: s[0] * s[1])
+            for group in self.optimizer.param_groups:
+                group["lr"] = t.lr_at(number)
+            report = train_step(self.model, self.optimizer, batches, self.pad_id, step=number,
+                                loss_chunks=t.chunked_loss, offload_activations=t.activation_offloading,
+                                max_grad_norm=t.max_grad_norm, compiled_loss=t.compile, track=track,
+                                phase=phase, critical=self._critical if undo is None else None)
+        except BaseException as err:
+            oom = isinstance(err, torch.OutOfMemoryError) and not isinstance(err, OutOfMemory)
+            held = held_now(self.model, self.optimizer, self.device) if oom else None
+            self._roll_back(mark, undo, phase[0], t)
+            del undo
+            _drop_frames(err)
+            if not oom:
+                raise
+            try:  # memory is back: now the estimator can say what would fit
+                explained = explain(err, phase[0], number, held, self.model.config, t,
+                                    self.device, shape)
+            except Exception:  # noqa: BLE001 - never hide the out-of-memory error itself
+                raise err from None
+            raise explained from err
+        if report.memory is not None:
+            self.last_memory = report.memory
+        else:
+            last = self.last_memory or MemoryBreakdown(device=str(self.device))
+            report = replace(report, memory=last.carried())
+        self.base_changed |= t.method == "full"
+        self.history.append(report)
+        if self._interrupted:  # Ctrl-C arrived while the update was being written: now it counts
+            self._interrupted = False
+            raise KeyboardInterrupt
+        return report
+
+    # ---- state ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The whole training state, by reference (clone it to keep it): equal state dicts give
+        an equal next step. Weights are every weight after full training (NF4 ones as their
+        parts), else only the LoRA adapters."""
+        full = not has_lora(self.model) or self.base_changed
+        return {
+            "techniques": self.techniques,
+            "full_weights": full,
+            "weights": full_weights(self.model) if full else adapter_state_dict(self.model),
+            "optimizer": self.optimizer.state_dict(),
+            "data": self.stream.state_dict(),
+            "rng": rng_state(),
+            "history": list(self.history),
+            "base_changed": self.base_changed,
+            "base_fingerprint": self.base_fingerprint,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Bring the run to ``state`` (from ``state_dict`` or a checkpoint), all or nothing.
+
+        Everything is checked before anything is written: the techniques, that the state
+        belongs to this base model, every weight's name and shape, and the optimizer state
+        (loaded into a fresh optimizer first).
+        """
+        missing = {"techniques", "full_weights", "weights", "optimizer", "data", "rng", "history",
+                   "base_changed", "base_fingerprint"} - set(state)
+        if missing:
+            raise ValueError(f"The training state lacks {sorted(missing)}: it was not made by "
+                             "Trainer.state_dict or a complete checkpoint.")
+        if state["base_fingerprint"] != self.base_fingerprint:
+            raise ValueError("This training state was made from a different base model (its "
+                             "fingerprint of the base weights and config differs): load it into "
+                             "a session on the model it was trained from.")
+        if not state["full_weights"] and self.base_changed:
+            raise ValueError("The state holds LoRA adapters trained on the original base weights, "
+                             "but this session's base weights have changed since loading (full "
+                             "training or merged adapters), so the adapters would not reproduce "
+                             "the run: load it into a fresh session on the base model.")
+        self._usable(loading=True)
+        prepared = self._prepare(state["techniques"], fresh_optimizer=True)
+        try:
+            check_weights(self.model, state["weights"], state["full_weights"])
+            prepared.optimizer.load_state_dict(state["optimizer"])
+            stream = prepared.stream
+            stream.load_state_dict(state["data"])
+        except BaseException:
+            self._abort(prepared)
+            raise
+        with self._critical():  # in-place writes: Ctrl-C waits until they are done
+            write_weights(self.model, state["weights"], state["full_weights"])
+            self._commit(replace(prepared, base_changed=state["base_changed"]), quiet=True)
+            self.base_changed = state["base_changed"]
+            self.history = list(state["history"])
+            set_rng_state(state["rng"])
+            self.damaged = None
+        self.last_memory = next((r.memory for r in reversed(self.history) if r.memory.measured), None)
+        if self._interrupted:
+            self._interrupted = False
+            raise KeyboardInterrupt
+
+    # ---- transactions --------------------------------------------------------------------
+
+    def _prepare(self, new: Techniques, fresh_optimizer: bool = False) -> _Prepared:
+        """Build what ``new`` needs beside what exists; on failure, undo and re-raise."""
+        problems = check(new, self.model, self.device.type)
+        if problems:
+            raise ValueError(" ".join(problems))
+        changed = new.changed(self.techniques)
+        stream = self.stream
+        if changed & REBUILDS_DATA:
+            stream = self._make_stream(new)  # may refuse (rows too long): nothing changed yet
+            stream.continue_from(self.stream)  # a new batch size goes on through the epoch
+        elif fresh_optimizer:  # loading a state: its position goes into a copy until commit
+            stream = self.stream.copy()
+        journal = ModelJournal(self.model) if changed & (REBUILDS_MODEL | RETUNES_MODEL) else None
+        prepared = _Prepared(new, stream, self.optimizer, journal, self.base_changed, [])
+        try:
+            if journal is not None:
+                base_changed, prepared.messages = transform_model(self.model, new, self.techniques)
+                prepared.base_changed |= base_changed
+            if changed & REBUILDS_OPTIMIZER or fresh_optimizer:
+                prepared.optimizer = build_optimizer(self.model, new)
+        except BaseException:
+            self._abort(prepared)
+            raise
+        return prepared
+
+    def _abort(self, prepared: _Prepared) -> None:
+        if prepared.optimizer is not self.optimizer:
+            release_optimizer(prepared.optimizer)
+        if prepared.journal is not None:
+            prepared.journal.restore()
+
+    def _commit(self, prepared: _Prepared, quiet: bool = False) -> None:
+        """Swap the prepared components in (nothing here can fail half-way). ``quiet``: a
+        loaded state, whose optimizer keeps the learning rates it was saved with."""
+        new, messages = prepared.techniques, list(prepared.messages)
+        if prepared.optimizer is not self.optimizer:
+            had_state = bool(self.optimizer.state)
+            release_optimizer(self.optimizer)  # hooks off, state freed
+            changed = sorted(new.changed(self.techniques) & REBUILDS_OPTIMIZER)
+            if had_state and changed:
+                messages.append(f"optimizer state reset ({', '.join(changed)} changed).")
+        if not quiet:
+            for group in prepared.optimizer.param_groups:
+                group["lr"], group["weight_decay"] = new.lr, new.weight_decay
+        self.optimizer, self.stream, self.techniques = prepared.optimizer, prepared.stream, new
+        self.base_changed = prepared.base_changed
+        if prepared.journal is not None:
+            prepared.journal.discard()
+        if not quiet:
+            for message in messages:
+                self.say(message)
+
+    def _usable(self, loading: bool = False) -> None:
+        if self.damaged and not loading:
+            raise DamagedStateError(self.damaged)
+
+    # ---- one step's undo -----------------------------------------------------------------
+
+    def _mark(self) -> dict:
+        return {"data": self.stream.state_dict(), "rng": rng_state(),
+                "lrs": [g["lr"] for g in self.optimizer.param_groups]}
+
+    def _undo_copy(self, t: Techniques) -> "_UndoCopy | None":
+        """A host copy of what the update writes in place, when the rollback mode asks for it."""
+        if self.rollback not in ROLLBACK_MODES:
+            raise ValueError(f"rollback={self.rollback!r} is not one of {', '.join(ROLLBACK_MODES)}.")
+        if self.rollback == "none":
+            return None
+        if self.rollback == "auto" and not t.optimizer_in_backward and self.optimizer.state:
+            size = (storage_bytes(trainable_parameters(self.model))
+                    + optimizer_state_bytes(self.optimizer))
+            if size > UNDO_AUTO_BYTES:
+                self.last_undo_bytes = 0
+                return None
+        undo = _UndoCopy(self.model, self.optimizer)
+        self.last_undo_bytes = undo.nbytes
+        return undo
+
+    @contextlib.contextmanager
+    def _critical(self):
+        """Defer Ctrl-C (main thread only) while weights are written in place with no copy."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def later(signum, frame):
+            self._interrupted = True
+
+        previous = signal.signal(signal.SIGINT, later)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _roll_back(self, mark: dict, undo: "_UndoCopy | None", phase: str | None,
+                   t: Techniques) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+        for group, lr in zip(self.optimizer.param_groups, mark["lrs"]):
+            group["lr"] = lr
+        self.stream.load_state_dict(mark["data"])
+        set_rng_state(mark["rng"])
+        wrote = t.optimizer_in_backward or phase == "optimizer"  # weights may be half-updated
+        if wrote:
+            if undo is not None:
+                undo.restore(self.model, self.optimizer)
+            else:
+                self.damaged = (
+                    f"An update failed in the {phase} phase after it had begun writing weights and "
+                    "optimizer state, and no copy was kept to undo it (rollback="
+                    f"{self.rollback!r}). Load a checkpoint or a saved state_dict "
+                    "(session.load_checkpoint / session.load_state_dict) to continue, and set "
+                    "session.rollback = 'copy' to make such failures undoable.")
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+class _UndoCopy:
+    """Trainable weights and optimizer state, copied to host memory before an update."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        host = torch.device("cpu")
+        with torch.no_grad():
+            self.params = [(p, p.detach().to(host, copy=True)) for p in trainable_parameters(model)]
+        self.optimizer = _to_host(optimizer.state_dict())
+        self.nbytes = storage_bytes([c for _, c in self.params]) + storage_bytes(
+            _tensors(self.optimizer["state"]))
+
+    @torch.no_grad()
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        for param, copy in self.params:
+            param.copy_(copy)
+        optimizer.load_state_dict(self.optimizer)
+
+
+def _to_host(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_host(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_host(v) for v in value]
+    return value
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _drop_frames(err: BaseException) -> None:
+    """Clear the locals of every frame in ``err``'s traceback (and its context's): they hold
+    the failed step's activations, which IPython would keep alive with the traceback."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        err = err.__context__
+
+
+# ---- pieces of the state ---------------------------------------------------------------
+
+def rng_state() -> dict[str, torch.Tensor]:
+    out = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return out
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    cuda = sorted((k for k in state if k.startswith("cuda")), key=lambda k: int(k[4:]))
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([state[k] for k in cuda])
+
+
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Weights under their parameter names, without the tied head; an NF4 weight as its parts
+    (``<name>.nf4.<part>``), so it comes back bit for bit (dequantized and quantized again it
+    would differ)."""
+    out = {}
+    for name, value in model.state_dict().items():
+        if is_nf4(value):
+            parts, _ = value.__tensor_flatten__()
+            out.update({f"{name}.nf4.{part}": getattr(value, part) for part in parts})
+        else:
+            out[name] = value.detach()
+    if model.config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)  # one tensor with the embedding
+    return out
+
+
+def _expected_weights(model: nn.Module, full: bool) -> dict[str, tuple]:
+    """name -> shape of what ``full_weights`` / ``adapter_state_dict`` give for ``model``."""
+    if full:
+        out = {}
+        for name, value in model.state_dict().items():
+            if is_nf4(value):
+                parts, _ = value.__tensor_flatten__()
+                out.update({f"{name}.nf4.{p}": tuple(getattr(value, p).shape) for p in parts})
+            else:
+                out[name] = tuple(value.shape)
+        if model.config.tie_word_embeddings:
+            out.pop("lm_head.weight", None)
+        return out
+    return {k: tuple(v.shape) for k, v in adapter_state_dict(model).items()}
+
+
+def check_weights(model: nn.Module, weights: dict, full: bool) -> None:
+    """Refuse weights whose names or shapes differ from what ``model`` holds."""
+    expected = _expected_weights(model, full)
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    wrong = [f"{k} {tuple(weights[k].shape)} (this model: {expected[k]})"
+             for k in sorted(set(expected) & set(weights)) if tuple(weights[k].shape) != expected[k]]
+    if missing or extra or wrong:
+        parts = ([f"missing {missing[:3]}"] if missing else []) + \
+                ([f"unknown {extra[:3]}"] if extra else []) + ([f"shape {wrong[:3]}"] if wrong else [])
+        raise ValueError(f"The saved weights do not fit this model ({'; '.join(parts)}): it was "
+                         "saved from another model or other LoRA settings.")
+
+
+@torch.no_grad()
+def write_weights(model: nn.Module, weights: dict, full: bool) -> None:
+    """Copy checked weights into the model's own tensors (no allocation)."""
+    if not full:
+        params = dict(model.named_parameters())
+        for key, value in weights.items():
+            params[key.removeprefix("base_model.model.")].copy_(value)
+        return
+    for name, value in model.state_dict(keep_vars=True).items():
+        if is_nf4(value):
+            for part in value.__tensor_flatten__()[0]:
+                getattr(value, part).copy_(weights[f"{name}.nf4.{part}"])
+        elif name in weights:
+            value.copy_(weights[name])
+
+
+def base_fingerprint(model: nn.Module) -> str:
+    """A short hash of the config and samples of the weights QLoRA never quantizes.
+
+    Embeddings and norms stay dense in every method, and values are rounded to bf16 before
+    hashing, so the same base loaded in fp32 or bf16, dense or NF4, gives the same print,
+    while another model of the same shape does not. Cheap: a few hundred values per tensor.
+    """
+    digest = hashlib.sha256()
+    config = {k: v for k, v in model.config.to_hf().items() if k != "torch_dtype"}
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, param in model.named_parameters():
+        if not (name.endswith("embed_tokens.weight") or "norm" in name) or is_nf4(param):
+            continue
+        flat = param.detach().reshape(-1)
+        count = min(256, flat.numel())
+        index = (torch.arange(count) * (flat.numel() - 1) // max(count - 1, 1)).to(flat.device)
+        sample = flat[index].to(torch.bfloat16).float().cpu()
+        digest.update(name.encode() + str(tuple(param.shape)).encode() + sample.numpy().tobytes())
+    return digest.hexdigest()[:16]

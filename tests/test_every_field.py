@@ -1,0 +1,410 @@
+"""Every field of ``Techniques`` takes effect: one table row per field.
+
+Each row changes one field to a value that runs on CPU and says how to see it on the
+built object (the model, the optimizer, the batch stream, the step's calls). Every row
+is tried twice:
+
+(a) set at build time, ``small_session(field=value)``;
+(b) changed on a live session with ``session.set(field=value)`` after one step.
+
+Fields that change the maths must change the next steps' losses against an unchanged
+twin (same companions in ``base``); memory techniques must leave them equal within 1e-5.
+Fields that only CUDA runs (``cuda_only``) must be refused on CPU by the rules table,
+naming the field and leaving the session as it was.
+
+A new ``Techniques`` field without a row fails ``test_table_has_one_row_per_field``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+import nbtune.activations
+import nbtune.loss
+import nbtune.step
+from nbtune.optim import OptimizerInBackward
+from nbtune.peft import LoRALinear, is_nf4
+from nbtune.techniques import LORA_TARGETS, RULES, Techniques
+
+from helpers import small_session
+
+EQUAL_ATOL = 1e-5  # memory techniques: same maths up to float reordering
+DIFFERENT = 1e-4  # maths fields: the change must move a loss far above float noise (~1e-6);
+# the smallest change in the table (bf16 at build time) moves it by ~1e-3
+STEPS = 2  # steps compared after the change: the first shows data/forward changes, the
+# second the update the first step made
+
+
+@dataclass
+class Context:
+    """What a row's check may use besides the session."""
+
+    value: Any
+    base: dict
+    changed_at: int  # steps taken before the change: 0 at build time, 1 when set live
+    monkeypatch: pytest.MonkeyPatch
+
+
+@dataclass
+class Row:
+    value: Any
+    check: Callable[[Any, Context], None] | None = None  # on the built session, after the steps
+    base: dict = field(default_factory=dict)  # companions for both twins
+    maths: bool = True  # False: a memory technique, the losses must stay equal
+    cuda_only: bool = False  # refused on CPU by a device rule
+
+
+# ---- helpers the checks use ------------------------------------------------------------
+
+def peek(session) -> dict[str, torch.Tensor]:
+    """The next batch the session would train on, without moving its stream."""
+    return copy.deepcopy(session._stream).next()
+
+
+def lora_modules(model) -> dict[str, LoRALinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def count_forwards(session, ctx: Context) -> list[int]:
+    """A list that gets one entry per forward pass (``hidden_states`` call) of the model."""
+    calls = []
+    original = session.model.hidden_states
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    ctx.monkeypatch.setattr(session.model, "hidden_states", counting)
+    return calls
+
+
+# ---- the checks, one per row -----------------------------------------------------------
+
+def check_method(session, ctx):
+    wrapped = lora_modules(session.model)
+    assert wrapped, "no LoRALinear in the model"
+    assert {name.rpartition(".")[2] for name in wrapped} == set(LORA_TARGETS)
+    trainable = {n for n, p in session.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    quantized = [is_nf4(m.base_layer.weight) for m in wrapped.values()]
+    assert all(quantized) if ctx.value == "qlora" else not any(quantized)
+
+
+def check_dtype(session, ctx):
+    assert {p.dtype for p in session.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for g in session.optimizer.param_groups for p in g["params"]} == {torch.bfloat16}
+
+
+def check_activation_checkpointing(session, ctx):
+    flags = [bool(layer.checkpointed) for layer in session.model.model.layers]
+    assert flags == [i % ctx.value == 0 for i in range(len(flags))]
+    assert any(flags) and not all(flags)  # every Nth layer, not all or none
+
+
+def check_batch_size(session, ctx):
+    assert session._stream.batch_size == ctx.value
+    assert peek(session)["input_ids"].shape[0] == ctx.value
+    assert session.history[-1].shape[0] == ctx.value
+
+
+def check_seq_len(session, ctx):
+    lengths = [len(s.input_ids) for s in session._stream.samples]
+    assert max(lengths) == ctx.value  # longer rows were cut to exactly seq_len
+    assert peek(session)["input_ids"].shape[1] <= ctx.value
+    assert session.history[-1].shape[1] <= ctx.value
+
+
+def check_packing(session, ctx):
+    batch = peek(session)
+    assert "document_ids" in batch and "positions" in batch
+    # Several examples share a row: some row holds more than one document.
+    assert int(batch["document_ids"].max()) >= 1
+
+
+def check_grad_accum(session, ctx):
+    forwards = count_forwards(session, ctx)
+    session.step()
+    assert len(forwards) == ctx.value
+
+
+def check_lr(session, ctx):
+    assert {g["lr"] for g in session.optimizer.param_groups} == {ctx.value}
+    assert [r.lr for r in session.history[ctx.changed_at:]] == [ctx.value] * STEPS
+
+
+def check_warmup_steps(session, ctx):
+    lr, warmup = session.techniques.lr, ctx.value
+    if ctx.changed_at == 0:
+        assert session.history[0].lr == pytest.approx(lr / warmup, rel=1e-12)
+    for report in session.history[ctx.changed_at:]:
+        expected = lr * report.step / warmup if report.step < warmup else lr
+        assert report.lr == pytest.approx(expected, rel=1e-12), report.step
+        assert report.lr < lr  # still warming up: the field did something
+    assert {g["lr"] for g in session.optimizer.param_groups} == {session.history[-1].lr}
+
+
+def check_optimizer(session, ctx):
+    if ctx.value == "sgd":
+        assert isinstance(session.optimizer, torch.optim.SGD)
+        assert not any("exp_avg" in s for s in session.optimizer.state.values())
+    else:  # adamw8bit: bitsandbytes' 8-bit AdamW, quantized state
+        import bitsandbytes.optim
+
+        assert isinstance(session.optimizer, bitsandbytes.optim.AdamW8bit)
+        dtypes = {t.dtype for s in session.optimizer.state.values() for t in s.values()
+                  if isinstance(t, torch.Tensor)}
+        assert torch.uint8 in dtypes
+
+
+def check_optimizer_in_backward(session, ctx):
+    assert isinstance(session.optimizer, OptimizerInBackward)
+    # Every trainable weight has its own optimizer, stepped from its gradient hook.
+    trainable = {id(p) for p in session.model.parameters() if p.requires_grad}
+    stepped = {id(p) for g in session.optimizer.param_groups for p in g["params"]}
+    assert stepped == trainable
+
+
+def check_activation_offloading(session, ctx):
+    made, packed = [], []
+    original = nbtune.activations.OffloadActivations.__init__
+
+    def counting_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(1)
+        pack = self.pack_hook
+
+        def spy(t):
+            out = pack(t)
+            packed.append(out is not t)
+            return out
+
+        self.pack_hook = spy
+
+    ctx.monkeypatch.setattr(nbtune.activations.OffloadActivations, "__init__", counting_init)
+    session.step()
+    assert len(made) == session.techniques.grad_accum  # one context per micro-batch
+    assert sum(packed) > 10  # saved activations went through the hooks and were copied
+
+
+def check_chunked_loss(session, ctx):
+    widths = []
+    original = nbtune.loss._chunk_loss
+
+    def counting(lm_head, hidden, labels):
+        widths.append(hidden.shape[1])
+        return original(lm_head, hidden, labels)
+
+    ctx.monkeypatch.setattr(nbtune.loss, "_chunk_loss", counting)
+    report = session.step()
+    T = report.shape[1]
+    assert len(widths) >= ctx.value
+    assert max(widths) == math.ceil(T / ctx.value)  # no call ever saw the whole sequence
+    # The forward chunks (the first ones; backward recomputes them) tile the sequence.
+    assert sum(widths[: ctx.value]) == T
+
+
+def check_max_grad_norm(session, ctx):
+    calls = []
+    utils = nbtune.step.torch.nn.utils  # as the training step looks it up
+    original = utils.clip_grad_norm_
+
+    def spy(parameters, max_norm, *args, **kwargs):
+        parameters = list(parameters)
+        calls.append((max_norm, len(parameters)))
+        return original(parameters, max_norm, *args, **kwargs)
+
+    ctx.monkeypatch.setattr(utils, "clip_grad_norm_", spy)
+    session.step()
+    trainable = len({id(p) for p in session.model.parameters() if p.requires_grad})
+    assert calls == [(ctx.value, trainable)]
+
+
+def check_weight_decay(session, ctx):
+    assert {g["weight_decay"] for g in session.optimizer.param_groups} == {ctx.value}
+
+
+def check_lora_rank(session, ctx):
+    modules = lora_modules(session.model).values()
+    assert modules
+    for m in modules:
+        assert m.lora_A.weight.shape == (ctx.value, m.base_layer.in_features)
+        assert m.lora_B.weight.shape == (m.base_layer.out_features, ctx.value)
+        assert m.rank == ctx.value
+
+
+def check_lora_alpha(session, ctx):
+    modules = lora_modules(session.model).values()
+    assert modules
+    for m in modules:
+        assert m.alpha == ctx.value
+        assert m.scaling == pytest.approx(ctx.value / session.techniques.lora_rank)
+
+
+def check_lora_dropout(session, ctx):
+    modules = lora_modules(session.model).values()
+    assert modules
+    for m in modules:
+        assert isinstance(m.lora_dropout, nn.Dropout) and m.lora_dropout.p == ctx.value
+
+
+def check_lora_targets(session, ctx):
+    wrapped = {name.rpartition(".")[2] for name in lora_modules(session.model)}
+    assert wrapped == set(ctx.value)
+    plain = {name.rpartition(".")[2] for name, m in session.model.named_modules()
+             if type(m) is nn.Linear and ".lora_" not in name and not name.endswith("base_layer")}
+    assert plain == set(LORA_TARGETS) - set(ctx.value) | {"lm_head"}
+
+
+def check_seed(session, ctx):
+    # A twin on the default seed, moved to the same epoch and position: its next batch
+    # is what this session would read if the seed had not reached the data order.
+    twin = small_session(**ctx.base)._stream
+    stream = session._stream
+    for _ in range(1000):
+        if (twin.epoch, twin.position) == (stream.epoch, stream.position):
+            break
+        twin.next()
+    assert (twin.epoch, twin.position) == (stream.epoch, stream.position)
+    assert not torch.equal(copy.deepcopy(twin).next()["input_ids"], peek(session)["input_ids"])
+
+
+LORA = {"method": "lora", "lr": 1e-2}  # a larger lr so adapters move the loss visibly
+SGD = {"optimizer": "sgd", "lr": 0.1}  # no state to reset when the optimizer is rebuilt
+
+TABLE: dict[str, Row] = {
+    "method": Row("lora", check_method),
+    "dtype": Row("bf16", check_dtype),
+    "activation_checkpointing": Row(2, check_activation_checkpointing, maths=False),
+    "batch_size": Row(2, check_batch_size),
+    "seq_len": Row(78, check_seq_len),  # rows are 78-81 tokens: cuts some, drops some
+    "packing": Row(True, check_packing, base={"seq_len": 192}),  # two examples per row
+    "grad_accum": Row(2, check_grad_accum),
+    "lr": Row(3e-3, check_lr),
+    "warmup_steps": Row(5, check_warmup_steps),
+    "optimizer": Row("sgd", check_optimizer),
+    # Exact for SGD (AdamW's state would be reset by the live rebuild, which is not the maths).
+    "optimizer_in_backward": Row(True, check_optimizer_in_backward, base=SGD, maths=False),
+    "cpu_offload_optimizer": Row(True, cuda_only=True),  # CUDA only: refused on CPU
+    "activation_offloading": Row(True, check_activation_offloading, maths=False),
+    "chunked_loss": Row(4, check_chunked_loss, maths=False),
+    "compile": Row(True, cuda_only=True),  # CUDA only: refused on CPU
+    "max_grad_norm": Row(0.05, check_max_grad_norm, base=SGD),
+    "weight_decay": Row(20.0, check_weight_decay),
+    "lora_rank": Row(4, check_lora_rank, base=LORA),
+    "lora_alpha": Row(64.0, check_lora_alpha, base=LORA),
+    "lora_dropout": Row(0.5, check_lora_dropout, base=LORA),
+    "lora_targets": Row(("q_proj", "v_proj"), check_lora_targets, base=LORA),
+    "seed": Row(1, check_seed),
+}
+
+# Second values of a field, tried the same way (not part of the one-row-per-field count).
+EXTRA: dict[str, tuple[str, Row]] = {
+    "method=qlora": ("method", Row("qlora", check_method)),
+    # Against SGD: bitsandbytes' first update is AdamW's exactly (the state is quantized
+    # only after it is used), so against AdamW the losses part only from the third step.
+    "optimizer=adamw8bit": ("optimizer", Row("adamw8bit", check_optimizer, base=SGD)),
+}
+
+CASES = [pytest.param(name, row, id=name) for name, row in TABLE.items()]
+CASES += [pytest.param(name, row, id=case) for case, (name, row) in EXTRA.items()]
+CPU_CASES = [c for c in CASES if not c.values[1].cuda_only]  # maths or memory
+CUDA_CASES = [c for c in CASES if c.values[1].cuda_only]
+
+_twin_traces: dict = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: on 2 cores shared with other test runs, torch's two OpenMP
+    threads spin against each other and a tiny step takes seconds instead of 0.2 s."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def twin_trace(base: dict) -> list[float]:
+    """Losses of ``STEPS + 1`` steps of an unchanged session (shared by the rows' twins)."""
+    key = tuple(sorted(base.items()))
+    if key not in _twin_traces:
+        session = small_session(**base)
+        _twin_traces[key] = [session.step().loss for _ in range(STEPS + 1)]
+    return _twin_traces[key]
+
+
+def compare(losses: list[float], twin: list[float], row: Row, name: str) -> None:
+    assert all(math.isfinite(x) for x in losses), losses
+    gap = max(abs(a - b) for a, b in zip(losses, twin))
+    if row.maths:
+        assert gap > DIFFERENT, f"{name}={row.value!r} left the losses as they were: {losses} vs {twin}"
+    else:
+        assert gap <= EQUAL_ATOL, f"{name}={row.value!r} changed the maths: {losses} vs {twin}"
+
+
+# ---- the tests -------------------------------------------------------------------------
+
+def test_table_has_one_row_per_field():
+    assert set(TABLE) == {f.name for f in dataclasses.fields(Techniques)}
+
+
+def test_rows_change_their_field_and_cuda_rows_are_the_device_rules():
+    defaults = Techniques()
+    cuda_fields = {r.fields[0] for r in RULES if r.device == "cuda" and len(r.fields) == 1}
+    for name, row in list(TABLE.items()) + list(EXTRA.values()):
+        assert row.value != getattr(defaults, name) and row.value != row.base.get(name), name
+        changed = Techniques(**{**row.base, name: row.value})
+        cpu_rules = changed.conflicts("cpu")
+        if row.cuda_only:
+            assert name in cuda_fields and cpu_rules and not changed.conflicts("cuda"), name
+            assert all(rule.device == "cuda" for rule in cpu_rules), name
+        else:
+            assert not cpu_rules and row.check is not None, name
+
+
+@pytest.mark.parametrize("name, row", CPU_CASES)
+def test_field_set_at_build_time_takes_effect(name, row, monkeypatch):
+    session = small_session(**{**row.base, name: row.value})
+    assert getattr(session.techniques, name) == row.value
+    losses = [session.step().loss for _ in range(STEPS)]
+    compare(losses, twin_trace(row.base)[:STEPS], row, name)
+    row.check(session, Context(row.value, row.base, 0, monkeypatch))
+
+
+@pytest.mark.parametrize("name, row", CPU_CASES)
+def test_field_set_on_a_live_session_takes_effect(name, row, monkeypatch):
+    session = small_session(**row.base)
+    session.step()
+    session.set(**{name: row.value})
+    assert getattr(session.techniques, name) == row.value
+    losses = [session.step().loss for _ in range(STEPS)]
+    compare(losses, twin_trace(row.base)[1:STEPS + 1], row, name)
+    row.check(session, Context(row.value, row.base, 1, monkeypatch))
+
+
+@pytest.mark.parametrize("name, row", CUDA_CASES)
+def test_cuda_only_field_is_refused_at_build_time(name, row):
+    with pytest.raises(ValueError, match=name):
+        small_session(**{**row.base, name: row.value})
+
+
+@pytest.mark.parametrize("name, row", CUDA_CASES)
+def test_cuda_only_field_is_refused_on_a_live_session(name, row):
+    session = small_session(**row.base)
+    session.step()
+    before = session.techniques
+    optimizer = session.optimizer
+    with pytest.raises(ValueError, match=name):
+        session.set(**{name: row.value})
+    assert session.techniques == before and getattr(session.techniques, name) != row.value
+    assert session.optimizer is optimizer
+    losses = [session.step().loss for _ in range(STEPS)]
+    # Nothing was half-applied: the session goes on exactly as its unchanged twin.
+    torch.testing.assert_close(losses, twin_trace(row.base)[1:STEPS + 1], atol=EQUAL_ATOL, rtol=0)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Collection
 
@@ -15,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from ..atomic import write_atomically  # noqa: F401  (checkpoint.py imports it from here)
 from ..hub import resolve_model_folder
 from ..peft import dequantize, to_nf4
 from .config import ModelConfig
@@ -218,25 +217,6 @@ def plain_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     return state
 
 
-def write_atomically(folder: str | os.PathLike, write) -> Path:
-    """Run ``write(tmp_dir)`` then swap tmp_dir into place: a crash leaves the old folder intact."""
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        write(tmp)
-        if folder.exists():
-            old = folder.with_name(f".{folder.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            folder.rename(old)
-            tmp.rename(folder)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return folder
 
 
 def write_hf_folder(folder: str | os.PathLike, state: dict[str, torch.Tensor], config: ModelConfig,

@@ -62,6 +62,7 @@ class _Prepared:
     journal: ModelJournal | None
     base_changed: bool
     messages: list
+    rng: dict  # new adapters draw their initial values: an abort puts the RNG back
 
 
 class Trainer:
@@ -193,13 +194,21 @@ class Trainer:
         try:
             check_weights(self.model, state["weights"], state["full_weights"])
             prepared.optimizer.load_state_dict(state["optimizer"])
+            check_optimizer_state(prepared.optimizer)  # torch's load does not check shapes
             stream = prepared.stream
             stream.load_state_dict(state["data"])
         except BaseException:
             self._abort(prepared)
             raise
         with self._critical():  # in-place writes: Ctrl-C waits until they are done
-            write_weights(self.model, state["weights"], state["full_weights"])
+            try:
+                write_weights(self.model, state["weights"], state["full_weights"])
+            except BaseException:  # checked, so nearly impossible; never continue from a mix
+                self._abort(prepared)
+                self.damaged = ("Loading a training state failed while its weights were being "
+                                "written, so the weights are part old, part new: load the state "
+                                "(or a checkpoint) again to continue.")
+                raise
             self._commit(replace(prepared, base_changed=state["base_changed"]), quiet=True)
             self.base_changed = state["base_changed"]
             self.history = list(state["history"])
@@ -225,7 +234,7 @@ class Trainer:
         elif fresh_optimizer:  # loading a state: its position goes into a copy until commit
             stream = self.stream.copy()
         journal = ModelJournal(self.model) if changed & (REBUILDS_MODEL | RETUNES_MODEL) else None
-        prepared = _Prepared(new, stream, self.optimizer, journal, self.base_changed, [])
+        prepared = _Prepared(new, stream, self.optimizer, journal, self.base_changed, [], rng_state())
         try:
             if journal is not None:
                 base_changed, prepared.messages = transform_model(self.model, new, self.techniques)
@@ -242,6 +251,7 @@ class Trainer:
             release_optimizer(prepared.optimizer)
         if prepared.journal is not None:
             prepared.journal.restore()
+        set_rng_state(prepared.rng)
 
     def _commit(self, prepared: _Prepared, quiet: bool = False) -> None:
         """Swap the prepared components in (nothing here can fail half-way). ``quiet``: a
@@ -436,6 +446,23 @@ def check_weights(model: nn.Module, weights: dict, full: bool) -> None:
                 ([f"unknown {extra[:3]}"] if extra else []) + ([f"shape {wrong[:3]}"] if wrong else [])
         raise ValueError(f"The saved weights do not fit this model ({'; '.join(parts)}): it was "
                          "saved from another model or other LoRA settings.")
+
+
+# State entries that have the shape of their parameter, in torch, bitsandbytes and torchao
+# optimizers (torchao's quantized ones report the logical shape).
+_PARAM_SHAPED_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "state1", "state2")
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse optimizer state whose per-weight tensors do not have their weight's shape."""
+    for param, entry in optimizer.state.items():
+        for key in _PARAM_SHAPED_STATE:
+            value = entry.get(key)
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"The saved optimizer state's {key} has shape {tuple(value.shape)} for a weight "
+                    f"of shape {tuple(param.shape)}: it was saved from another model or other "
+                    "LoRA settings. Nothing was loaded.")
 
 
 @torch.no_grad()

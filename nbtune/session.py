@@ -338,8 +338,7 @@ class Session:
             for track in plan:
                 trial.memory_tracking = "every_step" if track else "off"
                 reports.append(trial.step())
-        except torch.OutOfMemoryError:
-            trial.optimizer.zero_grad(set_to_none=True)
+        except torch.OutOfMemoryError:  # the trial rolled the step back; the ladder goes on
             return LadderRow(label, t, error="out of memory")
         top = max((r for r, track in zip(reports, plan) if track), key=lambda r: r.memory.peak)
         timed = [r for r, track in zip(reports, plan) if not track][1:] or reports[1:] or reports
@@ -380,6 +379,9 @@ class Session:
         one, else the instruction prompt) unless ``raw``; generation stops at the model's
         end-of-turn or end-of-sequence tokens.
         """
+        if not isinstance(prompt, str) or not isinstance(input, str):
+            raise TypeError(f"generate: prompt and input must be strings, got "
+                            f"{type(prompt).__name__} and {type(input).__name__}.")
         text = prompt if raw else prompt_text(self.tokenizer, prompt, input)
         generator = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
         was_training = self.model.training

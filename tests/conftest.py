@@ -20,3 +20,13 @@ def _demo_cache(tmp_path_factory):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of many tiny steps: on 2 cores shared with other
+    work, torch's two OpenMP threads spin against each other and a 0.2 s step takes seconds."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

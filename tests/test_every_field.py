@@ -321,14 +321,7 @@ CUDA_CASES = [c for c in CASES if c.values[1].cuda_only]
 _twin_traces: dict = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: on 2 cores shared with other test runs, torch's two OpenMP
-    threads spin against each other and a tiny step takes seconds instead of 0.2 s."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def twin_trace(base: dict) -> list[float]:

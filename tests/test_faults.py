@@ -55,15 +55,7 @@ _REAL_SUGGEST = nbtune.oom.suggest
 
 # ---- environment --------------------------------------------------------------------------
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: on 2 cores shared with other test runs, two threads per process
-    make the tiny model's step ~50x slower (measured 4 s vs 0.05 s). Numerics are the same
-    for session and twin, both built here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)

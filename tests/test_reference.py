@@ -21,14 +21,7 @@ IGNORE = -100
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: on 2 cores shared with other test runs, torch's two OpenMP
-    threads spin against each other and a tiny step takes seconds instead of 0.2 s."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- the reference loop ----------------------------------------------------------------

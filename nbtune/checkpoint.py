@@ -52,9 +52,8 @@ def save_session(session, folder, merge: bool = False) -> Path:
 
 # ---- training checkpoints ---------------------------------------------------------------
 
-def _optimizer_files(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Optimizer state as (tensors for safetensors, the rest as JSON)."""
-    state_dict = optimizer.state_dict()
+def _optimizer_files(state_dict: dict) -> tuple[dict, dict]:
+    """An optimizer state dict as (tensors for safetensors, the rest as JSON)."""
     tensors, scalars = {}, {}
     for index, entry in state_dict["state"].items():
         scalars[str(index)] = {}
@@ -78,7 +77,7 @@ def save_training_checkpoint(session, folder) -> Path:
     """Everything a run needs to continue exactly: the trainer's whole ``state_dict``."""
     state = session.trainer.state_dict()
     weights = {k: v.contiguous() for k, v in state["weights"].items()}
-    opt_tensors, opt_meta = _optimizer_files(session.optimizer)
+    opt_tensors, opt_meta = _optimizer_files(state["optimizer"])
     trainer = {
         "format": FORMAT, "source": session.source, "base_changed": state["base_changed"],
         "base_fingerprint": state["base_fingerprint"], "full_weights": state["full_weights"],

@@ -22,8 +22,6 @@ REBUILDS_MODEL = frozenset({"dtype", "method", "lora_rank", "lora_targets"})
 RETUNES_MODEL = frozenset({"lora_alpha", "lora_dropout", "activation_checkpointing", "compile"})
 REBUILDS_DATA = frozenset({"seq_len", "batch_size", "seed", "packing"})
 REBUILDS_OPTIMIZER = REBUILDS_MODEL | {"optimizer", "optimizer_in_backward", "cpu_offload_optimizer"}
-READ_EACH_STEP = frozenset({"lr", "warmup_steps", "weight_decay", "max_grad_norm", "grad_accum",
-                            "chunked_loss", "activation_offloading"})
 
 
 def check(t: Techniques, model: nn.Module, device: str) -> list[str]:

@@ -210,7 +210,6 @@ class Trainer:
                                 "(or a checkpoint) again to continue.")
                 raise
             self._commit(replace(prepared, base_changed=state["base_changed"]), quiet=True)
-            self.base_changed = state["base_changed"]
             self.history = list(state["history"])
             set_rng_state(state["rng"])
             self.damaged = None

@@ -1,4 +1,5 @@
-"""What exact rollback costs: step time with the undo copy ("copy") against without ("none").
+"""What exact rollback costs: step time with the undo copy ("copy") against without ("none"),
+and what the finite guard (a gradient-norm pass and one read-back per step) costs.
 
 The undo copy is a host copy of the trainable weights and optimizer state taken before each
 update, so a step that fails half-way (optimizer in backward, an optimizer failing mid-way)
@@ -30,7 +31,19 @@ CONFIGS = {
 }
 
 
-def timed(changes: dict, mode: str, steps: int) -> tuple[float, int]:
+def timed(changes: dict, mode: str, steps: int, guard: bool = True) -> tuple[float, int]:
+    import nbtune.step
+
+    real = nbtune.step.finite_guard
+    if not guard:  # the update then computes no norm and reads nothing back
+        nbtune.step.finite_guard = lambda step, lr: None
+    try:
+        return _timed(changes, mode, steps)
+    finally:
+        nbtune.step.finite_guard = real
+
+
+def _timed(changes: dict, mode: str, steps: int) -> tuple[float, int]:
     torch.manual_seed(0)
     session = nt.Session.demo(device="cpu", **changes)
     session.memory_tracking = "off"
@@ -65,6 +78,14 @@ def main() -> int:
                          "undo_copy_bytes": copy_bytes}
         print(f"{name:30s} median ratio {statistics.median(ratios):.3f}, undo copy "
               f"{copy_bytes / 2**20:.1f} MiB", flush=True)
+    ratios = []
+    for round_ in range(args.rounds):  # the finite guard, on against off, both without a copy
+        order = (True, False) if round_ % 2 == 0 else (False, True)
+        seconds = {guard: timed({}, "none", args.steps, guard)[0] for guard in order}
+        ratios.append(seconds[True] / seconds[False])
+        print(f"{'finite guard, full AdamW':30s} round {round_ + 1}: on {seconds[True] * 1000:6.1f} "
+              f"ms/step, off {seconds[False] * 1000:6.1f} ms/step, ratio {ratios[-1]:.3f}", flush=True)
+    results["finite guard (on/off)"] = {"ratio_median": statistics.median(ratios), "ratios": ratios}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {"command": " ".join([Path(sys.executable).name, *sys.argv]),

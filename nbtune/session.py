@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import os
+import threading
+import time
 import weakref
 from importlib import resources
 from pathlib import Path
@@ -25,6 +29,112 @@ from .trainer import Trainer
 
 DEMO_TECHNIQUES = Techniques(method="full", dtype="fp32", batch_size=16, seq_len=96, lr=1e-3)
 DEMO_STEPS = 300  # enough for the embedded default to learn visibly: about a minute on 2 cores
+
+class BusyError(RuntimeError):
+    """The session is training in a background run: the command would race with it."""
+
+
+class BackgroundRun:
+    """A run of ``session.start(steps)``: trains in a background thread, between steps
+    applies the toggle changes queued by ``session.set`` and stops when asked.
+
+    ``reports`` grows as steps complete; ``error`` is what ended the run early, if
+    anything; ``messages`` what the run said. In a notebook it shows itself as a progress
+    bar with a Stop button.
+    """
+
+    def __init__(self, session: "Session", steps: int, on_oom: str) -> None:
+        self.steps, self.on_oom = steps, on_oom
+        self.reports: list[StepReport] = []
+        self.messages: list[str] = []
+        self.error: BaseException | None = None
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self.stop_requested: float | None = None  # monotonic time Stop was asked for
+        self._session = session
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="nbtune-run", daemon=True)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def stopped(self) -> bool:
+        """True when the run ended because ``stop`` was asked before its last step."""
+        return self._stop.is_set() and len(self.reports) < self.steps
+
+    def stop(self, wait: bool = True, timeout: float | None = None) -> "BackgroundRun":
+        """Stop at the next step boundary (the step under way completes); ``wait`` for it."""
+        if self.stop_requested is None:
+            self.stop_requested = time.monotonic()
+        self._stop.set()
+        if wait:
+            self.wait(timeout)
+        return self
+
+    def wait(self, timeout: float | None = None) -> list[StepReport]:
+        """Block until the run ends (Ctrl-C here stops it); re-raise what ended it early."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while self._thread.is_alive():  # short joins: Ctrl-C reaches the waiting thread
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return self.reports
+                self._thread.join(0.1 if left is None else min(0.1, left))
+        except KeyboardInterrupt:
+            self.stop(wait=False)
+            self._thread.join()
+            return self.reports
+        if self.error is not None:
+            raise self.error
+        return self.reports
+
+    def _main(self) -> None:
+        session = self._session
+        try:
+            session._loop(self.steps, self.on_oom, self.reports, run=self)
+        except BaseException as err:  # noqa: BLE001 - kept for wait() and shown
+            self.error = err
+            session._say(f"the run stopped at step {len(session.history)}: "
+                         f"{type(err).__name__}: {err}")
+        finally:
+            try:
+                session._apply_pending()  # nothing stays pending once the run has ended
+            finally:
+                self.finished = time.monotonic()
+                with session._lock:
+                    session._run = None
+                session._notify("run", self.reports)
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else ("stopped" if self.stopped else
+                                                  "failed" if self.error else "finished")
+        return f"<BackgroundRun {len(self.reports)}/{self.steps} steps, {state}>"
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        from .ui.panel import RunView
+
+        display(RunView(self._session, self))
+
+
+def _check_run_args(name: str, steps, on_oom: str) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"{name}(steps={steps!r}): steps must be a positive int, e.g. {name}(50).")
+    if on_oom not in ("raise", "adapt"):
+        raise ValueError(f"on_oom={on_oom!r} is not 'raise' or 'adapt'.")
+
+
+def _exclusive(method):
+    """Refuse ``method`` (``BusyError``) while a background run owns the training state."""
+    @functools.wraps(method)
+    def claimed(self, *args, **kwargs):
+        with self._claim(method.__name__):
+            return method(self, *args, **kwargs)
+    return claimed
+
 
 def demo_data_file(split: str) -> Path:
     """Path of a split ("train" or "heldout") of the dataset shipped with nbtune."""
@@ -67,6 +177,11 @@ class Session:
         self._listeners: list[weakref.ref] = []
         self.overhead = OverheadBudget()  # what memory tracking and live charts may cost
         self._sampler = MemorySampler(self.overhead)
+        self._lock = threading.Lock()
+        self._run: BackgroundRun | None = None  # the background run, while one trains
+        self._pending: list[dict] = []  # set(...) changes waiting for the next step boundary
+        self._busy: threading.Thread | None = None  # a thread inside a synchronous command
+        self.price_per_hour: float | None = None  # the rented card's price: status shows cost
         self.trainer = Trainer(model, self._build_stream, as_techniques(techniques), self.device,
                                tokenizer.pad_id, say=lambda message: self._say(message))
 
@@ -155,12 +270,84 @@ class Session:
 
     def set(self, **changes) -> Techniques:
         """Change toggles; rebuilds only what depends on them. All or nothing: a refused or
-        failed change leaves the model, optimizer, data and techniques as they were."""
+        failed change leaves the model, optimizer, data and techniques as they were.
+
+        While a background run trains, the change is checked now and applied at the next
+        step boundary, in order (``pending`` lists the waiting ones); the techniques it
+        will lead to are returned."""
+        with self._lock:
+            run = self._run
+            if run is not None and threading.current_thread() is not run._thread:
+                planned = self._planned().replace(**changes)  # bad values refused here and now
+                self._pending.append(dict(changes))
+                pending = self.pending
+            else:
+                run = None
+        if run is not None:
+            self._notify("pending", pending)
+            return planned
+        with self._claim("set"):
+            return self._apply(changes)
+
+    @property
+    def pending(self) -> list[dict]:
+        """Changes made with ``set`` during a background run, not applied yet (oldest first)."""
+        return [dict(changes) for changes in self._pending]
+
+    def _planned(self) -> Techniques:
+        t = self.techniques
+        for changes in self._pending:
+            t = t.replace(**changes)
+        return t
+
+    def _apply(self, changes: dict) -> Techniques:
         new = self.techniques.replace(**changes)  # validates the whole combination first
         if self.trainer.set(new):
             self._sampler.stale = True  # the next step is measured: it shows what the change did
             self._notify("techniques", new)
         return new
+
+    def _apply_pending(self) -> None:
+        """Apply the queued changes in order, each all or nothing (training thread)."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                changes = self._pending.pop(0)
+                left = self.pending
+            try:
+                self._apply(changes)
+            except Exception as err:  # noqa: BLE001 - one refused change does not end the run
+                from .ladder import label_of
+
+                self._say(f"{label_of(changes)} was not applied: {err}")
+                self._notify("refused", (changes, err))
+            self._notify("pending", left)
+
+    # ---- who may touch the training state ----------------------------------------------
+
+    @contextlib.contextmanager
+    def _claim(self, action: str):
+        """Run a command on the training state from this thread, or refuse it: a background
+        run owns the model, optimizer and data until it ends."""
+        me = threading.current_thread()
+        with self._lock:
+            run = self._run
+            if run is not None and me is not run._thread:
+                raise BusyError(
+                    f"{action}: a background run is training ({len(run.reports)} of {run.steps} "
+                    "steps done). Stop it with session.stop() or wait for it with "
+                    "session.wait(), then try again. (session.set(...) is fine meanwhile: it is "
+                    "applied at the next step boundary.)")
+            if self._busy is not None and self._busy is not me:
+                raise BusyError(f"{action}: another thread ({self._busy.name}) is running a "
+                                "command on this session; wait for it to finish.")
+            outer, self._busy = self._busy, me
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy = outer
 
     def _build_stream(self, t: Techniques) -> BatchStream:
         samples, dropped = tokenize_all(self.train_examples, self.tokenizer, t.seq_len,
@@ -188,7 +375,8 @@ class Session:
         """One optimizer step over ``grad_accum`` micro-batches; returns and records its report.
 
         A step called on its own is always measured (unless memory tracking is "off")."""
-        return self._step(sampled=False)
+        with self._claim("step"):
+            return self._step(sampled=False)
 
     def _step(self, sampled: bool) -> StepReport:
         track = self._sampler.should_track(self.device.type, sampled)
@@ -200,11 +388,13 @@ class Session:
     def state_dict(self) -> dict:
         """The whole training state (model or adapters, optimizer, data position, RNG, history,
         techniques), by reference: ``copy.deepcopy`` it to keep a snapshot."""
-        return self.trainer.state_dict()
+        with self._claim("state_dict"):
+            return self.trainer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Return to a state from ``state_dict`` (same base model and data), all or nothing."""
-        self.trainer.load_state_dict(state)
+        with self._claim("load_state_dict"):
+            self.trainer.load_state_dict(state)
         self._sampler.stale = True
         self._notify("techniques", self.techniques)
 
@@ -215,46 +405,102 @@ class Session:
         Ctrl-C (Kernel > Interrupt) ends the run cleanly after rolling back the step under
         way. ``on_oom="adapt"``: when a step runs out of memory, apply the estimator's first
         suggestion (said in the output), and retry the step; at most three times a run.
+        ``start(steps)`` does the same in the background.
         """
         from tqdm.auto import tqdm
 
-        from .oom import OutOfMemory
-        from .ui.charts import format_bytes
         from .ui.live import LiveChart, in_notebook
 
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"run(steps={steps!r}): steps must be a positive int, e.g. run(50).")
-        if on_oom not in ("raise", "adapt"):
-            raise ValueError(f"on_oom={on_oom!r} is not 'raise' or 'adapt'.")
-        chart = LiveChart(self.overhead) if (in_notebook() if live is None else live) else None
-        start, reports, adapted = len(self.history), [], 0
-        with tqdm(total=steps, desc="training", unit="step", disable=not progress) as bar:
-            while len(reports) < steps:
+        _check_run_args("run", steps, on_oom)
+        with self._claim("run"):
+            chart = LiveChart(self.overhead) if (in_notebook() if live is None else live) else None
+            start, reports = len(self.history), []
+            with tqdm(total=steps, desc="training", unit="step", disable=not progress) as bar:
+                def shown(report: StepReport) -> None:
+                    bar.update()
+                    bar.set_postfix(loss=f"{report.loss:.3f}")
+                    if chart is not None:
+                        chart.update(self.history)
                 try:
-                    reports.append(self._step(sampled=True))
-                except OutOfMemory as err:
-                    if on_oom != "adapt" or not err.suggestions or adapted == 3:
-                        raise
-                    best, adapted = err.suggestions[0], adapted + 1
-                    self._say(f"out of memory in the {err.phase} phase: set {best.label} "
-                              f"(predicted peak {format_bytes(err.predicted or 0)} -> "
-                              f"{format_bytes(best.peak)}) and retried the step.")
-                    self.set(**best.changes)
-                    continue
+                    self._loop(steps, on_oom, reports, shown=shown)
                 except KeyboardInterrupt:
                     # The step under way was rolled back (or, if its update was being written,
                     # completed first): the session is consistent, so the run just ends here.
-                    reports = self.history[start:]
+                    reports[:] = self.history[start:]
                     self._say(f"interrupted: stopped after {len(reports)} of {steps} steps; the "
                               "session is as it was after the last completed step.")
-                    break
-                bar.update()
-                bar.set_postfix(loss=f"{reports[-1].loss:.3f}")
-                if chart is not None:
-                    chart.update(self.history)
-        if chart is not None:
-            chart.update(self.history, force=True)
+            if chart is not None:
+                chart.update(self.history, force=True)
         self._notify("run", reports)
+        return reports
+
+    def start(self, steps: int, *, on_oom: str = "raise") -> BackgroundRun:
+        """Train ``steps`` steps in a background thread and return at once.
+
+        Other cells run meanwhile (read ``history``, draw a chart, ``estimate``); ``set``
+        queues changes for the next step boundary; ``stop()`` ends the run at the next step
+        boundary. Commands that touch the model, optimizer or data (``step``, ``run``,
+        ``save``, ``generate``, loading) are refused with ``BusyError`` until it ends.
+        Returns a ``BackgroundRun`` (``.stop()``, ``.wait()``, ``.running``, ``.reports``);
+        in a notebook it shows a progress bar with a Stop button.
+        """
+        _check_run_args("start", steps, on_oom)
+        with self._lock:
+            if self._run is not None:
+                raise BusyError(f"start: a background run is already training "
+                                f"({len(self._run.reports)} of {self._run.steps} steps done): "
+                                "session.stop() it or session.wait() for it first.")
+            if self._busy is not None:
+                raise BusyError(f"start: another thread ({self._busy.name}) is running a "
+                                "command on this session; wait for it to finish.")
+            self.trainer._usable()  # a damaged session says so here, not in the thread
+            run = self._run = BackgroundRun(self, steps, on_oom)
+        self._notify("start", run)
+        run._thread.start()
+        return run
+
+    def stop(self, wait: bool = True) -> BackgroundRun | None:
+        """Stop the background run at the next step boundary (within one step's time) and,
+        with ``wait``, return once it has stopped. None when nothing is running."""
+        run = self._run
+        return run.stop(wait=wait) if run is not None else None
+
+    def wait(self, timeout: float | None = None) -> list[StepReport]:
+        """Wait for the background run to end; its reports ([] when none is running)."""
+        run = self._run
+        return run.wait(timeout) if run is not None else []
+
+    @property
+    def current_run(self) -> BackgroundRun | None:
+        """The background run while it trains, else None."""
+        return self._run
+
+    def _loop(self, steps: int, on_oom: str, reports: list, run: BackgroundRun | None = None,
+              shown: Callable[[StepReport], None] | None = None) -> list[StepReport]:
+        """The training loop of ``run`` and ``start``: steps until ``steps`` completed or the
+        background run is stopped; queued changes are applied between steps."""
+        from .oom import OutOfMemory
+        from .ui.charts import format_bytes
+
+        adapted = 0
+        while len(reports) < steps:
+            if run is not None:
+                self._apply_pending()
+                if run._stop.is_set():
+                    break
+            try:
+                reports.append(self._step(sampled=True))
+            except OutOfMemory as err:
+                if on_oom != "adapt" or not err.suggestions or adapted == 3:
+                    raise
+                best, adapted = err.suggestions[0], adapted + 1
+                self._say(f"out of memory in the {err.phase} phase: set {best.label} "
+                          f"(predicted peak {format_bytes(err.predicted or 0)} -> "
+                          f"{format_bytes(best.peak)}) and retried the step.")
+                self._apply(best.changes)
+                continue
+            if shown is not None:
+                shown(reports[-1])
         return reports
 
     # ---- memory: before, across configurations, in detail -----------------------------
@@ -267,6 +513,7 @@ class Session:
         return estimate(self.model.config, self.techniques, batch_size=batch_size,
                         seq_len=seq_len, device=self.device.type)
 
+    @_exclusive
     def compare(self, configs, steps: int = 4, *, estimate: bool = True, progress: bool = True):
         """Run each configuration ``steps`` steps and tabulate peak memory and speed.
 
@@ -361,6 +608,7 @@ class Session:
                          estimated_peak=predicted, loss=reports[-1].loss,
                          at_peak=at_peak)
 
+    @_exclusive
     def snapshot(self, path: str | os.PathLike, steps: int = 1) -> Path:
         """CUDA only: record the allocator's history over the next ``steps`` steps to
         ``path``, a pickle that https://pytorch.org/memory_viz opens. The steps train."""
@@ -370,6 +618,7 @@ class Session:
 
     # ---- using the model ----------------------------------------------------------------
 
+    @_exclusive
     def generate(self, prompt: str, *, input: str = "", max_new_tokens: int = 48,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  raw: bool = False) -> str:
@@ -394,6 +643,7 @@ class Session:
             self.model.train(was_training)
         return self.tokenizer.decode(new)
 
+    @_exclusive
     def evaluate(self, examples: Iterable[Example] | None = None) -> float:
         """Exact-match accuracy of greedy answers on the held-out rows (or ``examples``)."""
         examples = list(self.heldout_examples if examples is None else examples)
@@ -409,6 +659,7 @@ class Session:
 
     # ---- saving -------------------------------------------------------------------------
 
+    @_exclusive
     def save(self, folder: str | os.PathLike, merge: bool = False) -> Path:
         """Full finetuning: an HF folder. LoRA: a PEFT adapter folder, or with ``merge``
         the merged full weights. transformers / peft load either; the write is atomic."""
@@ -427,12 +678,14 @@ class Session:
             folder = self.save(Path(tmp) / "upload", merge=merge)
             return push_to_hub(folder, repo_id, private=private, token=token)
 
+    @_exclusive
     def save_checkpoint(self, folder: str | os.PathLike) -> Path:
         """Weights or adapters, optimizer state, RNG, data position and history, to resume exactly."""
         from .checkpoint import save_training_checkpoint
 
         return save_training_checkpoint(self, folder)
 
+    @_exclusive
     def load_checkpoint(self, folder: str | os.PathLike) -> None:
         """Continue a run saved by ``save_checkpoint`` (same base model and training data)."""
         from .checkpoint import load_training_checkpoint
@@ -460,21 +713,36 @@ class Session:
         return Panel(self)
 
     def subscribe(self, callback: Callable[[str, object], None]) -> None:
-        """Call ``callback(event, payload)`` on "techniques", "step" and "run" (a run ended)
-        events; the callback is held weakly."""
+        """Call ``callback(event, payload)`` on "techniques" (applied), "pending" (queued
+        changes), "refused", "step", "start" (a background run began), "run" (a run ended)
+        and "message" events; the callback is held weakly. Events of a background run come
+        from its thread."""
         ref = weakref.WeakMethod(callback) if hasattr(callback, "__self__") else weakref.ref(callback)
-        self._listeners.append(ref)
+        with self._lock:
+            self._listeners.append(ref)
 
     def _notify(self, event: str, payload) -> None:
-        alive = []
-        for ref in self._listeners:
+        with self._lock:
+            refs = list(self._listeners)
+        dead = False
+        for ref in refs:
             callback = ref()
-            if callback is not None:
-                alive.append(ref)
+            if callback is None:
+                dead = True
+                continue
+            try:
                 callback(event, payload)
-        self._listeners = alive
+            except Exception as err:  # noqa: BLE001 - a broken view must not stop training
+                print(f"nbtune: a listener failed on {event!r}: {type(err).__name__}: {err}")
+        if dead:
+            with self._lock:
+                self._listeners = [r for r in self._listeners if r() is not None]
 
     def _say(self, message: str) -> None:
+        run = self._run
+        if run is not None:
+            run.messages.append(message)
+        self._notify("message", message)
         print(f"nbtune: {message}")
 
     def __repr__(self) -> str:

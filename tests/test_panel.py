@@ -55,10 +55,15 @@ def test_buttons_train_and_draw(session_and_panel):
     panel.step_button.click()
     assert len(session.history) == 1
     panel.steps.value = 3
-    panel.run_button.click()
+    panel.run_button.click()  # trains in the background: the click returns at once
+    run = session.current_run or panel._last_run()
+    assert run is not None
+    run.wait()
     assert len(session.history) == 4
     assert panel.chart.value[:4] == b"\x89PNG"
-    assert "step 4: loss" in panel.status.value
+    assert "done" in panel.progress.value and "step 3 of 3" in panel.progress.value
+    assert not panel.run_button.disabled and panel.stop_button.layout.display == "none"
+    assert "loss" in panel.progress.value
 
 
 def test_every_toggle_has_a_control(session_and_panel):
@@ -90,4 +95,63 @@ def test_a_control_a_rule_would_refuse_is_disabled_with_the_reason(session_and_p
 def test_panel_is_current_after_a_run_from_code(session_and_panel):
     session, panel = session_and_panel
     session.run(3, progress=False, live=False)  # steps come faster than the redraw interval
-    assert "step 3: loss" in panel.status.value
+    assert "step 3: loss" in panel.progress.value
+
+
+def test_run_in_the_background_stop_and_pending_changes_shown(session_and_panel):
+    import time
+
+    session, panel = session_and_panel
+    panel.steps.value = 10_000
+    panel.run_button.click()
+    run = session.current_run
+    assert run is not None and run.running
+    assert panel.run_button.disabled and panel.step_button.disabled
+    assert panel.stop_button.layout.display == ""
+    panel.controls["lr"].value = 2e-4  # queued: the control keeps its new value
+    assert panel.controls["lr"].value == 2e-4
+    assert "pending" in panel.status.value or "applied" in panel.status.value
+    panel.step_button.click()  # disabled in the browser; clicked anyway it is refused in the panel
+    assert "BusyError" in panel.status.value
+    while run.running and session.techniques.lr != 2e-4:
+        time.sleep(0.01)
+    assert session.techniques.lr == 2e-4
+    panel.stop_button.click()
+    run.wait()
+    assert run.stopped and "stopped" in panel.progress.value
+    assert not panel.run_button.disabled and panel.stop_button.layout.display == "none"
+
+
+def test_run_status_line_counts_time_left_and_cost():
+    from nbtune.step import StepReport
+    from nbtune.ui.status import format_duration, run_status
+
+    reports = [StepReport(step=i, loss=2.0 - i / 10, tokens=1000, trained_tokens=500, seconds=0.5,
+                          lr=1e-3, memory=None) for i in range(1, 5)]
+    line = run_status(reports, 10, elapsed=2.4, price_per_hour=3.6)
+    # 4 of 10 in 2.4 s -> 0.6 s a step, 3.6 s left; 4000 tokens in 2 s of steps; $3.6/h = $0.001/s
+    assert line.startswith("step 4 of 10 · loss 1.600 · 2,000 tokens/s")
+    assert "2 s elapsed, 4 s left" in line
+    assert "$0.00 so far, $0.01 to finish at $3.6/h" in line
+    assert run_status([], 5, 0.0) == "step 0 of 5 · 0 s elapsed"
+    assert format_duration(3725) == "1 h 02 min" and format_duration(65) == "1 min 05 s"
+
+
+def test_a_background_run_shows_as_a_progress_bar_with_stop():
+    import time
+
+    from nbtune.ui.panel import RunView
+
+    session = small_session()
+    run = session.start(10_000)
+    view = RunView(session, run)
+    while len(run.reports) < 2:
+        time.sleep(0.01)
+    view.stop_button.click()
+    run.wait()
+    assert run.stopped and view.bar.value == len(run.reports) and view.bar.bar_style == "warning"
+    assert view.line.value.count("stopped") == 1 and f"step {len(run.reports)} of 10000" in view.line.value
+    done = session.start(2)
+    view = RunView(session, done)
+    done.wait()
+    assert view.bar.value == 2 and view.bar.bar_style == "success" and "done" in view.line.value

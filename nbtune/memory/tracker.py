@@ -11,9 +11,12 @@ API, so all of its use stays in this file.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .accounting import gradient_bytes, optimizer_state_bytes, paged_state_bytes, parameter_bytes
 from .breakdown import CATEGORIES, MemoryBreakdown, phase_summary
@@ -84,6 +87,24 @@ class _HighWaterTracker(MemTracker):
         self._mod_tracker = _StepPhase()
         self.highs: dict[str, int] = {}
         self.phase_peaks: dict[str, dict] = {}  # phase -> MemTracker snapshot at its peak
+
+    def _register_global_optimizer_hook(self) -> None:
+        # MemTracker hooks every optimizer's step, process-wide. A background run trains
+        # while the panel estimates in another thread: each tracker only counts the steps
+        # taken in the thread that tracks with it (its dispatch mode is per thread too).
+        owner = threading.get_ident()
+
+        def pre(optimizer, args, kwargs) -> None:
+            if threading.get_ident() == owner:
+                self._in_opt = True
+
+        def post(optimizer, args, kwargs) -> None:
+            if threading.get_ident() == owner:
+                self._track_optimizer_states(_MemRefType.OPT, optimizer)
+                self._in_opt = False
+
+        self._optimizer_hook_handles = (register_optimizer_step_pre_hook(pre),
+                                        register_optimizer_step_post_hook(post))
 
     def _update_snap(self, *args, **kwargs) -> None:
         super()._update_snap(*args, **kwargs)

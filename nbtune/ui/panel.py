@@ -3,10 +3,16 @@
 Widget -> session: a changed control calls ``session.set``; if the value is refused the
 control snaps back and the reason is shown. Session -> widget: the panel subscribes to
 the session, so ``session.set(...)`` from code moves the controls too.
+
+Run trains in the background (``session.start``): the kernel stays free, so Stop and the
+controls keep working; a change made while it runs shows as pending until the training
+thread applies it at the next step boundary. Chart and status are ipywidgets updated from
+that thread (no display handles), which JupyterLab, Notebook 7, VS Code and Colab render.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import ipywidgets as w
@@ -14,6 +20,7 @@ import ipywidgets as w
 from ..techniques import DTYPES, HELP, LORA_TARGETS, METHODS, OPTIMIZERS
 from .charts import draw_memory, figure_png, format_bytes
 from .live import PacedRedraw
+from .status import run_status
 from matplotlib.figure import Figure
 
 
@@ -92,10 +99,11 @@ def _blocked_reason(techniques, name: str, device: str) -> str | None:
 
 
 class Panel(w.VBox):
-    """Controls, Step / Run buttons, a status line and the live memory chart of a session."""
+    """Controls, Step / Run / Stop buttons, a status line and the live memory chart."""
 
     def __init__(self, session) -> None:
         self.session = session
+        self._local = threading.local()  # which thread is moving controls to match the session
         self.controls = _controls(session)
         for name, control in self.controls.items():
             control.value = _widget_value(name, getattr(session.techniques, name))
@@ -105,48 +113,118 @@ class Panel(w.VBox):
         self.step_button = w.Button(description="Step", icon="forward",
                                     tooltip="Run one optimizer step")
         self.run_button = w.Button(description="Run", icon="play", button_style="primary",
-                                   tooltip="Run the number of steps on the left")
-        self.step_button.on_click(lambda _: self._train(1))
-        self.run_button.on_click(lambda _: self._train(self.steps.value))
-        self.status = w.HTML()
+                                   tooltip="Train the number of steps on the left in the "
+                                           "background: the notebook stays usable")
+        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger",
+                                    tooltip="Stop after the step under way",
+                                    layout=w.Layout(display="none"))
+        self.price = w.BoundedFloatText(
+            value=session.price_per_hour or 0.0, min=0.0, max=1000.0, step=0.01,
+            description="$ / hour", layout=w.Layout(width="170px"),
+            tooltip="What the rented card costs per hour: the status shows the cost so far "
+                    "and to finish (0: not shown)")
+        self.step_button.on_click(lambda _: self._guarded(self._step))
+        self.run_button.on_click(lambda _: self._guarded(self.session.start, self.steps.value))
+        self.stop_button.on_click(lambda _: self._guarded(self._stop))
+        self.price.observe(self._on_price, names="value")
+        self.status = w.HTML()  # replies to clicks: applied, pending, refused and why
+        self.progress = w.HTML()  # the run: step, loss, speed, time and cost
         self.chart = w.Image(format="png")
         self._figure = Figure(figsize=(9, 4))
         self._pacer = PacedRedraw(session.overhead)
-        self._syncing = False
         tabs = w.Tab([w.VBox([self.controls[name] for name in names]) for names in TABS.values()])
         for i, title in enumerate(TABS):
             tabs.set_title(i, title)
         super().__init__([
             w.HTML("<b>nbtune</b>: change a toggle, run a few steps, watch where memory goes."),
-            tabs, w.HBox([self.step_button, self.steps, self.run_button]),
-            self.status, self.chart])
+            tabs, w.HBox([self.step_button, self.steps, self.run_button, self.stop_button,
+                          self.price]),
+            self.status, self.progress, self.chart])
         self._sync_from(session.techniques)
         session.subscribe(self._on_session)
+        if session.current_run is not None:
+            self._running(True)
         self._redraw(force=True)
 
     # widget -> session
     def _on_control(self, change) -> None:
-        if self._syncing:
-            return
+        if getattr(self._local, "syncing", False):
+            return  # this thread is moving the control to match the session
         name = next(n for n, c in self.controls.items() if c is change["owner"])
         try:
             self.session.set(**{name: change["new"]})
-        except (ValueError, TypeError) as err:
-            self._sync_from(self.session.techniques)  # snap back: nothing was applied
-            self._say(f"⚠ {err}", error=True)
+        except Exception as err:  # noqa: BLE001 - every reply is shown here, never lost
+            self._sync_from(self.session._planned())  # snap back: nothing was applied
+            self._say(f"⚠ {name}: {err}", error=True)
 
-    # session -> widget
+    def _on_price(self, change) -> None:
+        self.session.price_per_hour = change["new"] or None
+        self._show_progress()
+
+    def _guarded(self, action, *args) -> None:
+        try:
+            action(*args)
+        except Exception as err:  # noqa: BLE001 - shown in the panel, the session stays usable
+            self._say(f"⚠ {type(err).__name__}: {err}", error=True)
+
+    def _step(self) -> None:
+        self.step_button.disabled = True
+        try:
+            self.session.step()
+        finally:
+            self.step_button.disabled = False
+            self._redraw(force=True)
+
+    def _stop(self) -> None:
+        if self.session.stop(wait=False) is not None:
+            self.stop_button.disabled = True
+            self._say("stopping after the step under way…")
+
+    # session -> widget (events of a background run arrive from its thread)
     def _on_session(self, event: str, payload) -> None:
-        if event == "techniques":
-            self._sync_from(payload)
+        if event in ("techniques", "refused"):
+            self._sync_from(self.session._planned())
+            if event == "techniques":
+                pending = self.session.pending
+                self._say("applied" + (f"; still pending: {_labels(pending)}" if pending else ""))
+        elif event == "pending" and payload:
+            self._sync_from(self.session._planned())
+            self._say(f"pending until the next step: {_labels(payload)}")
+        elif event == "message":
+            self._say(payload, error="not applied" in payload or "stopped at step" in payload)
+        elif event == "start":
+            self._run_seen = payload
+            self._running(True)
         elif event == "step":
             self._redraw()
+            self._show_progress()
         elif event == "run":
             self._redraw(force=True)  # throttling may have skipped the last step's drawing
+            self._running(False)
+
+    def _running(self, running: bool) -> None:
+        self.step_button.disabled = self.run_button.disabled = running
+        self.stop_button.disabled = False
+        self.stop_button.layout.display = "" if running else "none"
+        if not running:
+            self._show_progress(final=True)
+
+    def _show_progress(self, final: bool = False) -> None:
+        run = self.session.current_run or (self._last_run() if final else None)
+        if run is None:
+            return
+        end = run.finished or time.monotonic()
+        line = run_status(run.reports, run.steps, end - run.started, self.session.price_per_hour)
+        if run.finished is not None:
+            line = ("stopped · " if run.stopped else "failed · " if run.error else "done · ") + line
+        self.progress.value = f"<span style='color:#333'>{line}</span>"
+
+    def _last_run(self):
+        return getattr(self, "_run_seen", None)  # the run that just ended
 
     def _sync_from(self, techniques) -> None:
         """Show ``techniques``; disable each control a rule would refuse, saying why."""
-        self._syncing = True
+        self._local.syncing = True
         try:
             for name, control in self.controls.items():
                 control.value = _widget_value(name, getattr(techniques, name))
@@ -154,19 +232,7 @@ class Panel(w.VBox):
                 control.disabled = reason is not None
                 control.tooltip = reason or HELP[name]
         finally:
-            self._syncing = False
-
-    def _train(self, steps: int) -> None:
-        for button in (self.step_button, self.run_button):
-            button.disabled = True
-        try:
-            self.session.run(steps, progress=False, live=False)
-        except Exception as err:  # show it in the panel; the session stays usable
-            self._say(f"⚠ {type(err).__name__}: {err}", error=True)
-        finally:
-            for button in (self.step_button, self.run_button):
-                button.disabled = False
-            self._redraw(force=True)
+            self._local.syncing = False
 
     def _redraw(self, force: bool = False) -> None:
         if not self._pacer.due(force):
@@ -175,11 +241,58 @@ class Panel(w.VBox):
         history = self.session.history
         self.chart.value = figure_png(draw_memory(self._figure, history))
         self._pacer.drew(started)
-        if history:
+        if history and self.session.current_run is None:  # a step on its own: its numbers
             last = history[-1]
-            self._say(f"step {last.step}: loss {last.loss:.3f}, peak {format_bytes(last.memory.peak)}, "
-                      f"{last.tokens_per_second:,.0f} tokens/s")
+            self.progress.value = (f"step {last.step}: loss {last.loss:.3f}, peak "
+                                   f"{format_bytes(last.memory.peak)}, "
+                                   f"{last.tokens_per_second:,.0f} tokens/s")
 
     def _say(self, text: str, error: bool = False) -> None:
         color = "#b00" if error else "#333"
         self.status.value = f"<span style='color:{color}'>{text}</span>"
+
+
+def _labels(changes: list[dict]) -> str:
+    from ..ladder import label_of
+
+    return "; ".join(label_of(c) for c in changes)
+
+
+class RunView(w.HBox):
+    """A background run in a notebook: progress bar, status line and a Stop button."""
+
+    def __init__(self, session, run) -> None:
+        self.session, self.run = session, run
+        self.bar = w.IntProgress(value=len(run.reports), min=0, max=run.steps,
+                                 layout=w.Layout(width="240px"))
+        self.line = w.HTML()
+        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger",
+                                    tooltip="Stop after the step under way",
+                                    layout=w.Layout(width="90px"))
+        self.stop_button.on_click(lambda _: self._stop())
+        super().__init__([self.bar, self.stop_button, self.line])
+        session.subscribe(self._on_session)
+        self._update()
+
+    def _stop(self) -> None:
+        self.run.stop(wait=False)
+        self.stop_button.disabled = True
+        self.stop_button.description = "Stopping"
+
+    def _on_session(self, event: str, payload) -> None:
+        if event in ("step", "run"):
+            self._update()
+        elif event == "message" and self.run.running:
+            self.line.value = f"<span style='color:#333'>{payload}</span>"
+
+    def _update(self) -> None:
+        run = self.run
+        self.bar.value = min(len(run.reports), run.steps)
+        end = run.finished or time.monotonic()
+        text = run_status(run.reports, run.steps, end - run.started, self.session.price_per_hour)
+        if run.finished is not None:
+            self.stop_button.layout.display = "none"
+            self.bar.bar_style = "danger" if run.error else "warning" if run.stopped else "success"
+            text = ("failed: " + str(run.error) + " · " if run.error else
+                    "stopped · " if run.stopped else "done · ") + text
+        self.line.value = f"<span style='color:#333'>{text}</span>"

@@ -1,0 +1,47 @@
+"""The one-line status of a run: where it is, how fast, what is left and what it costs.
+
+Pure text from numbers, so the panel, the background run's progress bar and the tests
+share it. Time left assumes the steps to come take as long as this run's steps so far.
+"""
+
+from __future__ import annotations
+
+
+def format_duration(seconds: float) -> str:
+    """``42 s``, ``3 min 05 s``, ``2 h 07 min``."""
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def run_status(reports: list, total: int, elapsed: float,
+               price_per_hour: float | None = None) -> str:
+    """``step 12 of 100 · loss 1.234 · 2,345 tokens/s · 0 min 12 s elapsed, 1 min 28 s
+    left · $0.01 so far, $0.02 to finish at $0.44/h`` for ``reports`` of one run.
+
+    ``elapsed`` is the run's wall time so far (its steps plus what happened between them);
+    tokens/s is over the run's own steps.
+    """
+    done = len(reports)
+    parts = [f"step {done} of {total}"]
+    if reports:
+        parts.append(f"loss {reports[-1].loss:.3f}")
+        seconds = sum(r.seconds for r in reports)
+        if seconds > 0:
+            parts.append(f"{sum(r.tokens for r in reports) / seconds:,.0f} tokens/s")
+    left = elapsed / done * (total - done) if done else None
+    timing = f"{format_duration(elapsed)} elapsed"
+    if left is not None and done < total:
+        timing += f", {format_duration(left)} left"
+    parts.append(timing)
+    if price_per_hour:
+        cost = f"${price_per_hour * elapsed / 3600:.2f} so far"
+        if left is not None and done < total:
+            cost += f", ${price_per_hour * (elapsed + left) / 3600:.2f} to finish"
+        parts.append(f"{cost} at ${price_per_hour:g}/h")
+    return " · ".join(parts)

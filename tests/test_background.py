@@ -1,0 +1,182 @@
+"""Background runs: start returns at once, stop within a step, changes applied between
+steps in order, the final state equal to the same changes made between synchronous steps,
+and every command that would race with the training thread refused."""
+
+import _thread
+import threading
+import time
+
+import pytest
+import torch
+
+import nbtune as nt
+from nbtune.session import BusyError
+from tests.helpers import small_session
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def weights(session) -> dict:
+    return {k: v.detach().clone() for k, v in session.model.state_dict().items()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def applied_at(session) -> list[tuple[int, nt.Techniques]]:
+    """Record (steps done, techniques) each time a change is applied."""
+    seen = []
+
+    def listen(event, payload):
+        if event == "techniques":
+            seen.append((len(session.history), payload))
+
+    session.subscribe(listen)
+    session._keep = listen  # held weakly by the session
+    return seen
+
+
+def test_start_returns_at_once_and_stop_lands_within_a_step():
+    s = small_session()
+    s.step()  # the first step builds optimizer state: time the steady ones
+    run = s.start(10_000)
+    assert run.running and s.current_run is run
+    while len(run.reports) < 3:
+        time.sleep(0.01)
+    slowest = max(r.seconds for r in run.reports)
+    asked = time.monotonic()
+    s.stop()
+    latency = time.monotonic() - asked
+    assert not run.running and s.current_run is None
+    assert run.stopped and run.error is None
+    assert latency < slowest * 3 + 0.5, (latency, slowest)
+    assert len(s.history) == 1 + len(run.reports)
+    assert [r.step for r in run.reports] == list(range(2, 2 + len(run.reports)))
+    assert s.stop() is None  # nothing left to stop
+
+
+def test_changes_during_a_run_equal_the_same_changes_between_synchronous_steps():
+    s = small_session()
+    seen = applied_at(s)
+    run = s.start(8)
+    while len(run.reports) < 2:
+        time.sleep(0.005)
+    planned = s.set(lr=3e-4)
+    s.set(max_grad_norm=0.5)
+    assert planned.lr == 3e-4 and s.set.__self__ is s
+    run.wait()
+    assert s.pending == [] and len(run.reports) == 8
+    assert [t.lr for _, t in seen] == [3e-4, 3e-4] and seen[-1][1].max_grad_norm == 0.5
+    first, second = seen[0][0], seen[1][0]
+    assert first == second  # both landed at the same step boundary, in order
+    assert s.techniques.lr == 3e-4 and s.techniques.max_grad_norm == 0.5
+    assert all(r.lr == pytest.approx(3e-4) for r in s.history[first:])
+    assert all(r.lr == pytest.approx(1e-3) for r in s.history[:first])
+
+    twin = small_session()
+    for _ in range(first):
+        twin.step()
+    twin.set(lr=3e-4)
+    twin.set(max_grad_norm=0.5)
+    for _ in range(8 - first):
+        twin.step()
+    assert [r.loss for r in twin.history] == [r.loss for r in s.history]
+    assert same(weights(twin), weights(s))
+
+
+def test_a_rebuilding_change_mid_run_is_applied_whole():
+    s = small_session(method="lora", lora_rank=4, lr=1e-2)
+    seen = applied_at(s)
+    run = s.start(6)
+    while len(run.reports) < 1:
+        time.sleep(0.005)
+    s.set(lora_rank=8, batch_size=2)
+    run.wait()
+    (at, t), = seen
+    assert t.lora_rank == 8 and s.model.model.layers[0].self_attn.q_proj.lora_A.weight.shape[0] == 8
+    assert all(r.shape[0] == 2 for r in s.history[at:]) and all(r.shape[0] == 4 for r in s.history[:at])
+
+    twin = small_session(method="lora", lora_rank=4, lr=1e-2)
+    for _ in range(at):
+        twin.step()
+    twin.set(lora_rank=8, batch_size=2)
+    for _ in range(6 - at):
+        twin.step()
+    assert [r.loss for r in twin.history] == [r.loss for r in s.history]
+    assert same(weights(twin), weights(s))
+
+
+def test_commands_that_would_race_are_refused_and_change_nothing():
+    s = small_session()
+    run = s.start(10_000)
+    try:
+        for command in (s.step, lambda: s.run(2), lambda: s.start(2), lambda: s.generate("hi"),
+                        s.state_dict, lambda: s.save("/tmp/never-written"),
+                        lambda: s.compare([{}])):
+            with pytest.raises(BusyError, match="background run|already training"):
+                command()
+        with pytest.raises(ValueError):
+            s.set(lr=-1.0)  # a bad value is refused in the caller's cell, nothing queued
+        with pytest.raises(TypeError, match="no_such_toggle"):
+            s.set(no_such_toggle=1)
+        assert s.pending == []
+        s.estimate()  # reads only the config: allowed meanwhile
+        len(s.history)
+    finally:
+        s.stop()
+    assert not run.running
+    s.step()  # usable again
+
+
+def test_a_change_refused_at_the_boundary_is_reported_and_the_run_goes_on():
+    s = small_session()
+    run = s.start(4)
+    s.set(seq_len=4096)  # valid values, but beyond the model's context: refused by the planner
+    run.wait()
+    assert len(run.reports) == 4 and s.techniques.seq_len == 96 and s.pending == []
+    assert any("seq_len" in m and "not applied" in m for m in run.messages)
+
+
+def test_an_error_in_the_thread_ends_the_run_and_leaves_the_twin_state(monkeypatch):
+    s = small_session()
+    calls = {"n": 0}
+    real = s.trainer.step
+
+    def failing(track):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected")
+        return real(track)
+
+    monkeypatch.setattr(s.trainer, "step", failing)
+    run = s.start(6)
+    with pytest.raises(RuntimeError, match="injected"):
+        run.wait()
+    assert len(run.reports) == 2 and s.current_run is None
+    assert any("injected" in m for m in run.messages)
+    twin = small_session()
+    twin.run(2, progress=False)
+    assert same(weights(twin), weights(s))
+
+
+def test_ctrl_c_while_waiting_stops_the_run():
+    s = small_session()
+    run = s.start(10_000)
+    threading.Timer(0.5, _thread.interrupt_main).start()
+    reports = run.wait()
+    assert not run.running and run.stopped and reports == run.reports
+    assert len(s.history) == len(reports)
+
+
+def test_an_estimate_beside_a_training_run_is_the_same_as_alone():
+    s = small_session()
+    alone = s.estimate()
+    s.memory_tracking = "every_step"  # the training thread tracks too: both trackers active
+    run = s.start(10_000)
+    try:
+        beside = [s.estimate() for _ in range(3)]
+    finally:
+        s.stop()
+    assert all(b == alone and b.at_peak == alone.at_peak for b in beside)
+    assert len(run.reports) >= 1

@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .data import (BatchStream, DataError, Example, check_renderable, examples_from, pack,
+from .data import (BatchStream, DataError, Example, check_renderable, collate, examples_from, pack,
                    prompt_and_reference, prompt_ids, prompt_text, tokenize_all)
 from .generate import generate_ids
 from .hub import resolve_model_folder
@@ -182,8 +182,10 @@ class Session:
         self._pending: list[dict] = []  # set(...) changes waiting for the next step boundary
         self._busy: threading.Thread | None = None  # a thread inside a synchronous command
         self.price_per_hour: float | None = None  # the rented card's price: status shows cost
+        self._eval_cache: dict = {}
         self.trainer = Trainer(model, self._build_stream, as_techniques(techniques), self.device,
-                               tokenizer.pad_id, say=lambda message: self._say(message))
+                               tokenizer.pad_id, say=lambda message: self._say(message),
+                               make_eval_batches=self._eval_batches)
 
     # The training state belongs to the trainer; these names are the notebook's view of it.
     model = property(lambda self: self.trainer.model, doc="The nn.Module being trained.")
@@ -358,6 +360,16 @@ class Session:
         if t.packing:
             samples = pack(samples, t.seq_len)
         return BatchStream(samples, t.batch_size, self.tokenizer.pad_id, seed=t.seed)
+
+    def _eval_batches(self, t: Techniques) -> list[dict]:
+        """Every held-out row as batches of this batch shape (no packing), made once."""
+        key = (t.seq_len, t.batch_size)
+        if key not in self._eval_cache:
+            samples, _ = tokenize_all(self.heldout_examples, self.tokenizer, t.seq_len,
+                                      source="the held-out data")
+            self._eval_cache = {key: [collate(samples[i:i + t.batch_size], self.tokenizer.pad_id)
+                                      for i in range(0, len(samples), t.batch_size)]}
+        return self._eval_cache[key]
 
     # ---- training -----------------------------------------------------------------------
 

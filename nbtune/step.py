@@ -27,10 +27,59 @@ class StepReport:
     lr: float
     memory: MemoryBreakdown  # measured=False: carried over from the last measured step
     shape: tuple[int, int] = (0, 0)  # [batch, sequence] of the longest micro-batch, padding included
+    eval_loss: float | None = None  # held-out loss after this step (``eval_every``), else None
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """A held-out evaluation: mean token loss, tokens, time and (when tracked) memory."""
+
+    loss: float
+    tokens: int
+    seconds: float
+    memory: MemoryBreakdown | None
+
+
+def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
+                  loss_chunks: int = 0, optimizer: torch.optim.Optimizer | None = None,
+                  track: bool = True) -> EvalReport:
+    """Mean token loss over ``batches`` without gradients (eval mode: no dropout).
+
+    Its memory is measured like a step's (the optimizer state it sits beside included):
+    a run that fits in training can still run out of memory at its first evaluation,
+    because the logits of a whole batch are made at once unless the loss is chunked.
+    """
+    started = time.perf_counter()
+    trained = int(sum((b["labels"] != IGNORE).sum() for b in batches))
+    inputs = [t for b in batches for t in b.values()]
+    tracker = track_step(model, optimizer, *inputs) if track else _Untracked()
+    was_training = model.training
+    model.eval()
+    try:
+        with tracker as memory:
+            total = evaluate_sum(model, batches, memory, loss_chunks=loss_chunks)
+    finally:
+        model.train(was_training)
+    return EvalReport(loss=float(total) / max(trained, 1), tokens=trained,
+                      seconds=time.perf_counter() - started, memory=memory.result())
+
+
+@torch.no_grad()
+def evaluate_sum(model: nn.Module, batches: list[dict[str, torch.Tensor]], memory, *,
+                 loss_chunks: int = 0) -> torch.Tensor:
+    """Summed token loss of ``batches`` (a tensor: the estimator runs it on fake ones)."""
+    total = torch.zeros((), dtype=torch.float32)
+    memory.before_forward()
+    for batch in batches:
+        hidden = model.hidden_states(batch["input_ids"], positions=batch.get("positions"),
+                                     document_ids=batch.get("document_ids"))
+        total += cross_entropy_sum(model.lm_head, hidden, batch["labels"], loss_chunks).float().cpu()
+        del hidden
+    return total
 
 
 class NonFiniteError(FloatingPointError):

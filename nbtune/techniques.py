@@ -54,6 +54,8 @@ HELP = {
     "lora_targets": "Which projections get LoRA adapters.",
     "weight_decay": "Decoupled weight decay of AdamW.",
     "seed": "Seed of the data order and dropout.",
+    "eval_every": "Held-out loss every N steps (0 = off), plotted beside the training loss; "
+                  "its memory (a whole batch of logits) is measured and estimated too.",
 }
 
 
@@ -83,6 +85,7 @@ class Techniques:
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = LORA_TARGETS
     seed: int = 0
+    eval_every: int = 0  # held-out loss every N steps; 0 = off
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_targets, str):
@@ -122,7 +125,7 @@ class Techniques:
                        f"got {ac!r}.")
         if not isinstance(self.lora_dropout, (int, float)) or not 0.0 <= self.lora_dropout < 1.0:
             out.append(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}.")
-        for name in ("warmup_steps", "chunked_loss"):
+        for name in ("warmup_steps", "chunked_loss", "eval_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 out.append(f"{name} must be an int >= 0, got {value!r}.")

@@ -40,7 +40,7 @@ from .optim import build_optimizer, release_optimizer, trainable_parameters
 from .peft import adapter_state_dict, has_lora, is_nf4
 from .plan import (REBUILDS_DATA, REBUILDS_MODEL, REBUILDS_OPTIMIZER, RETUNES_MODEL, ModelJournal,
                    check, transform_model)
-from .step import StepReport, train_step
+from .step import StepReport, held_out_loss, train_step
 from .techniques import Techniques
 
 ROLLBACK_MODES = ("auto", "copy", "none")
@@ -69,17 +69,21 @@ class Trainer:
     """Owns the model, optimizer, data stream, RNG, step count and history of one run.
 
     ``make_stream(techniques)`` builds the batch stream for a batch shape (the data and
-    tokenizer stay with the caller). ``say`` shows a message to the user.
+    tokenizer stay with the caller); ``make_eval_batches(techniques)`` the held-out
+    batches ``eval_every`` evaluates. ``say`` shows a message to the user.
     """
 
     def __init__(self, model: nn.Module, make_stream: Callable[[Techniques], BatchStream],
                  techniques: Techniques, device: torch.device, pad_id: int,
-                 say: Callable[[str], None] = print) -> None:
+                 say: Callable[[str], None] = print,
+                 make_eval_batches: Callable[[Techniques], list] | None = None) -> None:
         problems = check(techniques, model, device.type)
         if problems:
             raise ValueError(" ".join(problems))
         self.device, self.pad_id, self.say = device, pad_id, say
         self._make_stream = make_stream
+        self._make_eval_batches = make_eval_batches
+        self._eval_peak: int | None = None  # the last measured evaluation's peak
         self.stream = make_stream(techniques)
         self.model = model.to(device)
         self.base_fingerprint = base_fingerprint(self.model)  # of the weights as loaded
@@ -142,11 +146,43 @@ class Trainer:
         else:
             last = self.last_memory or MemoryBreakdown(device=str(self.device))
             report = replace(report, memory=last.carried())
+        if t.eval_every and self._eval_peak:  # what must fit includes the evaluations to come
+            report = replace(report, memory=replace(report.memory, eval_peak=self._eval_peak))
         self.base_changed |= t.method == "full"
         self.history.append(report)
+        if t.eval_every and number % t.eval_every == 0 and self._make_eval_batches is not None:
+            report = self._evaluate(report, track, t)
         if self._interrupted:  # Ctrl-C arrived while the update was being written: now it counts
             self._interrupted = False
             raise KeyboardInterrupt
+        return report
+
+    def _evaluate(self, report: StepReport, track: bool, t: Techniques) -> StepReport:
+        """Held-out loss after a completed step, recorded on its report. The step stands if
+        the evaluation fails (it changes nothing: no gradients, no RNG, no data position)."""
+        batches = self._make_eval_batches(t)
+        if not batches:
+            return report
+        try:
+            result = held_out_loss(self.model, [{k: v.to(self.device) for k, v in b.items()}
+                                                for b in batches],
+                                   loss_chunks=t.chunked_loss, optimizer=self.optimizer,
+                                   track=track or self._eval_peak is None)
+        except BaseException as err:
+            _drop_frames(err)
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if isinstance(err, Exception):
+                err.add_note(f"nbtune: step {report.step} was applied and recorded; its held-out "
+                             "evaluation (eval_every) failed. Lower batch_size or set chunked_loss "
+                             "to shrink the evaluation's logits, or eval_every=0.")
+            raise
+        if result.memory is not None:
+            self._eval_peak = result.memory.highest
+        report = replace(report, eval_loss=result.loss,
+                         memory=replace(report.memory, eval_peak=self._eval_peak or 0))
+        self.history[-1] = report
         return report
 
     # ---- state ---------------------------------------------------------------------------
@@ -266,6 +302,7 @@ class Trainer:
             for group in prepared.optimizer.param_groups:
                 group["lr"], group["weight_decay"] = new.lr, new.weight_decay
         self.optimizer, self.stream, self.techniques = prepared.optimizer, prepared.stream, new
+        self._eval_peak = None  # the next evaluation is measured: it shows what changed
         self.base_changed = prepared.base_changed
         if prepared.journal is not None:
             prepared.journal.discard()

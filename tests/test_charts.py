@@ -1,10 +1,15 @@
 """Every chart renders to PNG with labelled axes, units by size, a legend and fixed colours."""
 
+import dataclasses
+
 import matplotlib.colors as mcolors
 import pytest
+from matplotlib.figure import Figure
 
-from nbtune.ui.charts import (COLORS, LABELS, byte_unit, draw_memory, figure_png, ladder_figure,
-                              memory_figure, steps_figure)
+from nbtune.memory import CATEGORIES, MemoryBreakdown
+from nbtune.step import StepReport
+from nbtune.ui.charts import (COLORS, HIGH_LABEL, LABELS, byte_unit, draw_memory, figure_png,
+                              ladder_figure, memory_figure, steps_figure)
 
 from helpers import small_session
 
@@ -67,10 +72,6 @@ def test_units_follow_the_size():
 
 
 def test_timeline_shows_reserved_memory_when_there_is_some(trained):
-    import dataclasses
-
-    from matplotlib.figure import Figure
-
     session, _ = trained
     history = [dataclasses.replace(r, memory=dataclasses.replace(r.memory, reserved=2 * r.memory.peak))
                for r in session.history]
@@ -84,3 +85,156 @@ def test_timeline_shows_reserved_memory_when_there_is_some(trained):
 def test_empty_history_draws_a_placeholder():
     assert figure_png(steps_figure([])).startswith(b"\x89PNG")
     assert figure_png(memory_figure([])).startswith(b"\x89PNG")
+
+
+# ---- charts that tell the truth: built from reports directly (no training) ------------------
+
+MiB = 2**20
+AT_PEAK = {"parameters": 30 * MiB, "gradients": 5 * MiB, "optimizer_state": 60 * MiB,
+           "activations": 20 * MiB, "other": 4 * MiB}
+HIGHS = {"parameters": 30 * MiB, "gradients": 30 * MiB, "optimizer_state": 60 * MiB,
+         "activations": 55 * MiB, "other": 9 * MiB}  # each category's own high point
+
+
+def _report(step, measured=True, at_peak=True, reserved=0, peak_extra=0):
+    split = {k: v + (peak_extra if k == "activations" else 0) for k, v in AT_PEAK.items()}
+    memory = MemoryBreakdown(**HIGHS, peak=sum(split.values()), reserved=reserved,
+                             at_peak=split if at_peak else {})
+    return StepReport(step=step, loss=4.0 - step / 10, tokens=100, trained_tokens=90, seconds=0.1,
+                      lr=1e-3, memory=memory if measured else memory.carried())
+
+
+def _history(measured_steps, last=10, **kw):
+    """Steps 1..last; those not in ``measured_steps`` carry the last measurement over, as the
+    trainer does (a carried report repeats the measured breakdown with measured=False)."""
+    out, latest = [], None
+    for step in range(1, last + 1):
+        if step in measured_steps:
+            latest = _report(step, peak_extra=step * MiB, **kw)
+            out.append(latest)
+        else:
+            out.append(dataclasses.replace(latest, step=step, loss=4.0 - step / 10,
+                                           memory=latest.memory.carried()))
+    return out
+
+
+def _bar_heights(ax) -> dict[str, float]:
+    """Legend label -> summed heights of the bars carrying it."""
+    return {c.get_label(): sum(p.get_height() for p in c.patches) for c in ax.containers}
+
+
+def _finite(values):
+    return [v for v in values if v == v]
+
+
+def test_the_bar_is_the_moment_of_the_peak_and_reaches_exactly_the_peak():
+    history = _history({1, 2, 5})
+    fig = draw_memory(Figure(), history)
+    bars = fig.axes[0]
+    last = history[4].memory  # step 5, the last measured: steps 6..10 carry it over
+    heights = _bar_heights(bars)
+    for name in CATEGORIES:
+        assert heights[LABELS[name]] == pytest.approx(last.at_peak[name] / MiB)
+    assert sum(heights.values()) == pytest.approx(last.peak / MiB)
+    assert sum(heights.values()) < sum(last.categories.values()) / MiB  # the old, taller bar
+    assert "step 5" in bars.get_xticklabels()[0].get_text()
+    assert "last measured" in bars.get_xticklabels()[0].get_text()
+
+
+def test_each_categorys_own_high_point_is_a_marker_in_its_colour():
+    history = _history({1})
+    fig = draw_memory(Figure(), history)
+    markers = {line.get_gid(): line for line in fig.axes[0].get_lines()
+               if (line.get_gid() or "").startswith("high:")}
+    assert set(markers) == {f"high:{name}" for name in CATEGORIES}
+    for name in CATEGORIES:
+        line = markers[f"high:{name}"]
+        assert list(line.get_ydata()) == pytest.approx([HIGHS[name] / MiB])
+        assert mcolors.to_hex(line.get_color()) == COLORS[name].lower()
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert HIGH_LABEL in legend
+
+
+def test_without_a_split_at_the_peak_the_bar_says_it_stacks_high_points():
+    history = _history({1, 2}, last=3, at_peak=False)
+    fig = draw_memory(Figure(), history)
+    bars = fig.axes[0]
+    assert sum(_bar_heights(bars).values()) == pytest.approx(sum(HIGHS.values()) / MiB)
+    assert "not recorded" in bars.get_title()
+    assert not [line for line in bars.get_lines() if (line.get_gid() or "").startswith("high:")]
+
+
+def test_timeline_plots_only_measured_steps_and_never_joins_across_a_gap():
+    measured = {1, 2, 5, 9}
+    history = _history(measured, reserved=200 * MiB)
+    fig = draw_memory(Figure(), history)
+    timeline, loss_ax = fig.axes[1], fig.axes[2]
+    for line in timeline.get_lines():
+        xs = list(line.get_xdata())
+        assert set(_finite(xs)) <= measured, line.get_label()
+        # a line only joins neighbouring steps: every drawn segment spans one step
+        if line.get_linestyle() not in ("None", "none", ""):
+            pairs = [(a, b) for a, b in zip(xs, xs[1:]) if a == a and b == b]
+            assert all(b - a == 1 for a, b in pairs), xs
+    peak = next(line for line in timeline.get_lines() if line.get_label().startswith("peak memory"))
+    assert sorted(_finite(peak.get_xdata())) == sorted(measured)
+    assert "reserved by the allocator" in [line.get_label() for line in timeline.get_lines()]
+    assert "4 of 10" in timeline.get_xlabel()
+    loss = loss_ax.get_lines()[0]
+    assert list(loss.get_xdata()) == list(range(1, 11))  # the loss covers every step
+
+
+def test_steps_figure_has_a_bar_at_each_measured_step_only_reaching_its_peak():
+    measured = {1, 2, 5, 9}
+    history = _history(measured)
+    fig = steps_figure(history)
+    ax = fig.axes[0]
+    tops: dict[float, float] = {}
+    for container in ax.containers:
+        for patch in container.patches:
+            x = round(patch.get_x() + patch.get_width() / 2)
+            tops[x] = tops.get(x, 0) + patch.get_height()
+    assert set(tops) == measured
+    for report in history:
+        if report.step in measured:
+            assert tops[report.step] == pytest.approx(report.memory.peak / MiB)
+    for line in ax.get_lines():
+        assert set(_finite(line.get_xdata())) <= measured
+    assert "4 of 10" in ax.get_xlabel()
+
+
+def test_every_step_measured_draws_one_unbroken_line():
+    history = _history(set(range(1, 11)))
+    fig = draw_memory(Figure(), history)
+    peak = next(line for line in fig.axes[1].get_lines() if line.get_label() == "peak memory")
+    assert list(peak.get_xdata()) == list(range(1, 11))
+    assert fig.axes[1].get_xlabel() == "step"
+
+
+def test_nothing_measured_draws_no_memory_but_the_loss():
+    history = [StepReport(step=i, loss=2.0, tokens=1, trained_tokens=1, seconds=0.1, lr=1e-3,
+                          memory=MemoryBreakdown(measured=False)) for i in range(1, 6)]
+    for fig in (memory_figure(history), steps_figure(history)):
+        assert figure_png(fig).startswith(b"\x89PNG")
+        assert not any(ax.containers for ax in fig.axes)
+        assert not [line for ax in fig.axes for line in ax.get_lines() if len(line.get_xdata())
+                    and line.get_label() != "loss"]
+
+
+def test_held_out_loss_and_the_evaluation_peak_are_drawn():
+    from dataclasses import replace
+
+    from nbtune.ui.charts import EVAL_COLOR, memory_figure
+
+    history = [_report(i) for i in range(1, 5)]
+    history[1] = replace(history[1], eval_loss=2.5)
+    history[3] = replace(history[3], eval_loss=2.0,
+                         memory=replace(history[3].memory, eval_peak=300 << 20))
+    fig = memory_figure(history)
+    bars, timeline, loss_ax = fig.axes
+    held = [line for line in loss_ax.get_lines() if line.get_label() == "held-out loss"]
+    assert len(held) == 1 and list(held[0].get_xdata()) == [2, 4]
+    assert list(held[0].get_ydata()) == [2.5, 2.0] and held[0].get_color() == EVAL_COLOR
+    dotted = [line for line in bars.get_lines() if "held-out evaluation peak" in line.get_label()]
+    assert len(dotted) == 1 and dotted[0].get_ydata()[0] == 300  # MiB: the axis fits it
+    assert bars.get_ylim()[1] >= 300

@@ -263,6 +263,29 @@ def check_lora_targets(session, ctx):
     assert plain == set(LORA_TARGETS) - set(ctx.value) | {"lm_head"}
 
 
+def check_eval_every(session, ctx):
+    """Every step after the change carries a held-out loss equal to one computed here."""
+    import torch.nn.functional as F
+
+    from nbtune.data import IGNORE
+
+    reports = session.history[ctx.changed_at:]
+    assert all(r.eval_loss is not None for r in reports)
+    assert all(r.eval_loss is None for r in session.history[:ctx.changed_at])
+    assert reports[-1].memory.eval_peak > 0
+    total, count = 0.0, 0
+    session.model.eval()
+    with torch.no_grad():
+        for batch in session._eval_batches(session.techniques):
+            logits = session.model(batch["input_ids"]).float()  # labels come shifted
+            labels = batch["labels"]
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                     ignore_index=IGNORE, reduction="sum").item()
+            count += int((labels != IGNORE).sum())
+    session.model.train()
+    assert count > 0 and reports[-1].eval_loss == pytest.approx(total / count, rel=1e-5)
+
+
 def check_seed(session, ctx):
     # A twin on the default seed, moved to the same epoch and position: its next batch
     # is what this session would read if the seed had not reached the data order.
@@ -303,6 +326,8 @@ TABLE: dict[str, Row] = {
     "lora_dropout": Row(0.5, check_lora_dropout, base=LORA),
     "lora_targets": Row(("q_proj", "v_proj"), check_lora_targets, base=LORA),
     "seed": Row(1, check_seed),
+    # Evaluation must not touch the training: losses equal, the held-out loss checked here.
+    "eval_every": Row(1, check_eval_every, maths=False),
 }
 
 # Second values of a field, tried the same way (not part of the one-row-per-field count).

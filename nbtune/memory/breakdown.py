@@ -25,6 +25,8 @@ class MemoryBreakdown:
     device memory in use outside it (the CUDA context, paged optimizer state in managed
     memory, other processes). ``measured`` is False where the numbers are carried over from
     the last measured step (sampled tracking) or predicted (``estimate``).
+    ``eval_peak`` is the peak of the held-out evaluation that follows the step when
+    ``eval_every`` is set (the last one measured), else 0; ``highest`` is what must fit.
     """
 
     parameters: int = 0
@@ -40,12 +42,18 @@ class MemoryBreakdown:
     quantized: int = 0
     device: str = "cpu"
     measured: bool = True
+    eval_peak: int = 0
     at_peak: dict = field(default_factory=dict, compare=False)
     phases: dict = field(default_factory=dict, compare=False)  # phase -> {"peak", "largest"}
 
     @property
     def categories(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in CATEGORIES}
+
+    @property
+    def highest(self) -> int:
+        """The most held at one moment, training step or held-out evaluation."""
+        return max(self.peak, self.eval_peak)
 
     @property
     def parameter_kinds(self) -> dict[str, int]:

@@ -161,7 +161,7 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     from ..models.hf import DTYPES
     from ..peft import cast_model
     from ..plan import check, transform_model
-    from ..step import update
+    from ..step import evaluate_sum, update
     from .tracker import CpuStepMemory
 
     config = resolve_config(model)
@@ -194,5 +194,12 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
                        offload_activations=t.activation_offloading,
                        max_grad_norm=t.max_grad_norm, offload_to=offload)
         result = memory.result()
+        eval_peak = 0
+        if t.eval_every:  # one held-out batch at a time, beside the optimizer state
+            evaluation = CpuStepMemory(built, optimizer, *inputs)
+            built.eval()
+            with evaluation:
+                evaluate_sum(built, batches[:1], evaluation, loss_chunks=t.chunked_loss)
+            eval_peak = evaluation.result().peak
     paged = optimizer_state_bytes(optimizer, torch.device("meta"))  # the stand-in parks it there
-    return replace(result, device=target, measured=False, outside=paged)
+    return replace(result, device=target, measured=False, outside=paged, eval_peak=eval_peak)

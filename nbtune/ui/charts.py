@@ -26,6 +26,7 @@ LABELS = {
 PEAK_COLOR = "#000000"  # the peak at one moment, and estimates of it
 RESERVED_COLOR = "#7F7F7F"  # what the CUDA caching allocator held
 LOSS_COLOR = "#999999"
+EVAL_COLOR = "#E377C2"  # held-out loss and the evaluation's memory
 _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
@@ -53,11 +54,14 @@ def _legend(fig: Figure, axes, ncol: int = 4) -> None:
     fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
 
 
-def _stack(ax, x, values: dict[str, list[float]], width: float) -> None:
+def _stack(ax, x, values: dict[str, list[float]], width: float, hatch: str | None = None,
+           labelled: bool = True) -> None:
     """Bars at ``x``, one segment per category, in the fixed category order and colours."""
     bottom = [0.0] * len(x)
     for name in CATEGORIES:
-        ax.bar(x, values[name], bottom=bottom, width=width, color=COLORS[name], label=LABELS[name])
+        ax.bar(x, values[name], bottom=bottom, width=width, color=COLORS[name], hatch=hatch,
+               edgecolor="white" if hatch else None, linewidth=0,
+               label=LABELS[name] if labelled else "_nolegend_")
         bottom = [b + v for b, v in zip(bottom, values[name])]
 
 
@@ -68,72 +72,184 @@ def _empty(fig: Figure, text: str) -> Figure:
     return fig
 
 
+def _composition(memory) -> dict[str, int]:
+    """What held memory at the step's peak moment: ``at_peak``, which sums to ``peak``
+    (empty where it was not recorded: then each category's own high point)."""
+    return {name: memory.at_peak.get(name, 0) for name in CATEGORIES} if memory.at_peak \
+        else memory.categories
+
+
+def _measured(history: list) -> list:
+    """The reports whose memory was measured on their own step (the others carry it over)."""
+    return [r for r in history if r.memory.measured]
+
+
+def _top(reports: list) -> float:
+    """The highest number of bytes any memory chart of ``reports`` draws (at least 1)."""
+    return max([1] + [max(sum(_composition(r.memory).values()), r.memory.peak, r.memory.reserved,
+                          r.memory.eval_peak, *r.memory.categories.values()) for r in reports])
+
+
+HIGH_LABEL = "category's own high point"
+
+
 def draw_memory(fig: Figure, history: list) -> Figure:
-    """Latest step's breakdown as a stacked bar; peak (and reserved) memory and loss over
-    the steps. Filled markers are measured steps, the line between them carries the last
-    measurement."""
+    """Left, "Where memory went": the latest measured step at its peak moment, one stacked
+    segment per category (``MemoryBreakdown.at_peak``), so the bar's top is the step's peak.
+    Beside it, one stem per category (its colour) rises to that category's own high point,
+    the most it held at any moment of the step, peak or not: the stems do not add up, and
+    the bar shows which of those highs coincided. Where the split at the peak was not
+    recorded, the bar stacks the own high points instead (the title says so) and the dashed
+    peak line shows how far that overshoots the peak.
+
+    Right: peak (and, on CUDA, reserved) memory of the measured steps only, as points joined
+    only between consecutive measured steps; steps whose memory was carried over from an
+    earlier measurement are not drawn (the x label says how many of the steps were
+    measured). The loss line covers every step."""
     fig.clear()
     if not history:
         return _empty(fig, "no steps yet")
-    bars, timeline = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2.2]})
-    last = history[-1].memory
-    top = max(sum(last.categories.values()), max(max(r.memory.peak, r.memory.reserved)
-                                                  for r in history))
+    bars, timeline = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.15, 2.2]})
+    measured = _measured(history)
+    top = _top(measured)
     unit, size = byte_unit(top)
-
-    _stack(bars, [0], {name: [getattr(last, name) / size] for name in CATEGORIES}, width=0.6)
-    bars.axhline(last.peak / size, color="black", linestyle="--", linewidth=1.2,
-                 label=f"peak at one moment ({format_bytes(last.peak)})")
-    note = "" if last.measured else " (last measured)"
-    bars.set_xticks([0], [f"step {history[-1].step}{note}"])
-    bars.set_xlim(-0.6, 0.6)
-    bars.set_ylabel(f"memory ({unit})")
-    bars.set_title("Where memory went", fontsize=10)
+    if measured:
+        _draw_peak_bar(bars, measured[-1], history[-1].step, size)
+    else:
+        bars.text(0.5, 0.5, "memory not measured\non any step", ha="center", va="center",
+                  fontsize=8, transform=bars.transAxes)
+        bars.set_xticks([])
+        bars.set_yticks([])
+        bars.set_title("Where memory went", fontsize=10)
+    bars.set_ylabel(f"memory ({unit})" if measured else "memory")
+    bars.set_ylim(0, top / size * 1.1)
 
     _timeline(timeline, history, size, unit, top)
     loss_ax = timeline.twinx()
     loss_ax.plot([r.step for r in history], [r.loss for r in history], color=LOSS_COLOR,
                  linewidth=1.2, label="loss")
+    held_out = [r for r in history if getattr(r, "eval_loss", None) is not None]
+    if held_out:
+        loss_ax.plot([r.step for r in held_out], [r.eval_loss for r in held_out], color=EVAL_COLOR,
+                     linewidth=1.2, marker="o", markersize=3, label="held-out loss")
     loss_ax.set_ylabel("loss")
     loss_ax.set_ylim(bottom=0)
     timeline.set_title("Peak memory and loss per step", fontsize=10)
-    _legend(fig, (bars, timeline, loss_ax))
-    fig.subplots_adjust(left=0.08, right=0.93, top=0.9, bottom=0.3, wspace=0.45)
+    _legend(fig, (bars, timeline, loss_ax), ncol=3)
+    fig.subplots_adjust(left=0.08, right=0.93, top=0.88, bottom=0.3, wspace=0.4)
     return fig
 
 
+def _draw_peak_bar(ax, report, latest_step: int, size: int) -> None:
+    memory = report.memory
+    split = bool(memory.at_peak)
+    composition = _composition(memory)
+    _stack(ax, [0], {name: [composition[name] / size] for name in CATEGORIES}, width=0.5)
+    ax.axhline(memory.peak / size, color=PEAK_COLOR, linestyle="--", linewidth=1,
+               label=f"peak at one moment ({format_bytes(memory.peak)})")
+    if memory.eval_peak:
+        ax.axhline(memory.eval_peak / size, color=EVAL_COLOR, linestyle=":", linewidth=1.4,
+                   label=f"held-out evaluation peak ({format_bytes(memory.eval_peak)})")
+    step = f"step {report.step}" + ("" if report.step == latest_step else "\n(last measured)")
+    if split:
+        # One stem per category, spread so that equal highs stay apart.
+        xs = [0.5 + 0.1 * i for i in range(len(CATEGORIES))]
+        for x, name in zip(xs, CATEGORIES):
+            high = getattr(memory, name) / size
+            ax.vlines(x, 0, high, color=COLORS[name], linewidth=1.2)
+            ax.plot([x], [high], linestyle="none", marker="v", markersize=6,
+                    color=COLORS[name], gid=f"high:{name}")
+        ax.plot([], [], color="#555555", linewidth=1.2, marker="v", markersize=6,
+                label=HIGH_LABEL)  # the legend's entry: one neutral stem for all five
+        ax.set_xticks([0, xs[2]], [f"at the peak\n{step}", "own\nhigh points"], fontsize=8)
+        ax.set_xlim(-0.4, xs[-1] + 0.15)
+        ax.set_title("Where memory went", fontsize=10)
+    else:
+        ax.set_xticks([0], [step], fontsize=8)
+        ax.set_xlim(-0.5, 0.5)
+        ax.set_title("Where memory went\n(own high points: split at the peak not recorded)",
+                     fontsize=8)
+
+
+def _measured_line(reports: list, value) -> tuple[list, list, list]:
+    """x and y of the measured reports, with a break (NaN) wherever an unmeasured one lies
+    between two measured ones, and the measured points that stand alone (no line shows them)."""
+    xs, ys, alone = [], [], []
+    run: list = []
+    for report in reports + [None]:
+        if report is not None and report.memory.measured:
+            run.append(report)
+            continue
+        if run:
+            if xs:
+                xs.append(float("nan"))
+                ys.append(float("nan"))
+            xs += [r.step for r in run]
+            ys += [value(r.memory) for r in run]
+            if len(run) == 1:
+                alone.append(run[0])
+        run = []
+    return xs, ys, alone
+
+
 def _timeline(ax, history: list, size: int, unit: str, top: float) -> None:
-    steps = [r.step for r in history]
-    ax.plot(steps, [r.memory.peak / size for r in history], color=PEAK_COLOR, linewidth=1.2,
-            label="peak memory")
-    measured = [r for r in history if r.memory.measured]
-    if len(measured) < 60:
-        ax.plot([r.step for r in measured], [r.memory.peak / size for r in measured],
+    """Peak (and reserved) memory at the measured steps of ``history`` only."""
+    measured = _measured(history)
+    if measured:
+        every = len(measured) == len(history)
+        xs, ys, alone = _measured_line(history, lambda m: m.peak / size)
+        ax.plot(xs, ys, color=PEAK_COLOR, linewidth=1.2,
+                label="peak memory" + ("" if every else " (measured steps only)"))
+        dots = measured if len(measured) < 60 else alone
+        ax.plot([r.step for r in dots], [r.memory.peak / size for r in dots],
                 linestyle="none", marker="o", markersize=3, color=PEAK_COLOR)
-    if any(r.memory.reserved for r in history):
-        ax.plot(steps, [r.memory.reserved / size for r in history], color=RESERVED_COLOR,
-                linestyle="--", linewidth=1.2, label="reserved by the allocator")
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"memory ({unit})")
+        if any(r.memory.reserved for r in measured):
+            xs, ys, alone = _measured_line(history, lambda m: m.reserved / size)
+            ax.plot(xs, ys, color=RESERVED_COLOR, linestyle="--", linewidth=1.2,
+                    label="reserved by the allocator")
+            ax.plot([r.step for r in alone], [r.memory.reserved / size for r in alone],
+                    linestyle="none", marker="o", markersize=3, color=RESERVED_COLOR)
+    else:
+        every = False
+        ax.set_yticks([])
+    ax.set_xlabel("step" if every else
+                  f"step (memory measured on {len(measured)} of {len(history)} steps)")
+    ax.set_ylabel(f"memory ({unit})" if measured else "memory")
     ax.set_ylim(0, top / size * 1.1)
 
 
 def steps_figure(history: list) -> "ChartFigure":
-    """Every step's breakdown as a stacked bar, with the peak of each step as a line."""
+    """Each measured step at its peak moment as a stacked bar (``at_peak``: the bar's top is
+    the step's peak), and the peak as points and a line over consecutive measured steps.
+    Steps whose memory was carried over from an earlier measurement get no bar (the title
+    says so, the x label how many were measured). A step without a recorded split at the
+    peak is hatched and stacks each category's own high point instead."""
     fig = ChartFigure(figsize=(9, 4))
     if not history:
         return _empty(fig, "no steps yet")
     ax = fig.subplots()
-    top = max(max(sum(r.memory.categories.values()), r.memory.peak, r.memory.reserved)
-              for r in history)
+    measured = _measured(history)
+    top = _top(measured)
     unit, size = byte_unit(top)
-    steps = [r.step for r in history]
-    _stack(ax, steps, {name: [getattr(r.memory, name) / size for r in history]
-                       for name in CATEGORIES}, width=0.8)
+    split = [r for r in measured if r.memory.at_peak]
+    highs = [r for r in measured if not r.memory.at_peak]
+    for reports, hatch in ((split, None), (highs, "//")):
+        if reports:  # the legend names each category once
+            _stack(ax, [r.step for r in reports],
+                   {name: [_composition(r.memory)[name] / size for r in reports]
+                    for name in CATEGORIES}, width=0.8, hatch=hatch,
+                   labelled=hatch is None or not split)
     _timeline(ax, history, size, unit, top)
-    ax.set_title("Memory by category, per step", fontsize=10)
+    ax.set_xlim(history[0].step - 1, history[-1].step + 1)
+    notes = []
+    if len(measured) < len(history):
+        notes.append("steps whose memory was not measured have no bar")
+    if highs:
+        notes.append("hatched: own high points, split at the peak not recorded")
+    title = "Memory by category at each step's peak"
+    ax.set_title(title + (f"\n({'; '.join(notes)})" if notes else ""), fontsize=9 if notes else 10)
     _legend(fig, (ax,))
-    fig.subplots_adjust(left=0.09, right=0.97, top=0.9, bottom=0.3)
+    fig.subplots_adjust(left=0.09, right=0.97, top=0.88, bottom=0.3)
     return fig
 
 

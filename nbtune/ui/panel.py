@@ -68,6 +68,7 @@ def _controls(session) -> dict[str, w.ValueWidget]:
         "warmup_steps": slider(w.IntSlider, "warm-up steps", min=0, max=500),
         "weight_decay": slider(w.FloatSlider, "weight decay", min=0.0, max=0.3, step=0.01),
         "max_grad_norm": slider(w.FloatSlider, "max gradient norm", min=0.0, max=5.0, step=0.1),
+        "eval_every": slider(w.IntSlider, "held-out loss every N steps", min=0, max=200),
     }
 
 
@@ -75,7 +76,8 @@ TABS = {"Model": ("method", "dtype", "lora_rank", "lora_alpha", "lora_dropout", 
         "Memory": ("activation_checkpointing", "activation_offloading", "chunked_loss", "optimizer",
                    "optimizer_in_backward", "cpu_offload_optimizer", "compile"),
         "Batch": ("batch_size", "seq_len", "packing", "grad_accum"),
-        "Optimizer": ("lr", "warmup_steps", "weight_decay", "max_grad_norm")}
+        "Optimizer": ("lr", "warmup_steps", "weight_decay", "max_grad_norm"),
+        "Evaluation": ("eval_every",)}
 # The value a control is moved to when a rule would stop it (checked to disable it ahead).
 PROBES = {"optimizer_in_backward": True, "cpu_offload_optimizer": True, "compile": True,
           "activation_offloading": True, "packing": True, "grad_accum": 2, "max_grad_norm": 1.0}

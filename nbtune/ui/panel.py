@@ -203,6 +203,10 @@ class Panel(w.VBox):
         elif event == "run":
             self._redraw(force=True)  # throttling may have skipped the last step's drawing
             self._running(False)
+            run = self._last_run()
+            if run is not None and run.stopped:
+                self._say(f"stopped after {len(run.reports)} of {run.steps} steps: the session is "
+                          f"as it was after step {len(self.session.history)}.")
 
     def _running(self, running: bool) -> None:
         self.step_button.disabled = self.run_button.disabled = running

@@ -1,0 +1,397 @@
+"""Mutation testing: plant one small, plausible bug at a time and check that a test fails.
+
+Each mutant is a textual replacement in one file of ``nbtune/`` (the old text must occur
+exactly once, so a mutant that no longer matches the code fails loudly instead of silently
+testing nothing) and the test files or test ids that should catch it. For each mutant, in
+a temporary copy of the checkout (its tracked and untracked, not ignored, files):
+
+1. the replacement is applied to the copy's file;
+2. ``pytest -x -q`` runs the mutant's tests in the copy, with the copy first on
+   ``PYTHONPATH`` and as the working directory; a guard imports ``nbtune`` before pytest
+   starts and aborts unless it comes from the copy (never the checkout or an install);
+3. the file is put back. Caught: pytest reports a failing test (exit status 1).
+
+Before the mutants, the union of their tests runs once on the unmutated copy (a baseline
+that must pass, else every mutant would look caught). No bytecode is written in the copy,
+so a reverted file is never run from a stale ``.pyc``.
+
+    python benchmarks/mutation.py              # all mutants, one at a time
+    python benchmarks/mutation.py --list       # number, kind, file and bug of each
+    python benchmarks/mutation.py --only 3 --only 7   # or --only 3,7
+    python benchmarks/mutation.py -j 2         # two copies, two mutants at once
+
+Slow (every mutant starts pytest and imports torch): not part of the test suite; it
+lives outside ``testpaths``. Exit status 0 only when every mutant was caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    kind: str  # the family of bug (wrong scaling, dropped argument, off-by-one, ...)
+    bug: str  # what the planted bug does, in words
+    file: str  # relative to the repository root, under nbtune/
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # test files or ids, relative to the repository root
+
+
+T = "tests/"
+FAMILY_LORA = T + "test_family_paths.py::test_lora_merge_save_and_export_give_the_unmerged_logits"
+FAMILY_QLORA = T + "test_family_paths.py::test_qlora_equals_the_dense_model_on_the_dequantized_weights"
+PAIRS = T + "test_pairs.py"
+PROPERTIES = T + "test_properties.py"
+FAULT_FORWARD = T + "test_faults.py::test_failed_step_equals_twin[layer_forward-runtime-step1]"
+
+MUTANTS: list[Mutant] = [
+    # ---- wrong scaling ----
+    Mutant("wrong scaling", "loss normalised by each micro-batch's own trained tokens",
+           "nbtune/step.py",
+           "compiled_loss) / trained",
+           "compiled_loss) / int((batch[\"labels\"] != IGNORE).sum())",
+           (T + "test_reference.py::test_accumulated_step_divides_by_the_trained_tokens_of_all_micro_batches",
+            PAIRS + "::test_chunked_accumulated_loss_equals_one_plain_batch")),
+    Mutant("wrong scaling", "loss normaliser counts the first micro-batch's tokens only",
+           "nbtune/step.py",
+           "trained = int(sum((b[\"labels\"] != IGNORE).sum() for b in micro_batches))",
+           "trained = int(sum((b[\"labels\"] != IGNORE).sum() for b in micro_batches[:1]))",
+           (PAIRS + "::test_clipped_accumulation_equals_one_clipped_batch",)),
+    Mutant("wrong scaling", "LoRA scaling alpha / sqrt(rank) instead of alpha / rank",
+           "nbtune/peft.py",
+           "return self.alpha / self.rank",
+           "return self.alpha / self.rank ** 0.5",
+           (FAMILY_LORA,)),
+    Mutant("wrong scaling", "merged weight adds B @ A without the scaling",
+           "nbtune/peft.py",
+           "(self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling",
+           "(self.lora_B.weight.float() @ self.lora_A.weight.float())",
+           (FAMILY_LORA,)),
+    Mutant("wrong scaling", "exported adapter_config holds alpha / rank as lora_alpha",
+           "nbtune/peft.py",
+           "\"lora_alpha\": first.alpha,",
+           "\"lora_alpha\": first.alpha / first.rank,",
+           (FAMILY_LORA,)),
+    # ---- dropped argument ----
+    Mutant("dropped argument", "max_grad_norm not passed on to the update (no clipping)",
+           "nbtune/step.py",
+           "offload_activations=offload_activations, max_grad_norm=max_grad_norm,",
+           "offload_activations=offload_activations,",
+           (PAIRS + "::test_clipped_accumulation_equals_one_clipped_batch",)),
+    Mutant("dropped argument", "weight_decay not given to the optimizer",
+           "nbtune/optim.py",
+           "kwargs = dict(lr=techniques.lr, weight_decay=techniques.weight_decay)",
+           "kwargs = dict(lr=techniques.lr)",
+           (T + "test_every_field.py::test_field_set_at_build_time_takes_effect[weight_decay]",)),
+    Mutant("dropped argument", "QLoRA base product drops the Linear's bias (Qwen2 q/k/v)",
+           "nbtune/peft.py",
+           "return out if base.bias is None else out + base.bias",
+           "return out",
+           (FAMILY_QLORA,)),
+    Mutant("dropped argument", "merged export drops the adapted layers' biases",
+           "nbtune/peft.py",
+           "            if child != \"base_layer\":\n                continue",
+           "            if child != \"base_layer\" or leaf == \"bias\":\n                continue",
+           (FAMILY_LORA,)),
+    Mutant("dropped argument", "Qwen2's q/k/v bias not switched on when config.json omits it",
+           "nbtune/models/config.py",
+           "\"attention_bias\": hf.get(\"attention_bias\", model_type == \"qwen2\"),",
+           "\"attention_bias\": hf.get(\"attention_bias\", False),",
+           (FAMILY_LORA,)),
+    # ---- off-by-one ----
+    Mutant("off-by-one", "warm-up counts steps from 0 (first step at lr 0)",
+           "nbtune/techniques.py",
+           "return self.lr * step / self.warmup_steps",
+           "return self.lr * (step - 1) / self.warmup_steps",
+           (PAIRS + "::test_schedule_at_first_boundary_and_last_steps",)),
+    Mutant("off-by-one", "warm-up ends one step early",
+           "nbtune/techniques.py",
+           "if self.warmup_steps and step < self.warmup_steps:",
+           "if self.warmup_steps and step < self.warmup_steps - 1:",
+           (PAIRS + "::test_schedule_at_first_boundary_and_last_steps",)),
+    Mutant("off-by-one", "the trainer asks lr_at for a 0-based step number",
+           "nbtune/trainer.py",
+           "number, shape = len(self.history) + 1, None",
+           "number, shape = len(self.history), None",
+           (T + "test_reference.py::test_learning_rate_follows_the_warmup_schedule",)),
+    Mutant("off-by-one", "packing closes a row when the next example would fill it exactly",
+           "nbtune/data.py",
+           "if group and used + len(sample.input_ids) > seq_len:",
+           "if group and used + len(sample.input_ids) >= seq_len:",
+           (PROPERTIES,)),
+    Mutant("off-by-one", "truncation keeps seq_len ids, so rows are one token short",
+           "nbtune/data.py",
+           "ids, trained = ids[: seq_len + 1], trained[: seq_len + 1]",
+           "ids, trained = ids[: seq_len], trained[: seq_len]",
+           (PROPERTIES,)),
+    Mutant("off-by-one", "label mask shifted: the prompt's last token trained, EOS not",
+           "nbtune/data.py",
+           "zip(ids[1:], trained[1:])",
+           "zip(ids[1:], trained[:-1])",
+           (PROPERTIES,)),
+    # ---- packing and batching ----
+    Mutant("packing", "packed positions run on across documents instead of restarting",
+           "nbtune/data.py",
+           "positions=torch.cat([torch.arange(len(s.input_ids)) for s in group])",
+           "positions=torch.arange(sum(len(s.input_ids) for s in group))",
+           (PROPERTIES,)),
+    Mutant("packing", "document mask lets a document see the earlier ones in its row",
+           "nbtune/models/decoder.py",
+           "same = document_ids[:, :, None] == document_ids[:, None, :]",
+           "same = document_ids[:, :, None] >= document_ids[:, None, :]",
+           (T + "test_packing.py::test_packed_loss_equals_unpacked_loss",)),
+    Mutant("padding", "padding labelled with the pad id, so padding is trained",
+           "nbtune/data.py",
+           "fill = {\"input_ids\": pad_id, \"labels\": IGNORE}",
+           "fill = {\"input_ids\": pad_id, \"labels\": pad_id}",
+           (PROPERTIES,)),
+    Mutant("tokens count", "tokens read counts the padding too",
+           "nbtune/step.py",
+           "read = int(sum((b[\"input_ids\"] != pad_id).sum() for b in micro_batches))",
+           "read = int(sum(b[\"input_ids\"].numel() for b in micro_batches))",
+           (T + "test_reference.py::test_token_counts_from_the_samples",)),
+    Mutant("batching", "every epoch walks the same order (no reshuffle)",
+           "nbtune/data.py",
+           "gen = torch.Generator().manual_seed(self.seed + self.epoch)",
+           "gen = torch.Generator().manual_seed(self.seed)",
+           (PROPERTIES,)),
+    # ---- skipped restore ----
+    Mutant("skipped restore", "restoring a position does not reshuffle when the epoch differs",
+           "nbtune/data.py",
+           "        moved = state[\"epoch\"] != self.epoch\n"
+           "        self.epoch, self.position = state[\"epoch\"], state[\"position\"]\n",
+           "        self.epoch, self.position = state[\"epoch\"], state[\"position\"]\n"
+           "        moved = state[\"epoch\"] != self.epoch\n",
+           (PROPERTIES,)),
+    Mutant("skipped restore", "restoring a data position keeps the epoch only",
+           "nbtune/data.py",
+           "self.epoch, self.position = state[\"epoch\"], state[\"position\"]",
+           "self.epoch = state[\"epoch\"]",
+           (PAIRS + "::test_resumed_pair_equals_the_uninterrupted_run_bit_for_bit",)),
+    Mutant("skipped restore", "a failed step does not put the data position back",
+           "nbtune/trainer.py",
+           "        self.stream.load_state_dict(mark[\"data\"])\n",
+           "",
+           (FAULT_FORWARD,)),
+    Mutant("skipped restore", "a failed step does not put the RNG back",
+           "nbtune/trainer.py",
+           "        set_rng_state(mark[\"rng\"])\n",
+           "",
+           (FAULT_FORWARD,)),
+    Mutant("skipped restore", "loading a checkpoint does not restore the RNG (LoRA dropout)",
+           "nbtune/trainer.py",
+           "            set_rng_state(state[\"rng\"])\n",
+           "",
+           (T + "test_save.py::test_resume_continues_exactly",)),
+    # ---- tied embeddings ----
+    Mutant("tied embedding", "load_model does not tie the head to the loaded embedding",
+           "nbtune/models/hf.py",
+           "    model.tie_weights()\n    return model",
+           "    return model",
+           (FAMILY_LORA,)),
+    # ---- chunked loss, accumulation, optimizer in backward ----
+    Mutant("chunked loss", "chunked loss drops the last (shorter) chunk",
+           "nbtune/loss.py",
+           "zip(hidden.chunk(chunks, dim=1), labels.chunk(chunks, dim=1))",
+           "zip(hidden.chunk(chunks, dim=1)[:-1], labels.chunk(chunks, dim=1)[:-1])",
+           (PAIRS + "::test_chunked_accumulated_loss_equals_one_plain_batch",)),
+    Mutant("accumulation", "gradients zeroed before each micro-batch (only the last one counts)",
+           "nbtune/step.py",
+           "        loss.backward()\n        memory.after_backward()",
+           "        model.zero_grad(set_to_none=True)\n        loss.backward()\n        memory.after_backward()",
+           (PAIRS + "::test_clipped_accumulation_equals_one_clipped_batch",)),
+    Mutant("optimizer in backward", "the gradient is kept after its in-backward step, and summed into the next",
+           "nbtune/optim.py",
+           "        wrapper.optimizers[index].step()\n        param.grad = None",
+           "        wrapper.optimizers[index].step()",
+           (PAIRS + "::test_optimizer_in_backward_with_checkpointing_equals_the_plain_step",)),
+]
+
+
+# ---- running --------------------------------------------------------------------------------
+
+GUARD_STATUS = 99  # the guard's exit status: not a test failure, the whole run is invalid
+GUARD = """\
+import os, sys
+GUARD_STATUS = @STATUS@
+root = os.path.realpath(os.environ["NBTUNE_MUTATION_ROOT"])
+import nbtune
+where = os.path.realpath(nbtune.__file__)
+if not where.startswith(root + os.sep):
+    print(f"mutation guard: nbtune was imported from {where}, not from the copy {root}",
+          file=sys.stderr)
+    sys.exit(GUARD_STATUS)
+import pytest
+sys.exit(pytest.main(sys.argv[1:]))
+""".replace("@STATUS@", str(GUARD_STATUS))
+
+
+def check_mutants(root: Path, mutants: list[Mutant]) -> None:
+    """Every mutant's old text occurs exactly once in its file (loudly, all problems at once)."""
+    problems = []
+    for number, m in enumerate(mutants, 1):
+        path = root / m.file
+        if not m.file.startswith("nbtune/"):
+            problems.append(f"mutant {number} ({m.bug}): {m.file} is not under nbtune/")
+            continue
+        if not path.is_file():
+            problems.append(f"mutant {number} ({m.bug}): {m.file} does not exist")
+            continue
+        count = path.read_text().count(m.old)
+        if count != 1:
+            problems.append(f"mutant {number} ({m.bug}): its old text occurs {count} times in "
+                            f"{m.file} (must be exactly once):\n    {m.old!r}")
+        if m.old == m.new:
+            problems.append(f"mutant {number} ({m.bug}): old and new text are the same")
+        for test in m.tests:
+            if not (root / test.split("::")[0]).is_file():
+                problems.append(f"mutant {number} ({m.bug}): no test file {test.split('::')[0]}")
+    if problems:
+        sys.exit("Mutants that no longer fit the code (update them):\n" + "\n".join(problems))
+
+
+def copy_checkout(target: Path) -> Path:
+    """The checkout's tracked and untracked (not ignored) files, copied to ``target``."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=ROOT, check=True, capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = ROOT / name
+        if source.is_file():  # deleted but still tracked files are skipped
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name)
+    return target
+
+
+def run_pytest(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int | str, str, float]:
+    """(exit status or "timeout", the output, seconds) of pytest on ``tests`` in ``copy``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               NBTUNE_MUTATION_ROOT=str(copy), PYTHONDONTWRITEBYTECODE="1", HF_HUB_OFFLINE="1")
+    command = [sys.executable, "-c", GUARD, "-x", "-q", "-p", "no:cacheprovider", *tests]
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        out = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        return "timeout", out, time.perf_counter() - started
+    if done.returncode == GUARD_STATUS:
+        print(done.stderr[-2000:], file=sys.stderr)
+        os._exit(GUARD_STATUS)  # nothing measured here would be about the copy: stop everything
+    return done.returncode, done.stdout + done.stderr, time.perf_counter() - started
+
+
+def first_failure(output: str) -> str:
+    for line in output.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line.split(" - ")[0]
+    return ""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--only", action="append", default=[],
+                        help="run only mutant N (1-based, as --list numbers them); repeat or "
+                             "give a comma-separated list")
+    parser.add_argument("-j", "--jobs", type=int, default=1, help="mutants run at once (a copy each)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per pytest run")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the unmutated run of the tests (not recommended)")
+    args = parser.parse_args()
+
+    numbered = list(enumerate(MUTANTS, 1))
+    if args.list:
+        for number, m in numbered:
+            print(f"{number:3d}  {m.kind:22s} {m.file:26s} {m.bug}")
+        return 0
+    check_mutants(ROOT, MUTANTS)
+    if args.only:
+        wanted = {int(x) for item in args.only for x in item.split(",") if x.strip()}
+        unknown = sorted(wanted - {n for n, _ in numbered})
+        if unknown:
+            sys.exit(f"--only: no mutant {unknown} (there are {len(MUTANTS)}; see --list)")
+        numbered = [(n, m) for n, m in numbered if n in wanted]
+
+    started = time.perf_counter()
+    workdir = Path(tempfile.mkdtemp(prefix="nbtune-mutation-"))
+    try:
+        copies: queue.Queue[Path] = queue.Queue()
+        for i in range(max(1, args.jobs)):
+            copies.put(copy_checkout(workdir / f"copy{i}"))
+        print(f"{len(numbered)} mutants, {args.jobs} at a time, copies in {workdir}", flush=True)
+
+        if not args.no_baseline:
+            tests = tuple(dict.fromkeys(t for _, m in numbered for t in m.tests))
+            copy = copies.get()
+            status, output, seconds = run_pytest(copy, tests, args.timeout * 2)
+            copies.put(copy)
+            if status != 0:
+                print(output[-4000:])
+                sys.exit(f"Baseline: the mutants' tests fail on the unmutated code (status "
+                         f"{status}); fix them first, or every mutant would look caught.")
+            print(f"baseline: {len(tests)} test selections pass unmutated ({seconds:.0f} s)", flush=True)
+
+        results: dict[int, tuple[str, float, str]] = {}
+        lock = threading.Lock()
+
+        def one(number: int, m: Mutant) -> None:
+            copy = copies.get()
+            path = copy / m.file
+            original = path.read_text()
+            try:
+                path.write_text(original.replace(m.old, m.new, 1))
+                status, output, seconds = run_pytest(copy, m.tests, args.timeout)
+            finally:
+                path.write_text(original)
+                copies.put(copy)
+            if status == 1:
+                verdict, detail = "caught", first_failure(output)
+            elif status == "timeout":
+                verdict, detail = "caught", f"timeout after {args.timeout:.0f} s"
+            elif status == 0:
+                verdict, detail = "MISSED", "every test passed"
+            else:  # 2-5: interrupted, internal or usage error, nothing collected; guard exit
+                verdict, detail = "ERROR", f"pytest status {status}: {output.strip().splitlines()[-1:]}"
+            with lock:
+                results[number] = (verdict, seconds, detail)
+                print(f"[{number:2d}] {verdict:6s} {seconds:6.1f} s  {m.file}: {m.bug}"
+                      f"{'  <- ' + detail if detail else ''}", flush=True)
+
+        threads: list[threading.Thread] = []
+        pending = list(numbered)
+        while pending or threads:
+            while pending and len(threads) < max(1, args.jobs):
+                thread = threading.Thread(target=one, args=pending.pop(0))
+                thread.start()
+                threads.append(thread)
+            threads[0].join()
+            threads = [t for t in threads if t.is_alive()]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    caught = sum(v == "caught" for v, _, _ in results.values())
+    missed = [n for n, (v, _, _) in sorted(results.items()) if v == "MISSED"]
+    errors = [n for n, (v, _, _) in sorted(results.items()) if v == "ERROR"]
+    wall = time.perf_counter() - started
+    print(f"\nscore: {caught}/{len(results)} mutants caught ({100 * caught / max(len(results), 1):.0f}%)"
+          f" in {wall / 60:.1f} min" + (f"; missed: {missed}" if missed else "")
+          + (f"; errors: {errors}" if errors else ""))
+    return 0 if caught == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The panel in a real browser: JupyterLab (127.0.0.1 only) driven by Debian's Chromium
+through Playwright, as a new user would use it.
+
+Checks what only a browser shows: Run returns the kernel at once (a cell runs while the
+model trains), the Stop button appears and stops the run within a step or two, a toggle
+moved during the run is applied, and no cell shows a traceback. Screenshots go to
+``$NBTUNE_BROWSER_SHOTS`` when it is set.
+
+Needs ``chromium`` on PATH (Debian's package; never ``playwright install``) and the
+``playwright`` Python package: skipped without them, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+playwright = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+
+CELLS = [
+    "import nbtune as nt\n"
+    "s = nt.Session.demo(device='cpu')\n"
+    "s.memory_tracking = 'off'\n"
+    "print('session ready')",
+    "p = s.panel()\np",
+    "print('kernel free while training:', s.current_run is not None, 'steps so far:', len(s.history))",
+]
+
+
+def _notebook(folder: Path) -> Path:
+    cells = [{"cell_type": "code", "metadata": {}, "source": source, "outputs": [],
+              "execution_count": None} for source in CELLS]
+    nb = {"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                      "language": "python"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    path = folder / "panel.ipynb"
+    path.write_text(json.dumps(nb))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def lab(tmp_path):
+    _notebook(tmp_path)
+    port, token = _free_port(), "nbtune-browser-test"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+               JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]),
+                                           os.environ.get("PYTHONPATH", "")]))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}",
+         "--ServerApp.open_browser=False", "--LabApp.news_url=", "--LabApp.check_for_updates_class="
+         "jupyterlab.NeverCheckForUpdate"] + (["--allow-root"] if os.geteuid() == 0 else []),
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    pytest.fail("JupyterLab did not start on 127.0.0.1")
+                time.sleep(0.5)
+        yield f"{url}/lab/tree/panel.ipynb?token={token}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def _run_cell(page, index: int, wait_for: str | None = None) -> None:
+    """Run cell ``index`` (Shift+Enter) and wait for ``wait_for`` in its output; a press
+    that the page swallowed while it was still settling is tried again."""
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+    output = cell.locator(".jp-OutputArea")
+    for attempt in range(3):
+        cell.locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Shift+Enter")
+        if wait_for is None:
+            return
+        try:
+            output.get_by_text(wait_for).first.wait_for(timeout=30_000 * (attempt + 1))
+            return
+        except playwright.TimeoutError:
+            if "[ ]" not in cell.locator(".jp-InputPrompt").inner_text():
+                raise  # it ran: the text did not come
+    raise AssertionError(f"cell {index} did not run")
+
+
+def _shot(page, name: str) -> None:
+    folder = os.environ.get("NBTUNE_BROWSER_SHOTS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(folder) / f"{name}.png"), full_page=True)
+
+
+def test_run_in_the_background_stop_and_a_live_toggle_in_jupyterlab(lab):
+    with playwright.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1400})
+        page.set_default_timeout(120_000)
+        page.goto(lab)
+        page.locator(".jp-Notebook .jp-Cell").first.wait_for()
+        page.get_by_text("Python 3 (ipykernel) | Idle").wait_for()
+
+        _run_cell(page, 0, "session ready")
+        _run_cell(page, 1)
+        panel = page.locator(".jp-OutputArea-output").nth(1)
+
+        def button(text):
+            return panel.locator("button.jupyter-button").filter(
+                has_text=re.compile(rf"^\s*{text}\s*$"))
+
+        run_button = button("Run")
+        run_button.wait_for()
+        steps = panel.locator(".widget-inline-hbox").filter(
+            has=page.locator("label", has_text=re.compile(r"^steps$"))).locator("input")
+        steps.fill("3000")
+        steps.press("Enter")
+        run_button.click()
+        stop = button("Stop")
+        stop.wait_for(state="visible")
+        assert run_button.is_disabled()
+
+        # The kernel is free: a cell runs (and says the run is going) while the model trains.
+        _run_cell(page, 2, "kernel free while training: True")
+
+        # A toggle moved during the run is applied at a step boundary.
+        panel.locator(".lm-TabBar-tab", has_text="Batch").click()
+        button("pack examples into sequences").click()
+        status = panel.locator(".widget-html").filter(has_text="applied")
+        status.first.wait_for()
+        _shot(page, "panel-running")
+
+        stop.click()
+        asked = time.monotonic()
+        panel.locator(".widget-html").filter(has_text="stopped after").first.wait_for(timeout=60_000)
+        latency = time.monotonic() - asked
+        _shot(page, "panel-stopped")
+        assert stop.is_hidden() and run_button.is_enabled()
+        progress = panel.locator(".widget-html").filter(has_text="stopped").first.inner_text()
+        done = int(progress.split("step ")[1].split(" of")[0])
+        assert 0 < done < 3000
+        tracebacks = page.locator(".jp-OutputArea-output").filter(has_text="Traceback").count()
+        assert tracebacks == 0
+        browser.close()
+    # A demo step takes ~0.1-0.5 s on 2 cores; the browser round trip adds well under a second.
+    assert latency < 15, latency

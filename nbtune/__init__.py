@@ -10,11 +10,12 @@ from .memory.estimate import estimate  # noqa: E402
 from .models import ModelConfig, load_model, save_model  # noqa: E402
 from .session import BackgroundRun, BusyError, Session  # noqa: E402
 from .ladder import Ladder  # noqa: E402
+from .fitting import CARDS, FitResult, fit, fit_badge, parse_budget, relative_cost  # noqa: E402
 from .oom import OutOfMemory, SimulatedCard  # noqa: E402
 from .step import NonFiniteError, StepReport  # noqa: E402
 from .techniques import Techniques  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["BackgroundRun", "BusyError", "DataError", "Ladder", "MemoryBreakdown", "ModelConfig", "NonFiniteError", "OutOfMemory",
-           "Session", "SimulatedCard", "StepReport", "Techniques", "estimate", "load_model",
-           "save_model"]
+__all__ = ["BackgroundRun", "BusyError", "CARDS", "DataError", "FitResult", "Ladder", "MemoryBreakdown", "ModelConfig", "NonFiniteError", "OutOfMemory",
+           "Session", "SimulatedCard", "StepReport", "Techniques", "estimate", "fit", "fit_badge",
+           "load_model", "parse_budget", "relative_cost", "save_model"]

@@ -49,35 +49,31 @@ class OutOfMemory(torch.OutOfMemoryError):
 
 def candidates(t: Techniques, device: str) -> list[tuple[dict, bool]]:
     """Single toggle changes that lower memory, cheapest first, each with whether it keeps the
-    maths exact; only those the rules allow on ``device``."""
+    maths exact; only those the rules allow on ``device``. (``nbtune.fit`` searches their
+    combinations; what keeps the maths and what a device allows are defined there, once.)"""
+    from .fitting import allowed, keeps_maths
+
     out = []
     if t.chunked_loss <= 1:
-        out.append(({"chunked_loss": 8}, True))
+        out.append({"chunked_loss": 8})
     if not t.activation_checkpointing:
-        out.append(({"activation_checkpointing": True}, True))
+        out.append({"activation_checkpointing": True})
     if t.batch_size > 1 and not t.optimizer_in_backward:
-        out.append(({"batch_size": t.batch_size // 2, "grad_accum": t.grad_accum * 2}, t.batch_size % 2 == 0))
+        out.append({"batch_size": t.batch_size // 2, "grad_accum": t.grad_accum * 2})
     if not t.optimizer_in_backward and t.grad_accum == 1 and not t.max_grad_norm:
-        out.append(({"optimizer_in_backward": True}, True))
+        out.append({"optimizer_in_backward": True})
     if device == "cuda" and not t.activation_offloading:
-        out.append(({"activation_offloading": True}, True))
+        out.append({"activation_offloading": True})
     if t.optimizer == "adamw":
-        out.append(({"optimizer": "adamw8bit"}, False))
+        out.append({"optimizer": "adamw8bit"})
     if t.dtype == "fp32":
-        out.append(({"dtype": "bf16"}, False))
+        out.append({"dtype": "bf16"})
     if t.method == "full":
-        out.append(({"method": "lora"}, False))
+        out.append({"method": "lora"})
     elif t.method == "lora":
-        out.append(({"method": "qlora"}, False))
-    allowed = []
-    for changes, exact in out:
-        try:
-            new = t.replace(**changes)
-        except (TypeError, ValueError):
-            continue
-        if not new.conflicts(device):
-            allowed.append((changes, exact))
-    return allowed
+        out.append({"method": "qlora"})
+    return [(changes, keeps_maths(t, new)) for changes in out
+            if (new := allowed(t, changes, device)) is not None]
 
 
 def held_now(model, optimizer, device: torch.device) -> dict[str, int]:

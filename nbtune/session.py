@@ -525,6 +525,17 @@ class Session:
         return estimate(self.model.config, self.techniques, batch_size=batch_size,
                         seq_len=seq_len, device=self.device.type)
 
+    def fit(self, budget="24GiB", **options):
+        """The fastest toggle combination predicted to fit ``budget`` (bytes, "24GiB" or a
+        card name from ``nt.CARDS``), searched with the estimator from the current techniques
+        (queued changes included); see ``nt.fit`` for ``options``. Cards are GPUs, so the
+        estimate is for CUDA unless ``device=`` says otherwise. Apply the answer with
+        ``session.set(**result.changes)``."""
+        from .fitting import fit
+
+        options.setdefault("device", "cuda")
+        return fit(self.model.config, budget, self._planned(), **options)
+
     @_exclusive
     def compare(self, configs, steps: int = 4, *, estimate: bool = True, progress: bool = True):
         """Run each configuration ``steps`` steps and tabulate peak memory and speed.

@@ -199,6 +199,13 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
         with offload or contextlib.nullcontext():
             hidden = model.hidden_states(batch["input_ids"], positions=batch.get("positions"),
                                          document_ids=batch.get("document_ids"))
+            if loss_chunks <= 1:  # the whole batch's logits are saved: offloaded too
+                loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"], 0,
+                                         compiled_loss) / trained
+        if loss_chunks > 1:
+            # Chunks are checkpointed: they save only their slice of ``hidden``, already held.
+            # (Under the offload hooks, recomputing a chunk on a LoRA model failed torch's
+            # checkpoint metadata check.)
             loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"], loss_chunks,
                                      compiled_loss) / trained
         memory.after_forward()

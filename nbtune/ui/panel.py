@@ -19,6 +19,8 @@ import ipywidgets as w
 
 from ..techniques import DTYPES, HELP, LORA_TARGETS, METHODS, OPTIMIZERS
 from .charts import draw_memory, figure_png, format_bytes
+from ..fitting import CARDS
+from .fitcheck import FitCheck
 from .live import PacedRedraw
 from .status import run_status
 from matplotlib.figure import Figure
@@ -129,6 +131,24 @@ class Panel(w.VBox):
         self.run_button.on_click(lambda _: self._guarded(self.session.start, self.steps.value))
         self.stop_button.on_click(lambda _: self._guarded(self._stop))
         self.price.observe(self._on_price, names="value")
+        self.budget = w.Dropdown(options=_budgets(session), description="will it fit on",
+                                 style={"description_width": "100px"}, layout=w.Layout(width="330px"),
+                                 tooltip="The card to check the current toggles against: the "
+                                         "estimate of the next step's peak, recomputed as you move "
+                                         "a control")
+        self.badge = w.HTML()
+        self.fit_button = w.Button(description="Find the fastest fit", icon="search",
+                                   tooltip="Search toggle combinations with the estimator for the "
+                                           "fastest one predicted to fit this card")
+        self.fit_apply = w.Button(description="Apply", icon="check", button_style="success",
+                                  layout=w.Layout(display="none"),
+                                  tooltip="Apply the combination found")
+        self.fit_button.on_click(lambda _: self._guarded(self._find_fit))
+        self.fit_apply.on_click(lambda _: self._guarded(self._apply_fit))
+        self.budget.observe(lambda _: self._check_fit(), names="value")
+        self._fit_changes: dict | None = None
+        self._fitcheck = FitCheck(session.model.config, self._show_badge, device="cuda")
+        self.last_fit_seconds: float | None = None  # request -> badge, for the benchmark
         self.status = w.HTML()  # replies to clicks: applied, pending, refused and why
         self.progress = w.HTML()  # the run: step, loss, speed, time and cost
         self.chart = w.Image(format="png")
@@ -139,10 +159,11 @@ class Panel(w.VBox):
             tabs.set_title(i, title)
         super().__init__([
             w.HTML("<b>nbtune</b>: change a toggle, run a few steps, watch where memory goes."),
-            tabs, w.HBox([self.step_button, self.steps, self.run_button, self.stop_button,
-                          self.price]),
+            tabs, w.HBox([self.budget, self.badge]), w.HBox([self.fit_button, self.fit_apply]),
+            w.HBox([self.step_button, self.steps, self.run_button, self.stop_button, self.price]),
             self.status, self.progress, self.chart])
         self._sync_from(session.techniques)
+        self._check_fit()
         session.subscribe(self._on_session)
         if session.current_run is not None:
             self._running(True)
@@ -184,6 +205,8 @@ class Panel(w.VBox):
 
     # session -> widget (events of a background run arrive from its thread)
     def _on_session(self, event: str, payload) -> None:
+        if event in ("techniques", "refused", "pending"):
+            self._check_fit()
         if event in ("techniques", "refused"):
             self._sync_from(self.session._planned())
             if event == "techniques":
@@ -207,6 +230,46 @@ class Panel(w.VBox):
             if run is not None and run.stopped:
                 self._say(f"stopped after {len(run.reports)} of {run.steps} steps: the session is "
                           f"as it was after step {len(self.session.history)}.")
+
+    # will it fit?
+    def _check_fit(self) -> None:
+        self.badge.value = "<span style='color:#777'>estimating…</span>"
+        self._fitcheck.request(self.session._planned(), self.budget.value)
+
+    def _show_badge(self, techniques, budget, badge, seconds, error) -> None:
+        if techniques != self.session._planned() or budget != self.budget.value:
+            return  # an answer to an older question
+        self.last_fit_seconds = seconds
+        if badge is None:
+            self.badge.value = f"<span style='color:#b00'>⚠ no estimate: {error}</span>"
+            return
+        color, mark = ("#1a7f37", "✔") if badge.fits else ("#b00", "✘")
+        self.badge.value = (f"<b style='color:{color}'>{mark} {badge.text}</b> "
+                            f"<span style='color:#777'>(estimated next step)</span>")
+
+    def _find_fit(self) -> None:
+        self.fit_button.disabled = True
+        self._say(f"searching toggle combinations for {self.budget.label}…")
+
+        def search() -> None:
+            try:
+                result = self.session.fit(self.budget.value)
+            except Exception as err:  # noqa: BLE001 - shown in the panel
+                self._say(f"⚠ {type(err).__name__}: {err}", error=True)
+                return
+            finally:
+                self.fit_button.disabled = False
+            self._fit_changes = result.changes if result.fits else None
+            self.fit_apply.layout.display = "" if result.changes and result.fits else "none"
+            self._say(result.message, error=not result.fits)
+
+        threading.Thread(target=search, name="nbtune-fit", daemon=True).start()
+
+    def _apply_fit(self) -> None:
+        if self._fit_changes:
+            self.session.set(**self._fit_changes)
+        self.fit_apply.layout.display = "none"
+        self._fit_changes = None
 
     def _running(self, running: bool) -> None:
         self.step_button.disabled = self.run_button.disabled = running
@@ -256,6 +319,17 @@ class Panel(w.VBox):
     def _say(self, text: str, error: bool = False) -> None:
         color = "#b00" if error else "#333"
         self.status.value = f"<span style='color:{color}'>{text}</span>"
+
+
+def _budgets(session) -> list[tuple[str, object]]:
+    """The budget choices: the attached GPU (when there is one), then the usual cards."""
+    import torch
+
+    out = []
+    if session.device.type == "cuda":
+        total = torch.cuda.get_device_properties(session.device).total_memory
+        out.append((f"this GPU ({format_bytes(total)})", total))
+    return out + [(name, name) for name in CARDS]
 
 
 def _labels(changes: list[dict]) -> str:

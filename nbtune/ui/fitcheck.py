@@ -1,0 +1,105 @@
+"""Will it fit? The panel's badge, recomputed off the kernel's thread as sliders move.
+
+A request waits ``delay`` seconds for the next one (a slider drag sends many), then one
+worker thread estimates the newest techniques only; results are cached by techniques, so
+moving a slider back is instant. No widgets here: the panel passes a callback.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from ..fitting import fit_badge
+from ..memory.estimate import estimate
+from ..techniques import Techniques
+
+
+class FitCheck:
+    """Debounced, cached estimates of ``config`` under the newest requested techniques.
+
+    ``show(techniques, budget, badge, seconds)`` is called from the worker thread (or at
+    once on a cache hit) with a ``FitBadge``, or ``badge=None`` and the error text when
+    the estimate failed; ``seconds`` is the time from the request to the result.
+    """
+
+    def __init__(self, config, show: Callable, *, device: str = "cuda", delay: float = 0.3,
+                 estimator=estimate) -> None:
+        self.config, self.device, self.delay = config, device, delay
+        self._show, self._estimate = show, estimator
+        self._cache: dict[Techniques, object] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._latest: tuple | None = None  # (techniques, budget, asked at)
+        self._worker: threading.Thread | None = None
+        self.estimates = 0  # estimator calls made (cache hits not counted)
+
+    def request(self, techniques: Techniques, budget) -> None:
+        asked = time.monotonic()
+        with self._lock:
+            memory = self._cache.get(techniques)
+            if memory is None:
+                self._latest = (techniques, budget, asked)
+                if self._worker is None or not self._worker.is_alive():
+                    self._worker = threading.Thread(target=self._work, name="nbtune-fit-check",
+                                                    daemon=True)
+                    self._worker.start()
+                self._wake.notify()
+                return
+            self._latest = None  # an older request still waiting is superseded
+        self._deliver(techniques, budget, memory, asked)
+
+    def wait(self, timeout: float = 60.0) -> bool:
+        """Block until no request is waiting or being estimated (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                idle = self._latest is None and not getattr(self, "_busy", False)
+            if idle:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                while self._latest is None:
+                    if not self._wake.wait(timeout=30):
+                        self._worker = None
+                        return  # idle: the thread ends, a later request starts another
+                asked_last = self._latest[2]
+            time.sleep(max(0.0, asked_last + self.delay - time.monotonic()))  # debounce
+            with self._lock:
+                if self._latest is None or self._latest[2] != asked_last:
+                    continue  # a newer request came in meanwhile: wait out its delay
+                techniques, budget, asked = self._latest
+                self._busy = True
+            try:
+                memory = self._cache.get(techniques)
+                if memory is None:
+                    try:
+                        memory = self._estimate(self.config, techniques, device=self.device)
+                        self.estimates += 1
+                    except Exception as err:  # noqa: BLE001 - shown in the badge
+                        memory = err
+                    with self._lock:
+                        self._cache[techniques] = memory
+                self._deliver(techniques, budget, memory, asked)
+            finally:
+                with self._lock:
+                    if self._latest is not None and self._latest[2] == asked:
+                        self._latest = None
+                    self._busy = False
+
+    def _deliver(self, techniques, budget, memory, asked) -> None:
+        seconds = time.monotonic() - asked
+        if isinstance(memory, Exception):
+            self._show(techniques, budget, None, seconds, f"{type(memory).__name__}: {memory}")
+            return
+        try:
+            badge = fit_badge(memory, budget, device=self.device)
+        except Exception as err:  # noqa: BLE001 - a bad budget is shown, not raised in a thread
+            self._show(techniques, budget, None, seconds, str(err))
+            return
+        self._show(techniques, budget, badge, seconds, None)

@@ -1,0 +1,375 @@
+"""fit: budgets, the speed cost model, and the search for the fastest toggles predicted to fit.
+
+The search is checked two ways: with the real estimator on a tiny model over a small space
+(the answer is the cheapest that fits, by an exhaustive check over the same candidates),
+and with a stand-in estimator (a monotone formula, instant) over whole search spaces.
+"""
+
+
+import pytest
+import torch
+
+import nbtune as nt
+from nbtune.memory import MemoryBreakdown
+from nbtune.models import ModelConfig
+from nbtune.models.decoder import CausalLM
+
+import nbtune.fitting as fitmod  # noqa: E402
+from nbtune.fitting import (ALLOCATOR_MARGIN, CARDS, CUDA_CONTEXT, GiB, MiB, cost_terms,  # noqa: E402
+                        fit_badge, keeps_maths, parse_budget, relative_cost, search_space,
+                        usable)
+
+# Two small layers: a real estimate of it takes about a second on a busy CPU.
+TINY = ModelConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_layers=2,
+                   num_heads=2, num_kv_heads=1, head_dim=32)
+START = nt.Techniques(batch_size=4, seq_len=64)
+T = nt.Techniques
+
+
+# ---- budgets ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value,expected", [
+    (24 * 2**30, 24 * 2**30),
+    ("24GiB", 24 * 2**30),
+    ("24 GiB", 24 * 2**30),
+    ("16gib", 16 * 2**30),
+    ("24 GB", 24 * 10**9),
+    ("24G", 24 * 2**30),
+    ("512MiB", 512 * 2**20),
+    ("512 MB", 512 * 10**6),
+    ("1.5GiB", 3 * 2**29),
+    ("4096", 4096),
+    ("RTX 4090", 24564 * MiB),
+    ("rtx3090", 24 * GiB),
+    ("a100-80gb", 80 * GiB),
+    ("A100 40GB", 40536 * MiB),
+    ("t4", 15 * GiB),
+    ("L4", 23034 * MiB),
+])
+def test_parse_budget_forms(value, expected):
+    assert parse_budget(value) == expected
+
+
+@pytest.mark.parametrize("value", ["24 parsecs", "", "GiB", "-1GiB", "0GiB", "RTX 9090", "24 GiB x",
+                                   0, -5, True, None, float("nan"), [24]])
+def test_parse_budget_errors_name_the_input_and_the_accepted_forms(value):
+    with pytest.raises(ValueError) as err:
+        parse_budget(value)
+    message = str(err.value)
+    assert repr(value) in message
+    assert "'24GiB'" in message and "'512MiB'" in message and "RTX 4090" in message
+
+
+def test_cards_and_what_is_usable_of_them():
+    assert set(CARDS) == {"RTX 3090", "RTX 4090", "A100 40GB", "A100 80GB", "T4", "L4"}
+    for name in ("RTX 3090", "RTX 4090", "L4"):
+        assert 22 * GiB < CARDS[name] <= 24 * GiB
+    assert 256 * MiB <= CUDA_CONTEXT <= 512 * MiB  # the context's ~0.3-0.5 GiB
+    card = parse_budget("RTX 4090")
+    assert usable(card, "cuda") == int((card - CUDA_CONTEXT) * (1 - ALLOCATOR_MARGIN))
+    assert usable(card, "cuda", reserve=0, margin=0) == card  # a measured budget
+    assert usable(card, "cpu") == card
+
+
+# ---- the cost model ----------------------------------------------------------------------
+
+def test_cost_model_orderings():
+    plain = relative_cost(T())
+    assert plain == 1.0
+    # checkpointing: more layers recomputed, more time; every-N exact with the layer count
+    assert relative_cost(T(activation_checkpointing=True)) > relative_cost(T(activation_checkpointing=2)) \
+        > relative_cost(T(activation_checkpointing=4)) > plain
+    assert relative_cost(T(activation_checkpointing=2), num_layers=3) == pytest.approx(
+        1 + fitmod.COSTS["checkpointing"][0] * 2 / 3)
+    # offloading pays off with checkpointing: it moves only layer inputs then
+    with_ckpt = relative_cost(T(activation_checkpointing=True, activation_offloading=True)) \
+        - relative_cost(T(activation_checkpointing=True))
+    alone = relative_cost(T(activation_offloading=True)) - plain
+    assert 0 < with_ckpt < alone
+    # CPU optimizer offload moves every weight in a full finetune, only adapters in LoRA
+    assert relative_cost(T(cpu_offload_optimizer=True)) - plain > \
+        relative_cost(T(method="lora", cpu_offload_optimizer=True)) - relative_cost(T(method="lora")) > 0
+    # small ones
+    for changes in (dict(chunked_loss=8), dict(optimizer="adamw8bit"), dict(optimizer="paged_adamw8bit")):
+        assert plain < relative_cost(T(**changes)) < plain + 0.1, changes
+    assert relative_cost(T(optimizer_in_backward=True)) == pytest.approx(plain)
+    assert relative_cost(T(compile=True)) < plain
+    # the same effective batch in more, smaller micro-batches costs more
+    assert relative_cost(T(batch_size=8)) < relative_cost(T(batch_size=4, grad_accum=2)) \
+        < relative_cost(T(batch_size=1, grad_accum=8))
+    # maths-changing choices against a baseline: LoRA skips base gradients, QLoRA dequantizes,
+    # bf16 is faster on CUDA and not modelled on CPU
+    full = T()
+    assert relative_cost(T(method="lora"), baseline=full) < 1.0 \
+        < relative_cost(T(method="qlora"), baseline=full)
+    assert relative_cost(T(method="qlora"), baseline=T(method="lora")) > 1.0
+    assert relative_cost(T(dtype="bf16"), baseline=full) < 1.0
+    assert relative_cost(T(dtype="bf16"), "cpu", baseline=full) == 1.0
+    assert relative_cost(T(method="qlora", dtype="bf16")) == 1.0  # own method and dtype by default
+    assert set(cost_terms(T(activation_checkpointing=True, chunked_loss=8, compile=True))) == {
+        "checkpointing", "chunked_loss", "compile"}
+    for value, why in fitmod.COSTS.values():  # every constant says where it comes from
+        assert ("measured" in why or "rough" in why), why
+
+
+# ---- the search space ----------------------------------------------------------------------
+
+def test_search_space_keeps_the_maths_first_and_obeys_the_rules():
+    start = T(batch_size=8, seq_len=128)
+    for device in ("cpu", "cuda"):
+        space = search_space(start, device, num_layers=4)
+        assert space[0].techniques == start  # plain start: nothing is cheaper
+        steps = [c.steps for c in space]
+        assert steps == sorted(steps) and steps[0] == 0 and max(steps) > 0
+        for c in space:
+            t = c.techniques
+            assert not t.conflicts(device)
+            assert t.batch_size * t.grad_accum == 8 and t.seq_len == 128
+            assert (c.steps == 0) == c.exact == keeps_maths(start, t)
+            assert c.changes == {k: getattr(t, k) for k in t.changed(start)}
+            if device == "cpu":
+                assert not (t.activation_offloading or t.cpu_offload_optimizer or t.compile)
+        exact_costs = [c.cost for c in space if c.exact]
+        assert exact_costs == sorted(exact_costs)
+        assert len({c.techniques for c in space}) == len(space)
+    # both directions: a start split into micro-batches is best merged when memory allows
+    split = search_space(T(batch_size=4, grad_accum=2, seq_len=128), "cpu", num_layers=4)
+    assert split[0].changes == {"batch_size": 8, "grad_accum": 1} and split[0].exact
+    assert keeps_maths(T(optimizer="adamw8bit"), T(optimizer="paged_adamw8bit"))
+    assert not keeps_maths(T(), T(batch_size=3, grad_accum=3))
+    with pytest.raises(ValueError, match="choose from"):
+        search_space(START, "cpu", toggles=("lr",))
+
+
+# ---- fit with the real estimator (tiny model) ---------------------------------------------
+
+SMALL_SPACE = ("activation_checkpointing", "chunked_loss")
+
+
+@pytest.fixture(scope="module")
+def tiny_peaks():
+    """The real estimator's need for every candidate of a small space (via fit's cache)."""
+    fitmod.cache_clear()
+    counter = [0]
+    space = search_space(START, "cpu", num_layers=TINY.num_layers, toggles=SMALL_SPACE)
+    return {c.techniques: fitmod.required(fitmod._estimate(TINY, c.techniques, "cpu", counter))
+            for c in space}
+
+
+def test_fit_between_plain_and_checkpointed_is_the_cheapest_that_fits(tiny_peaks):
+    plain = tiny_peaks[START]
+    checkpointed = tiny_peaks[START.replace(activation_checkpointing=True)]
+    budget = (plain + checkpointed) // 2
+    assert checkpointed < budget < plain
+    result = nt.fit(TINY, budget, START, device="cpu", toggles=SMALL_SPACE)
+    assert result.fits and result.exact and result.peak <= budget == result.budget == result.usable
+    assert result.estimates == 0  # all in the cache already
+    # the estimator says it fits...
+    assert tiny_peaks[result.techniques] == result.peak <= budget
+    # ...and nothing cheaper does: exhaustive over the same candidate list
+    space = search_space(START, "cpu", num_layers=TINY.num_layers, toggles=SMALL_SPACE)
+    fitting = [c for c in space if tiny_peaks[c.techniques] <= budget]
+    assert fitting[0].techniques == result.techniques
+    assert result.cost == min(c.cost for c in fitting)
+    assert result.changes == fitting[0].changes and result.changes
+    for row in result.tried:
+        assert row.fits == (row.peak <= budget) and row.exact
+    assert {r.label for r in result.tried if r.fits} >= {fitting[0].label}
+    assert "Fastest predicted to fit" in result.message and "Same maths" in result.message
+    text, page = repr(result), result._repr_html_()
+    assert "-> " + fitting[0].label in text and "predicted peak" in text
+    assert "<table>" in page and "font-weight:bold" in page
+
+
+def test_fit_with_an_impossible_budget_says_so(tiny_peaks):
+    result = nt.fit(TINY, 1000, START, device="cpu", toggles=SMALL_SPACE)
+    assert not result.fits and result.techniques is None and result.peak is None
+    assert result.changes == {} and result.exact is None
+    assert "Nothing tried fits in 1000 B" in result.message
+    assert "seq_len" in result.message and "smallest predicted peak" in result.message
+    # the most-saving combination did not fit, so nothing weaker was estimated
+    assert len(result.tried) <= 3
+    assert "Nothing tried fits" in repr(result)
+
+
+def test_fit_with_a_huge_budget_returns_the_start_unchanged(tiny_peaks):
+    result = nt.fit(TINY, "1TiB", START, device="cpu")
+    assert result.fits and result.techniques == START and result.changes == {}
+    assert result.exact and result.cost == 1.0 and len(result.tried) == 1
+    assert result.message.startswith("The start fits")
+
+
+def test_fit_accepts_a_model_and_refuses_a_start_the_device_cannot_run(tiny_peaks):
+    with torch.device("meta"):
+        model = CausalLM(TINY)
+    result = nt.fit(model, "1TiB", START, device="cpu")
+    assert result.fits and result.techniques == START and result.estimates == 0
+    with pytest.raises(ValueError, match="cannot run on cpu"):
+        nt.fit(TINY, "1TiB", T(compile=True), device="cpu")
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        nt.fit(TINY, "1TiB", START, device="mps")
+    with pytest.raises(ValueError, match="max_tries"):
+        nt.fit(TINY, "1TiB", START, device="cpu", max_tries=0)
+
+
+def test_estimates_are_cached_across_calls(monkeypatch):
+    fitmod.cache_clear()
+    calls = []
+    real = fitmod.estimate
+
+    def counting(*args, **kwargs):
+        calls.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fitmod, "estimate", counting)
+    split = START.replace(batch_size=2, grad_accum=3)
+    first = nt.fit(TINY, "1TiB", split, device="cpu")  # merged into one micro-batch: faster
+    assert first.changes == {"batch_size": 6, "grad_accum": 1}
+    assert len(calls) == first.estimates == 1
+    again = nt.fit(TINY, "1TiB", split, device="cpu")
+    assert len(calls) == 1 and again.estimates == 0 and again.tried == first.tried
+    # memory does not depend on grad_accum past 2, nor on lr or the seed: one entry
+    kept = nt.fit(TINY, "1TiB", split, device="cpu", toggles=())
+    assert kept.techniques == split and len(calls) == 2 and calls[1].grad_accum == 2
+    nt.fit(TINY, "1TiB", split.replace(grad_accum=5, lr=1e-3, seed=3), device="cpu", toggles=())
+    assert len(calls) == 2
+
+
+# ---- the search logic over whole spaces (stand-in estimator) -------------------------------
+
+def _stand_in_need(t: nt.Techniques) -> int:
+    """A step's need that falls along every toggle, as the real estimator's does."""
+    weights = {"full": 100, "lora": 40, "qlora": 15}[t.method] * (1 if t.dtype == "bf16" else 2)
+    grads = 0 if t.method != "full" else weights * (0.1 if t.optimizer_in_backward else 1)
+    state = {"adamw": 2, "adamw8bit": 0.5, "ao_adamw4bit": 0.25}[t.optimizer] * (
+        weights if t.method == "full" else 2)
+    state *= 0.05 if t.cpu_offload_optimizer else 1
+    layers = 8
+    kept = 1 - 0.9 * fitmod.checkpointed_fraction(t, layers)
+    acts = 6 * t.batch_size * kept * (0.3 if t.activation_offloading else 1)
+    logits = 10 * t.batch_size / (4 if t.chunked_loss > 1 else 1)
+    return int(1000 * (weights + grads + state + acts + logits))
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    fitmod.cache_clear()
+    calls = []
+
+    def fake(model, t, device="cpu", **kwargs):
+        calls.append(t)
+        return MemoryBreakdown(peak=_stand_in_need(t), device=device, measured=False,
+                               at_peak={"parameters": 1})
+
+    monkeypatch.setattr(fitmod, "estimate", fake)
+    yield calls
+    fitmod.cache_clear()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("start", [T(batch_size=8, seq_len=256),
+                                   T(method="lora", batch_size=4, grad_accum=2, seq_len=256,
+                                     activation_checkpointing=True, chunked_loss=8)],
+                         ids=["full", "lora"])
+def test_fit_is_the_cheapest_that_fits_over_a_whole_space(stand_in, device, start):
+    config = TINY.replace(num_layers=8)
+    space = search_space(start, device, num_layers=8)
+    needs = sorted({_stand_in_need(c.techniques) for c in space})
+    for budget in needs[len(needs) // 12:: max(1, len(needs) // 6)] + [needs[0] - 1, needs[-1]]:
+        fitmod.cache_clear()
+        stand_in.clear()
+        result = fitmod.fit(config, budget, start, device=device, reserve=0, margin=0,
+                            max_tries=len(space))
+        fitting = [c for c in space if _stand_in_need(c.techniques) <= budget]
+        if not fitting:
+            assert not result.fits and "Nothing tried fits" in result.message
+            assert result.estimates <= 6  # the most-saving ones did not fit: stop
+            continue
+        best = fitting[0]  # fewest maths steps, then cheapest: the search's own order
+        assert result.techniques == best.techniques, (budget, result.changes, best.changes)
+        assert result.exact == best.exact and result.cost == best.cost
+        if any(c.exact for c in fitting):  # the maths is changed only when nothing else fits
+            assert result.exact
+        assert result.estimates == len(stand_in) < len(space) / 4
+
+
+def test_combinations_the_estimator_cannot_run_are_reported_and_avoided(monkeypatch):
+    """As with LoRA + checkpointing + offloading + chunked loss, which raises a CheckpointError
+    in the estimator (and in a real step): that combination and those including it are
+    left out; the answer is the cheapest runnable one that fits."""
+    fitmod.cache_clear()
+    calls = []
+
+    def fake(model, t, device="cpu", **kwargs):
+        calls.append(t)
+        if t.activation_offloading and t.chunked_loss > 1:
+            raise RuntimeError("torch.utils.checkpoint: Recomputed values differ")
+        return MemoryBreakdown(peak=_stand_in_need(t), device=device, measured=False)
+
+    monkeypatch.setattr(fitmod, "estimate", fake)
+    start = T(method="lora", batch_size=4, seq_len=256)
+    space = search_space(start, "cuda", num_layers=8)
+    runnable = [c for c in space
+                if not (c.techniques.activation_offloading and c.techniques.chunked_loss > 1)]
+    needs = sorted({_stand_in_need(c.techniques) for c in runnable})
+    budget = needs[len(needs) // 4]
+    result = fitmod.fit(TINY.replace(num_layers=8), budget, start, reserve=0, margin=0, max_tries=200)
+    assert result.techniques == next(c for c in runnable if _stand_in_need(c.techniques) <= budget).techniques
+    errors = [r for r in result.tried if r.error]
+    assert errors and all("RuntimeError: torch.utils.checkpoint" in r.error for r in errors)
+    assert "could not be estimated" in result.message
+    # what failures share is suspect: at most two failures per method and dtype tried
+    groups = {(r.changes.get("method", "lora"), r.changes.get("dtype", "fp32")) for r in errors}
+    assert len(errors) <= 2 * len(groups)
+    assert result.estimates < len(space) / 4
+    fitmod.cache_clear()
+
+
+def test_the_search_stops_at_max_tries_with_the_best_found(stand_in):
+    start = T(batch_size=8, seq_len=256)
+    space = search_space(start, "cpu", num_layers=8)
+    budget = sorted(_stand_in_need(c.techniques) for c in space)[len(space) // 3]
+    result = fitmod.fit(TINY.replace(num_layers=8), budget, start, device="cpu", margin=0,
+                        max_tries=3)
+    assert result.estimates == len(stand_in) <= 3
+    assert "max_tries" in result.message
+    if result.fits:
+        assert result.peak <= budget
+
+
+# ---- the badge -------------------------------------------------------------------------------
+
+def test_fit_badge():
+    estimated = MemoryBreakdown(parameters=4 * GiB, activations=10 * GiB, peak=15 * GiB,
+                                outside=GiB, device="cuda", measured=False,
+                                at_peak={"parameters": 4 * GiB, "activations": 10 * GiB})
+    badge = fit_badge(estimated, "RTX 4090")
+    assert badge.fits and badge.need == 16 * GiB and badge.largest == "activations"
+    assert badge.usable == usable(parse_budget("RTX 4090"), "cuda")
+    assert badge.headroom == badge.usable - 16 * GiB > 0
+    assert badge.text.startswith("fits:") and "activations" in str(badge)
+    over = fit_badge(estimated, "16GiB")
+    assert not over.fits and over.headroom < 0 and over.text.startswith("does not fit:")
+    # a measured CUDA step already shows the allocator's cache and the context (outside)
+    measured = MemoryBreakdown(peak=10 * GiB, reserved=11 * GiB, outside=GiB // 2, device="cuda:0",
+                               at_peak={"gradients": 6 * GiB, "parameters": 4 * GiB})
+    badge = fit_badge(measured, "12GiB")
+    assert badge.need == 11 * GiB + GiB // 2 and badge.usable == 12 * GiB and badge.fits
+    assert badge.largest == "gradients"
+    plain = fit_badge(3 * GiB, "4GiB", device="cpu")
+    assert plain.fits and plain.usable == 4 * GiB and plain.largest is None
+    with pytest.raises(TypeError):
+        fit_badge("3GiB", "4GiB")
+
+
+# ---- a real preset -------------------------------------------------------------------------
+
+@pytest.mark.slow  # one estimate of an 8B model: 30-60 s on two busy cores
+def test_fit_reads_a_preset_name():
+    fitmod.cache_clear()
+    t = T(method="qlora", dtype="bf16", activation_checkpointing=True, chunked_loss=8,
+          batch_size=2, seq_len=2048)
+    result = nt.fit("llama-3.1-8b", "RTX 4090", t, toggles=())  # the start only: one estimate
+    assert result.fits and result.techniques == t and result.estimates == 1
+    assert 5 * GiB < result.peak < result.usable
+    fitmod.cache_clear()

@@ -113,13 +113,13 @@ def suggest(config, t: Techniques, device: torch.device, shape: tuple[int, int] 
             return None
 
     now = predict(t)
-    current = None if now is None else now.peak
+    current = None if now is None else now.highest
     found = []
     for changes, exact in candidates(t, device.type):
         predicted = predict(t.replace(**changes))
-        if predicted is None or (current is not None and predicted.peak >= 0.95 * current):
+        if predicted is None or (current is not None and predicted.highest >= 0.95 * current):
             continue
-        peak = predicted.peak
+        peak = predicted.highest
         found.append(Suggestion(changes, peak, exact, None if limit is None else peak <= limit))
     # Fitting first, then exact, then in the cheapest-first order of ``candidates``.
     found.sort(key=lambda s: (s.fits is False, not s.exact))
@@ -133,7 +133,7 @@ def explain(err: BaseException, phase: str | None, step: int, held: dict, config
 
     limit = budget(device)
     now, suggestions = suggest(config, t, device, shape, limit)
-    predicted = None if now is None else now.peak
+    predicted = None if now is None else now.highest
     if now is not None and "activations and temporaries" not in held:
         held["activations (estimated)"] = now.activations  # CPU: no allocator to ask
     top = max(held, key=held.get)

@@ -100,11 +100,17 @@ class BackgroundRun:
                          f"{type(err).__name__}: {err}")
         finally:
             try:
-                session._apply_pending()  # nothing stays pending once the run has ended
+                while True:  # nothing stays pending once the run has ended
+                    session._apply_pending()
+                    with session._lock:
+                        if not session._pending:
+                            session._run = None  # set() applies directly from here on
+                            break
             finally:
                 self.finished = time.monotonic()
                 with session._lock:
                     session._run = None
+                session._last_run = self
                 session._notify("run", self.reports)
 
     def __repr__(self) -> str:
@@ -183,6 +189,10 @@ class Session:
         self._busy: threading.Thread | None = None  # a thread inside a synchronous command
         self.price_per_hour: float | None = None  # the rented card's price: status shows cost
         self._eval_cache: dict = {}
+        self._last_run: BackgroundRun | None = None
+        if as_techniques(techniques).eval_every and not self.heldout_examples:
+            raise ValueError("eval_every needs held-out rows: create the session with heldout=... "
+                             "(a JSONL path or rows), or leave eval_every=0.")
         self.trainer = Trainer(model, self._build_stream, as_techniques(techniques), self.device,
                                tokenizer.pad_id, say=lambda message: self._say(message),
                                make_eval_batches=self._eval_batches)
@@ -281,6 +291,7 @@ class Session:
             run = self._run
             if run is not None and threading.current_thread() is not run._thread:
                 planned = self._planned().replace(**changes)  # bad values refused here and now
+                self._check_plan(planned)
                 self._pending.append(dict(changes))
                 pending = self.pending
             else:
@@ -294,7 +305,18 @@ class Session:
     @property
     def pending(self) -> list[dict]:
         """Changes made with ``set`` during a background run, not applied yet (oldest first)."""
-        return [dict(changes) for changes in self._pending]
+        return [dict(changes) for changes in list(self._pending)]
+
+    def _check_plan(self, t: Techniques) -> None:
+        """What can be known before the step boundary: device rules, model limits, data."""
+        from .plan import check
+
+        problems = check(t, self.model, self.device.type)
+        if t.eval_every and not self.heldout_examples:
+            problems.append("eval_every needs held-out rows: create the session with heldout=... "
+                            "(a JSONL path or rows), or leave eval_every=0.")
+        if problems:
+            raise ValueError(" ".join(problems))
 
     def _planned(self) -> Techniques:
         t = self.techniques
@@ -304,6 +326,8 @@ class Session:
 
     def _apply(self, changes: dict) -> Techniques:
         new = self.techniques.replace(**changes)  # validates the whole combination first
+        if new.eval_every and not self.heldout_examples:
+            self._check_plan(new)
         if self.trainer.set(new):
             self._sampler.stale = True  # the next step is measured: it shows what the change did
             self._notify("techniques", new)
@@ -315,16 +339,20 @@ class Session:
             with self._lock:
                 if not self._pending:
                     return
-                changes = self._pending.pop(0)
-                left = self.pending
+                changes = self._pending[0]  # stays listed (and in _planned) until applied
             try:
                 self._apply(changes)
             except Exception as err:  # noqa: BLE001 - one refused change does not end the run
                 from .ladder import label_of
 
+                with self._lock:
+                    self._pending.pop(0)
                 self._say(f"{label_of(changes)} was not applied: {err}")
                 self._notify("refused", (changes, err))
-            self._notify("pending", left)
+            else:
+                with self._lock:
+                    self._pending.pop(0)
+            self._notify("pending", self.pending)
 
     # ---- who may touch the training state ----------------------------------------------
 
@@ -364,6 +392,8 @@ class Session:
     def _eval_batches(self, t: Techniques) -> list[dict]:
         """Every held-out row as batches of this batch shape (no packing), made once."""
         key = (t.seq_len, t.batch_size)
+        if not self.heldout_examples:
+            return []
         if key not in self._eval_cache:
             samples, _ = tokenize_all(self.heldout_examples, self.tokenizer, t.seq_len,
                                       source="the held-out data")
@@ -392,7 +422,14 @@ class Session:
 
     def _step(self, sampled: bool) -> StepReport:
         track = self._sampler.should_track(self.device.type, sampled)
-        report = self.trainer.step(track)
+        try:
+            report = self.trainer.step(track)
+        except BaseException as err:
+            report = getattr(err, "nbtune_report", None)  # the step stood, its evaluation failed
+            if report is not None:
+                self._sampler.record(report.seconds, track, self.device.type)
+                self._notify("step", report)
+            raise
         self._sampler.record(report.seconds, track, self.device.type)
         self._notify("step", report)
         return report
@@ -467,8 +504,13 @@ class Session:
                                 "command on this session; wait for it to finish.")
             self.trainer._usable()  # a damaged session says so here, not in the thread
             run = self._run = BackgroundRun(self, steps, on_oom)
+        try:
+            run._thread.start()
+        except BaseException:
+            with self._lock:
+                self._run = None
+            raise
         self._notify("start", run)
-        run._thread.start()
         return run
 
     def stop(self, wait: bool = True) -> BackgroundRun | None:
@@ -478,8 +520,9 @@ class Session:
         return run.stop(wait=wait) if run is not None else None
 
     def wait(self, timeout: float | None = None) -> list[StepReport]:
-        """Wait for the background run to end; its reports ([] when none is running)."""
-        run = self._run
+        """Wait for the background run to end and return its reports (re-raising what ended it
+        early); after it ended, those of the last run ([] when none ran)."""
+        run = self._run or self._last_run
         return run.wait(timeout) if run is not None else []
 
     @property
@@ -502,7 +545,11 @@ class Session:
                     break
             try:
                 reports.append(self._step(sampled=True))
-            except OutOfMemory as err:
+            except BaseException as err:
+                if getattr(err, "nbtune_report", None) is not None:
+                    reports.append(err.nbtune_report)  # recorded before its evaluation failed
+                if not isinstance(err, OutOfMemory) or getattr(err, "nbtune_report", None):
+                    raise
                 if on_oom != "adapt" or not err.suggestions or adapted == 3:
                     raise
                 best, adapted = err.suggestions[0], adapted + 1
@@ -588,8 +635,8 @@ class Session:
                                device=self.device, quantize=quantize)
         else:  # built in code: the same shapes with fresh weights (memory does not depend on values)
             model = CausalLM(self.model.config)
-        trial = Session(model, self.tokenizer, self.train_examples, techniques=techniques,
-                        device=self.device)
+        trial = Session(model, self.tokenizer, self.train_examples, heldout=self.heldout_examples,
+                        techniques=techniques, device=self.device)
         trial._say = lambda message: None
         trial.memory_tracking = "every_step"
         return trial

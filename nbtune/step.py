@@ -46,7 +46,7 @@ class EvalReport:
 
 def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
                   loss_chunks: int = 0, optimizer: torch.optim.Optimizer | None = None,
-                  track: bool = True) -> EvalReport:
+                  device: torch.device | None = None, track: bool = True) -> EvalReport:
     """Mean token loss over ``batches`` without gradients (eval mode: no dropout).
 
     Its memory is measured like a step's (the optimizer state it sits beside included):
@@ -61,7 +61,7 @@ def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
     model.eval()
     try:
         with tracker as memory:
-            total = evaluate_sum(model, batches, memory, loss_chunks=loss_chunks)
+            total = evaluate_sum(model, batches, memory, loss_chunks=loss_chunks, device=device)
     finally:
         model.train(was_training)
     return EvalReport(loss=float(total) / max(trained, 1), tokens=trained,
@@ -70,11 +70,14 @@ def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
 
 @torch.no_grad()
 def evaluate_sum(model: nn.Module, batches: list[dict[str, torch.Tensor]], memory, *,
-                 loss_chunks: int = 0) -> torch.Tensor:
-    """Summed token loss of ``batches`` (a tensor: the estimator runs it on fake ones)."""
+                 loss_chunks: int = 0, device: torch.device | None = None) -> torch.Tensor:
+    """Summed token loss of ``batches``, moved to ``device`` one at a time (a tensor: the
+    estimator runs it on fake ones)."""
     total = torch.zeros((), dtype=torch.float32)
     memory.before_forward()
     for batch in batches:
+        if device is not None:
+            batch = {k: v.to(device) for k, v in batch.items()}
         hidden = model.hidden_states(batch["input_ids"], positions=batch.get("positions"),
                                      document_ids=batch.get("document_ids"))
         total += cross_entropy_sum(model.lm_head, hidden, batch["labels"], loss_chunks).float().cpu()

@@ -150,7 +150,8 @@ class Trainer:
             report = replace(report, memory=replace(report.memory, eval_peak=self._eval_peak))
         self.base_changed |= t.method == "full"
         self.history.append(report)
-        if t.eval_every and number % t.eval_every == 0 and self._make_eval_batches is not None:
+        if (t.eval_every and number % t.eval_every == 0 and self._make_eval_batches is not None
+                and not self._interrupted):
             report = self._evaluate(report, track, t)
         if self._interrupted:  # Ctrl-C arrived while the update was being written: now it counts
             self._interrupted = False
@@ -160,15 +161,15 @@ class Trainer:
     def _evaluate(self, report: StepReport, track: bool, t: Techniques) -> StepReport:
         """Held-out loss after a completed step, recorded on its report. The step stands if
         the evaluation fails (it changes nothing: no gradients, no RNG, no data position)."""
-        batches = self._make_eval_batches(t)
-        if not batches:
-            return report
         try:
-            result = held_out_loss(self.model, [{k: v.to(self.device) for k, v in b.items()}
-                                                for b in batches],
-                                   loss_chunks=t.chunked_loss, optimizer=self.optimizer,
+            batches = self._make_eval_batches(t)
+            if not batches:
+                return report
+            result = held_out_loss(self.model, batches, loss_chunks=t.chunked_loss,
+                                   optimizer=self.optimizer, device=self.device,
                                    track=track or self._eval_peak is None)
         except BaseException as err:
+            err.nbtune_report = report  # the step stands: the caller records it
             _drop_frames(err)
             gc.collect()
             if self.device.type == "cuda":

@@ -129,10 +129,21 @@ def test_commands_that_would_race_are_refused_and_change_nothing():
     s.step()  # usable again
 
 
-def test_a_change_refused_at_the_boundary_is_reported_and_the_run_goes_on():
+def test_a_change_refused_at_the_boundary_is_reported_and_the_run_goes_on(monkeypatch):
     s = small_session()
+    real = s.trainer.set
+
+    def refuse_seq_len(new):
+        if new.seq_len != 96:
+            raise ValueError("seq_len refused at the boundary (injected)")
+        return real(new)
+
+    monkeypatch.setattr(s.trainer, "set", refuse_seq_len)
     run = s.start(4)
-    s.set(seq_len=4096)  # valid values, but beyond the model's context: refused by the planner
+    with pytest.raises(ValueError, match="seq_len"):
+        s.set(seq_len=4096)  # beyond the model's context: refused in the caller's cell
+    assert s.pending == []
+    s.set(seq_len=64)  # passes the checks made at once, fails where it is applied
     run.wait()
     assert len(run.reports) == 4 and s.techniques.seq_len == 96 and s.pending == []
     assert any("seq_len" in m and "not applied" in m for m in run.messages)
@@ -180,3 +191,38 @@ def test_an_estimate_beside_a_training_run_is_the_same_as_alone():
         s.stop()
     assert all(b == alone and b.at_peak == alone.at_peak for b in beside)
     assert len(run.reports) >= 1
+
+
+def test_a_change_made_as_the_run_ends_is_applied_not_stranded():
+    s = small_session()
+    run = s.start(1)
+    for lr in (1e-4, 2e-4, 3e-4, 4e-4):
+        s.set(lr=lr)
+        time.sleep(0.05)
+    run.wait()
+    assert s.pending == [] and s.techniques.lr == 4e-4
+
+
+def test_eval_every_without_held_out_rows_is_refused_with_the_fix():
+    s = small_session()
+    s.heldout_examples = []
+    with pytest.raises(ValueError, match="heldout="):
+        s.set(eval_every=2)
+    run = s.start(10_000)
+    try:
+        with pytest.raises(ValueError, match="heldout="):
+            s.set(eval_every=2)
+    finally:
+        s.stop()
+    assert s.techniques.eval_every == 0
+
+
+def test_trackers_in_two_threads_leave_storage_resize_as_it_was():
+    real = torch.UntypedStorage.resize_
+    s = small_session()
+    s.memory_tracking = "every_step"
+    s.start(3)
+    for _ in range(2):
+        s.estimate()
+    s.wait()
+    assert torch.UntypedStorage.resize_ is real

@@ -88,6 +88,15 @@ class _HighWaterTracker(MemTracker):
         self.highs: dict[str, int] = {}
         self.phase_peaks: dict[str, dict] = {}  # phase -> MemTracker snapshot at its peak
 
+    # MemTracker also swaps torch.UntypedStorage.resize_ process-wide on enter and puts back
+    # what it saw on exit: two trackers in two threads would restore out of order. nbtune
+    # never resizes storages, so that patch is left out.
+    def _track_resize(self) -> None:
+        pass
+
+    def _restore_resize(self) -> None:
+        pass
+
     def _register_global_optimizer_hook(self) -> None:
         # MemTracker hooks every optimizer's step, process-wide. A background run trains
         # while the panel estimates in another thread: each tracker only counts the steps

@@ -19,7 +19,7 @@ from ..techniques import Techniques
 class FitCheck:
     """Debounced, cached estimates of ``config`` under the newest requested techniques.
 
-    ``show(techniques, budget, badge, seconds)`` is called from the worker thread (or at
+    ``show(techniques, budget, badge, seconds, error)`` is called from the worker thread (or at
     once on a cache hit) with a ``FitBadge``, or ``badge=None`` and the error text when
     the estimate failed; ``seconds`` is the time from the request to the result.
     """
@@ -65,7 +65,7 @@ class FitCheck:
         while True:
             with self._lock:
                 while self._latest is None:
-                    if not self._wake.wait(timeout=30):
+                    if not self._wake.wait(timeout=30) and self._latest is None:
                         self._worker = None
                         return  # idle: the thread ends, a later request starts another
                 asked_last = self._latest[2]
@@ -82,7 +82,7 @@ class FitCheck:
                         memory = self._estimate(self.config, techniques, device=self.device)
                         self.estimates += 1
                     except Exception as err:  # noqa: BLE001 - shown in the badge
-                        memory = err
+                        memory = ValueError(f"{type(err).__name__}: {err}")  # no traceback kept
                     with self._lock:
                         self._cache[techniques] = memory
                 self._deliver(techniques, budget, memory, asked)
@@ -95,7 +95,7 @@ class FitCheck:
     def _deliver(self, techniques, budget, memory, asked) -> None:
         seconds = time.monotonic() - asked
         if isinstance(memory, Exception):
-            self._show(techniques, budget, None, seconds, f"{type(memory).__name__}: {memory}")
+            self._show(techniques, budget, None, seconds, str(memory))
             return
         try:
             badge = fit_badge(memory, budget, device=self.device)

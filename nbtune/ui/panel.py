@@ -165,6 +165,7 @@ class Panel(w.VBox):
         self._sync_from(session.techniques)
         self._check_fit()
         session.subscribe(self._on_session)
+        self._run_seen = session.current_run
         if session.current_run is not None:
             self._running(True)
         self._redraw(force=True)
@@ -225,9 +226,12 @@ class Panel(w.VBox):
             self._show_progress()
         elif event == "run":
             self._redraw(force=True)  # throttling may have skipped the last step's drawing
-            self._running(False)
+            self._running(False, final=self._last_run())
             run = self._last_run()
-            if run is not None and run.stopped:
+            if run is None or payload is not run.reports:
+                return  # a synchronous run: its numbers are in the progress line already
+            self._run_seen = None
+            if run.stopped:
                 self._say(f"stopped after {len(run.reports)} of {run.steps} steps: the session is "
                           f"as it was after step {len(self.session.history)}.")
 
@@ -271,11 +275,11 @@ class Panel(w.VBox):
         self.fit_apply.layout.display = "none"
         self._fit_changes = None
 
-    def _running(self, running: bool) -> None:
+    def _running(self, running: bool, final=None) -> None:
         self.step_button.disabled = self.run_button.disabled = running
         self.stop_button.disabled = False
         self.stop_button.layout.display = "" if running else "none"
-        if not running:
+        if final is not None:
             self._show_progress(final=True)
 
     def _show_progress(self, final: bool = False) -> None:

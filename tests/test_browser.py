@@ -161,8 +161,8 @@ def test_run_in_the_background_stop_and_a_live_toggle_in_jupyterlab(lab):
         latency = time.monotonic() - asked
         _shot(page, "panel-stopped")
         assert stop.is_hidden() and run_button.is_enabled()
-        progress = panel.locator(".widget-html").filter(has_text="stopped").first.inner_text()
-        done = int(progress.split("step ")[1].split(" of")[0])
+        progress = panel.locator(".widget-html").filter(has_text="stopped ·").first.inner_text()
+        done = int(re.search(r"step (\d+) of 3000", progress).group(1))
         assert 0 < done < 3000
         tracebacks = page.locator(".jp-OutputArea-output").filter(has_text="Traceback").count()
         assert tracebacks == 0

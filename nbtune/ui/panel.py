@@ -138,6 +138,7 @@ class Panel(w.VBox):
                                          "a control")
         self.badge = w.HTML()
         self.fit_button = w.Button(description="Find the fastest fit", icon="search",
+                                   layout=w.Layout(width="200px"),
                                    tooltip="Search toggle combinations with the estimator for the "
                                            "fastest one predicted to fit this card")
         self.fit_apply = w.Button(description="Apply", icon="check", button_style="success",
@@ -211,8 +212,7 @@ class Panel(w.VBox):
         if event in ("techniques", "refused"):
             self._sync_from(self.session._planned())
             if event == "techniques":
-                pending = self.session.pending
-                self._say("applied" + (f"; still pending: {_labels(pending)}" if pending else ""))
+                self._say("applied")  # a "pending" event follows with what is left, if anything
         elif event == "pending" and payload:
             self._sync_from(self.session._planned())
             self._say(f"pending until the next step: {_labels(payload)}")

@@ -515,7 +515,8 @@ class Session:
 
     def stop(self, wait: bool = True) -> BackgroundRun | None:
         """Stop the background run at the next step boundary (within one step's time) and,
-        with ``wait``, return once it has stopped. None when nothing is running."""
+        with ``wait``, return once it has stopped (re-raising what ended it early, as
+        ``wait`` does). None when nothing is running."""
         run = self._run
         return run.stop(wait=wait) if run is not None else None
 

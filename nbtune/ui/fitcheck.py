@@ -33,6 +33,7 @@ class FitCheck:
         self._wake = threading.Condition(self._lock)
         self._latest: tuple | None = None  # (techniques, budget, asked at)
         self._worker: threading.Thread | None = None
+        self._busy = False  # the worker is estimating
         self.estimates = 0  # estimator calls made (cache hits not counted)
 
     def request(self, techniques: Techniques, budget) -> None:
@@ -55,7 +56,7 @@ class FitCheck:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                idle = self._latest is None and not getattr(self, "_busy", False)
+                idle = self._latest is None and not self._busy
             if idle:
                 return True
             time.sleep(0.01)

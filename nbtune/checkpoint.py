@@ -24,8 +24,50 @@ CHECKPOINT_FILES = ("weights.safetensors", "optimizer.safetensors", "rng.safeten
 FORMAT = 2  # 2: records the base model's fingerprint and the data position as a state dict
 
 
-def save_session(session, folder, merge: bool = False) -> Path:
-    """Full weights as an HF folder, or (LoRA) a PEFT adapter folder; ``merge`` folds adapters in."""
+SAVE_FORMATS = ("hf", "gguf")
+GGUF_FILE, MODELFILE = "model.gguf", "Modelfile"
+
+
+def check_save_args(format: str, quantization: str | None) -> None:
+    """Refuse bad ``save`` arguments before anything is computed or written."""
+    from .models.gguf import QUANTIZATIONS
+
+    if format not in SAVE_FORMATS:
+        raise ValueError(f"format={format!r} is not one of {', '.join(map(repr, SAVE_FORMATS))}: "
+                         "'hf' writes safetensors (or a PEFT adapter), 'gguf' one GGUF file.")
+    if format == "gguf" and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r} is not one nbtune writes to GGUF; pass one "
+                         f"of {', '.join(map(repr, QUANTIZATIONS))}.")
+    if format == "hf" and quantization is not None:
+        raise ValueError("quantization applies to format='gguf' only; safetensors keep the "
+                         "session's dtype. Pass format='gguf' or drop quantization.")
+
+
+def save_gguf(session, folder, quantization: str) -> Path:
+    """The full (LoRA: merged) weights as ``model.gguf`` plus an Ollama ``Modelfile``."""
+    from .models.gguf import modelfile, write_gguf
+
+    model = session.model
+    state = merged_state_dict(model) if has_lora(model) else plain_state_dict(model)
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # GGUF ties by leaving output.weight out
+    name = Path(session.source).stem if session.source else "nbtune model"
+
+    def write(tmp: Path) -> None:
+        write_gguf(tmp / GGUF_FILE, state, model.config, session.tokenizer, quantization,
+                   name=f"{name} (nbtune)")
+        (tmp / MODELFILE).write_text(modelfile(GGUF_FILE, session.tokenizer))
+
+    return write_atomically(folder, write)
+
+
+def save_session(session, folder, merge: bool = False, format: str = "hf",
+                 quantization: str | None = None) -> Path:
+    """Full weights as an HF folder, or (LoRA) a PEFT adapter folder; ``merge`` folds adapters
+    in. ``format="gguf"``: one GGUF file (always full weights) and an Ollama Modelfile."""
+    check_save_args(format, quantization)
+    if format == "gguf":
+        return save_gguf(session, folder, quantization)
     model, config = session.model, session.model.config
     if has_lora(model) and not merge:
         if session.base_changed:

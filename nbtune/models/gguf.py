@@ -19,7 +19,7 @@ from typing import Collection
 
 import numpy as np
 import torch
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
 from .config import ModelConfig
@@ -263,6 +263,8 @@ def gguf_tokenizer(path: "str | os.PathLike | GGUFFile") -> Tokenizer:
     backend = _HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                                       ignore_merges=pre == "llama-bpe"))
     backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    if pre == "qwen2":
+        backend.normalizer = normalizers.NFC()  # as Qwen's tokenizer.json does
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)

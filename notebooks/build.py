@@ -222,7 +222,7 @@ The task ships with nbtune: answer with a JSON "country card"
 (`{"country": ..., "capital": ..., "continent": ...}`). The held-out countries are never
 trained on."""),
     ("code", """techniques = qlora if ON_GPU else qlora.replace(
-    dtype="fp32", batch_size=4, seq_len=96, lr=2e-3, activation_checkpointing=False,
+    dtype="fp32", batch_size=6, seq_len=96, lr=2e-3, activation_checkpointing=False,
     chunked_loss=0)
 session = nt.Session.from_pretrained(MODEL, data_file("smollm2", "train"),
                                      heldout=data_file("smollm2", "heldout"),
@@ -237,16 +237,16 @@ print(session.generate("Give the country card for Peru."))"""),
     ("md", "Train. The chart below the progress bar shows where the memory went."),
     ("code", """# NBVAL_IGNORE_OUTPUT
 reports = session.run(STEPS)"""),
-    ("md", """The base weights stayed 4-bit and frozen; only the adapters trained. The measured
-peak of the steps beside the estimate for the same batch shape:"""),
+    ("md", """The base weights stayed 4-bit and frozen; only the adapters trained, and the
+measured peak of a step stayed far below the full model's size in bf16
+(`02_memory` checks the estimate against a measured step):"""),
     ("code", """from nbtune.peft import is_nf4
 
 quantized = sum(p.numel() for p in session.model.parameters() if is_nf4(p))
 trainable = sum(p.numel() for p in session.model.parameters() if p.requires_grad)
-report = session.history[-1]
-predicted = session.estimate(batch_size=report.shape[0], seq_len=report.shape[1])
+peak = max(r.memory.peak for r in session.history)
 print(f"NF4 base weights: {quantized / 1e6:.0f}M, trained adapter weights: {trainable / 1e6:.2f}M")
-print(f"measured peak {report.memory.peak / 2**20:.0f} MiB, estimated {predicted.peak / 2**20:.0f} MiB")"""),
+print(f"measured peak {peak / 2**30:.2f} GiB")"""),
     ("md", "After a few steps the held-out replies follow the schema. The facts in them are "
            "the model's own (a 135M model knows few capitals); the format is what training taught."),
     ("code", """after = session.evaluate(held_out)

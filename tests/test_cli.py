@@ -15,16 +15,17 @@ def nbtune_command() -> list[str]:
 
 
 def test_demo_learns_and_writes_chart_and_summary(tmp_path):
-    done = subprocess.run([*nbtune_command(), "demo", "--out", str(tmp_path)],
+    # 150 of the default 300 steps: enough to halve the loss and lift the accuracy (CI time)
+    done = subprocess.run([*nbtune_command(), "demo", "--steps", "150", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
-    assert len(lines) == 300 and "loss" in lines[0] and "peak" in lines[0]
+    assert len(lines) == 150 and "loss" in lines[0] and "peak" in lines[0]
     summary = json.loads((tmp_path / "demo_summary.json").read_text())
     for key in ("loss_first", "loss_last", "heldout_accuracy_before", "heldout_accuracy_after",
                 "steps", "seconds", "peak_bytes"):
         assert key in summary
-    assert summary["steps"] == 300
+    assert summary["steps"] == 150
     assert summary["loss_last"] <= summary["loss_first"] / 2
     assert summary["heldout_accuracy_after"] > summary["heldout_accuracy_before"]
     assert summary["peak_bytes"] > 0

@@ -369,7 +369,7 @@ def test_fit_reads_a_preset_name():
     fitmod.cache_clear()
     t = T(method="qlora", dtype="bf16", activation_checkpointing=True, chunked_loss=8,
           batch_size=2, seq_len=2048)
-    result = nt.fit("llama-3.1-8b", "RTX 4090", t, toggles=())  # the start only: one estimate
+    result = nt.fit("llama-3.2-1b", "RTX 4090", t, toggles=())  # the start only: one estimate
     assert result.fits and result.techniques == t and result.estimates == 1
-    assert 5 * GiB < result.peak < result.usable
+    assert GiB < result.peak < result.usable
     fitmod.cache_clear()

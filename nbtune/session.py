@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 import threading
@@ -19,7 +18,6 @@ from .data import (BatchStream, DataError, Example, check_renderable, collate, e
 from .generate import generate_ids
 from .hub import resolve_model_folder
 from .memory.sampling import MemorySampler
-from .demos import DEMOS
 from .models import Tokenizer, load_model
 from .models.gguf import GGUFFile, gguf_tokenizer, is_gguf
 from .models.decoder import CausalLM
@@ -28,8 +26,6 @@ from .step import StepReport
 from .techniques import Techniques
 from .trainer import Trainer
 
-DEMO_TECHNIQUES = DEMOS["tiny"].techniques  # the embedded default (`nbtune demo`)
-DEMO_STEPS = DEMOS["tiny"].steps  # enough for it to learn visibly: about a minute on 2 cores
 
 class BusyError(RuntimeError):
     """The session is training in a background run: the command would race with it."""

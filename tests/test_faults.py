@@ -43,7 +43,8 @@ import nbtune.trainer
 from nbtune.data import load_examples
 from nbtune.models import Tokenizer, demo_model_dir, load_model
 from nbtune.peft import is_nf4
-from nbtune.session import DEMO_TECHNIQUES, demo_data_file
+from nbtune.demos import DEMOS
+from nbtune.session import demo_data_file
 from nbtune.step import NonFiniteError
 from nbtune.trainer import DamagedStateError
 
@@ -88,7 +89,7 @@ def small(**changes):
     (0.8 s a build on busy cores): the same model, techniques, 64 rows and seed.
     ``test_small_is_small_session`` proves the two equal."""
     folder, tokenizer, rows = _demo()
-    techniques = DEMO_TECHNIQUES.replace(batch_size=4, seq_len=96, lr=1e-3).replace(**changes)
+    techniques = DEMOS["tiny"].techniques.replace(batch_size=4, seq_len=96, lr=1e-3).replace(**changes)
     torch.manual_seed(0)
     quantize = techniques.lora_targets if techniques.method == "qlora" else ()
     model = load_model(folder, dtype=techniques.dtype, device="cpu", quantize=quantize)

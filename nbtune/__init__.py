@@ -4,28 +4,6 @@ import os as _os
 # torchao prints CUDA library load failures on CPU-only machines; they are harmless.
 _os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
-
-def _import_torchao_quietly() -> None:
-    """Import torchao now, with its import-time log lines silenced: on a CPU-only machine it
-    logs skipped CUDA extensions, a missing Triton and a deprecated pytree registration, all
-    harmless, which a notebook would show as red stderr under the first cell that needs it."""
-    import logging
-
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        import torchao  # noqa: F401
-    except ImportError:
-        pass  # a dependency; the techniques that need it say so when used
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
-_import_torchao_quietly()
-
 from .data import DataError  # noqa: E402
 from .memory import MemoryBreakdown  # noqa: E402
 from .memory.estimate import estimate  # noqa: E402

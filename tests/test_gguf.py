@@ -162,7 +162,6 @@ def test_lora_session_exports_merged_gguf_that_transformers_reads(tmp_path, quan
     assert types["blk.0.attn_norm.weight"] == "F32"  # 1-D tensors stay f32, as llama.cpp keeps them
     assert "output.weight" not in types  # tied: the head is the embedding
     # the adapters are in: the base alone gives other logits
-    session.set(lora_rank=4)  # no-op change keeps adapters; compare against a zeroed copy instead
     with torch.no_grad():
         for name, p in session.model.named_parameters():
             if "lora_B" in name:
@@ -275,7 +274,7 @@ def test_smollm2_exports_and_reads_back(tmp_path, smollm2):
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), expected.log_softmax(-1),
                                     log_target=True, reduction="none").sum(-1)
     assert kl.max() < 1e-3
-    assert json.loads(json.dumps(file.meta["general.name"])).endswith("(nbtune)")
+    assert file.meta["general.name"].endswith("(nbtune)")
 
 
 def test_smollm2_demo_learns_its_json_task(smollm2):

@@ -202,16 +202,11 @@ def load_gguf_model(path: "str | os.PathLike | GGUFFile", dtype: torch.dtype = t
     from gguf.quants import dequantize
 
     from ..peft import to_nf4
-    from .hf import _quantized_keys, _release_freed_heap
+    from .hf import _release_freed_heap, empty_model, fill_model
 
     file = _open(path)
     config = config_from_gguf(file)
-    with torch.device("meta"):
-        model = CausalLM(config)
-    quantized = _quantized_keys(model, quantize) if quantize else set()
-    expected = dict(model.state_dict())
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
+    model, quantized, expected = empty_model(config, quantize)
     loaded: dict[str, torch.Tensor] = {}
     for tensor in file.tensors:
         key = _hf_name(tensor.name)
@@ -235,14 +230,7 @@ def load_gguf_model(path: "str | os.PathLike | GGUFFile", dtype: torch.dtype = t
             weight = to_nf4(weight, key)
             _release_freed_heap()
         loaded[key] = weight
-    missing = sorted(set(expected) - set(loaded))
-    if missing:
-        raise GGUFError(f"{path} lacks tensors for {missing[:4]}: the file is incomplete.")
-    model.load_state_dict(loaded, assign=True, strict=False)
-    for key in quantized:
-        model.get_parameter(key).requires_grad_(False)
-    model.tie_weights()
-    return model
+    return fill_model(model, loaded, quantized, expected, str(path))
 
 
 def gguf_tokenizer(path: "str | os.PathLike | GGUFFile") -> Tokenizer:

@@ -152,6 +152,33 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
                      "(or a torch dtype such as torch.bfloat16).")
 
 
+def empty_model(config: ModelConfig, quantize: Collection[str]):
+    """(model on the meta device, keys to store as NF4, the state-dict entries to fill).
+
+    No random weights are ever made; a tied head is not expected from the file."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    quantized = _quantized_keys(model, quantize) if quantize else set()
+    expected = dict(model.state_dict())
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    return model, quantized, expected
+
+
+def fill_model(model: CausalLM, loaded: dict, quantized: set, expected: dict, where: str) -> CausalLM:
+    """Assign the read tensors (all of ``expected``, else an error naming ``where``), freeze
+    the NF4 ones and tie the head."""
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        raise ValueError(f"{where} lacks weights for {missing[:4]}{' ...' if len(missing) > 4 else ''}: "
+                         "it does not describe a whole model of this shape.")
+    model.load_state_dict(loaded, assign=True, strict=False)
+    for key in quantized:
+        model.get_parameter(key).requires_grad_(False)  # NF4 weights are frozen by nature
+    model.tie_weights()
+    return model
+
+
 def load_model(path_or_id: str | os.PathLike, dtype: str | torch.dtype = "fp32",
                device: str | torch.device = "cpu", revision: str | None = None,
                quantize: Collection[str] = ()) -> CausalLM:
@@ -174,12 +201,7 @@ def load_model(path_or_id: str | os.PathLike, dtype: str | torch.dtype = "fp32",
         return load_gguf_model(path_or_id, dtype, device, quantize)
     folder = resolve_model_folder(path_or_id, revision)
     config = ModelConfig.from_file(folder / "config.json")
-    with torch.device("meta"):
-        model = CausalLM(config)
-    quantized = _quantized_keys(model, quantize) if quantize else set()
-    expected = dict(model.state_dict())
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
+    model, quantized, expected = empty_model(config, quantize)
     loaded: dict[str, torch.Tensor] = {}
     buffer = torch.empty(CAST_CHUNK_BYTES, dtype=torch.uint8, device="cpu")  # pages are touched only by a cast
     for file in _weight_files(folder):
@@ -202,15 +224,7 @@ def load_model(path_or_id: str | os.PathLike, dtype: str | torch.dtype = "fp32",
                     tensor = to_nf4(tensor, key)  # the dense copy is freed here...
                     _release_freed_heap()  # ...and its pages handed back to the system
                 loaded[key] = tensor
-    missing = sorted(set(expected) - set(loaded))
-    if missing:
-        raise ValueError(f"{folder} lacks weights for {missing[:4]}{' ...' if len(missing) > 4 else ''}: "
-                         "config and weights disagree.")
-    model.load_state_dict(loaded, assign=True, strict=False)
-    for key in quantized:
-        model.get_parameter(key).requires_grad_(False)  # NF4 weights are frozen by nature
-    model.tie_weights()
-    return model
+    return fill_model(model, loaded, quantized, expected, str(folder))
 
 
 def plain_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ class LadderRow:
     estimated_peak: int | None = None  # what ``estimate`` predicts for the row's batch shape
     loss: float = float("nan")  # last step's loss
     at_peak: dict = field(default_factory=dict)  # the categories that made up the peak
+    categories: dict = field(default_factory=dict)  # each category's high point in the step
     error: str | None = None  # the row could not run (out of memory, say)
 
 
@@ -77,6 +78,9 @@ class Ladder:
         return len(self.rows)
 
     def __getitem__(self, index):
+        """A row, or for a slice a ``Ladder`` of those rows (it shows as a table and chart)."""
+        if isinstance(index, slice):
+            return Ladder(self.rows[index], self.device, self.steps)
         return self.rows[index]
 
     def __iter__(self):

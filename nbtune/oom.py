@@ -137,10 +137,15 @@ def explain(err: BaseException, phase: str | None, step: int, held: dict, config
     if now is not None and "activations and temporaries" not in held:
         held["activations (estimated)"] = now.activations  # CPU: no allocator to ask
     top = max(held, key=held.get)
+    measured = {k: v for k, v in held.items() if k != "activations (estimated)"}
+    held_line = "Held at the failure: " + ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}"
+                                                    for k, v in measured.items())
+    if len(measured) < len(held):
+        held_line += (f"; this step's activations would reach "
+                      f"{format_bytes(held['activations (estimated)'])} (estimated)")
     lines = [f"Out of memory in the {phase or 'set-up'} phase of step {step}; the step was rolled "
              "back and the session is as it was before it.",
-             "Held at the failure: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in held.items())
-             + f" (most: {top})."]
+             f"{held_line}. The largest: {top.replace('_', ' ').replace(' (estimated)', '')}."]
     if suggestions:
         now = format_bytes(predicted) if predicted is not None else "?"
         where = f" of {format_bytes(limit)} available" if limit is not None else ""
@@ -179,9 +184,11 @@ class SimulatedCard(torch.autograd.graph.saved_tensors_hooks):
             self.held += nbytes
             if self.held > self.limit:
                 self.held = 0  # the failed step's activations are dropped with it
+                from .ui.charts import format_bytes
+
                 raise torch.OutOfMemoryError(
-                    f"Out of memory on a simulated card of {self.limit} bytes of activations "
-                    f"(tried to save {nbytes} more).")
+                    f"Out of memory on a simulated card holding {format_bytes(self.limit)} of "
+                    f"activations (tried to save {format_bytes(nbytes)} more).")
             return (t, nbytes)
 
         def unpack(packed):

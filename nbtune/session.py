@@ -693,7 +693,7 @@ class Session:
         return LadderRow(label, t, peak=peak, change=change,
                          tokens_per_second=sum(r.tokens for r in timed) / seconds if seconds else 0.0,
                          estimated_peak=predicted, loss=reports[-1].loss,
-                         at_peak=at_peak)
+                         at_peak=at_peak, categories=dict(top.memory.categories))
 
     @_exclusive
     def snapshot(self, path: str | os.PathLike, steps: int = 1) -> Path:

@@ -24,10 +24,13 @@ def test_compare_runs_each_row_on_a_trial_and_leaves_the_session_alone():
     peaks = [r.peak for r in ladder]
     assert peaks[0] > peaks[1] > peaks[2] > peaks[3] > 0  # each of these buys memory here
     assert ladder[0].change is None
+    assert ladder[1].categories["activations"] < ladder[0].categories["activations"] / 2
+    assert ladder[3].categories["gradients"] < ladder[2].categories["gradients"] / 10  # LoRA
     assert ladder[1].change == pytest.approx(100 * (peaks[1] - peaks[0]) / peaks[0])
     for row in ladder:
         assert row.estimated_peak == pytest.approx(row.peak, rel=0.02)
         assert sum(row.at_peak.values()) == row.peak
+        assert all(row.categories[k] >= v for k, v in row.at_peak.items())  # high points
         assert row.tokens_per_second > 0 and row.loss > 0
     # The session itself did not move.
     assert session.techniques == techniques and len(session.history) == steps
@@ -39,6 +42,9 @@ def test_compare_runs_each_row_on_a_trial_and_leaves_the_session_alone():
     html = ladder._repr_html_()
     assert "<table>" in html and "data:image/png;base64," in html
     assert ladder.as_dicts()[1]["change_pct"] == ladder[1].change
+    pair = ladder[1:3]  # a slice is a ladder of those rows, shown the same way
+    assert isinstance(pair, type(ladder)) and [r.label for r in pair] == [r.label for r in ladder.rows[1:3]]
+    assert pair._repr_html_().count("<tr>") == 3 and pair.steps == ladder.steps
 
 
 def test_a_bad_row_is_refused_before_anything_runs():

@@ -65,9 +65,9 @@ def _optimizer_factory(techniques: Techniques,
         base = getattr(bitsandbytes.optim, _BITSANDBYTES[name])
         return partial(type(base.__name__, (_FlatBitsandbytesState, base), {}), **kwargs)
     if name in _TORCHAO:
-        import torchao.optim
+        from .quiet import import_torchao
 
-        base = getattr(torchao.optim, _TORCHAO[name])
+        base = getattr(import_torchao("torchao.optim"), _TORCHAO[name])
         return partial(type(base.__name__, (_TorchaoFloatLrFlatState, base), {}), **kwargs)
     raise ValueError(f"optimizer {name!r} is not built by this version.")
 
@@ -273,7 +273,9 @@ def _cpu_offload_optimizer(params: list[nn.Parameter], techniques: Techniques):
     if techniques.optimizer not in ("adamw", "sgd"):
         raise ValueError("cpu_offload_optimizer wraps a torch optimizer: choose optimizer='adamw' "
                          "or 'sgd'.")
-    from torchao.optim import CPUOffloadOptimizer
+    from .quiet import import_torchao
+
+    CPUOffloadOptimizer = import_torchao("torchao.optim").CPUOffloadOptimizer
 
     class Offloaded(CPUOffloadOptimizer):
         """Adds what the session needs: ``state`` (all inner optimizers') and ``release``,

@@ -12,7 +12,6 @@ NF4 weight for backward.
 
 from __future__ import annotations
 
-import importlib
 import math
 import sys
 
@@ -26,7 +25,9 @@ _NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
 
 def _nf4():
     """torchao's NF4 module, imported on first use: it adds ~1.5 s to ``import nbtune``."""
-    return importlib.import_module(_NF4_MODULE)
+    from .quiet import import_torchao
+
+    return import_torchao(_NF4_MODULE)
 
 
 def is_nf4(tensor) -> bool:

@@ -250,6 +250,16 @@ def test_importing_nbtune_loads_neither_bitsandbytes_nor_torchao():
     assert out.stdout.strip() == "[]"
 
 
+def test_nf4_and_torchao_optimizers_load_without_printing_but_user_warnings_still_show():
+    # torchao's import-time logs showed as red stderr in notebooks; only they are silenced.
+    code = ("import logging, nbtune as nt\n"
+            "s = nt.Session.demo(method='qlora', optimizer='ao_adamw8bit', batch_size=2)\n"
+            "s.step()\n"
+            "logging.getLogger('torchao').warning('the user asked for this one')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stderr.strip() == "the user asked for this one"
+
+
 def test_state_bytes_count_where_the_state_lives():
     # A CUDA breakdown counts state on its GPU: CPU-offloaded state is not there, while
     # bitsandbytes' paged state (a CPU view of CUDA unified memory) is.

@@ -849,6 +849,9 @@ class Session:
     def __repr__(self) -> str:
         n = sum(p.numel() for p in self.model.parameters())
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        changed = self.techniques.changed(Techniques())  # the defaults go without saying
+        fields = ", ".join(f"{k}={getattr(self.techniques, k)!r}"
+                           for k in Techniques.__dataclass_fields__ if k in changed)
         return (f"Session({self.model.config.model_type}, {n / 1e6:.2f}M params, "
-                f"{trainable / 1e6:.2f}M trainable, {self.device}, steps={len(self.history)}, "
-                f"{self.techniques})")
+                f"{trainable / 1e6:.2f}M trainable, {self.device}, steps={len(self.history)})\n"
+                f"  techniques (besides the defaults): {fields or 'none'}")

@@ -29,6 +29,19 @@ def test_step_report_fields_and_history():
     assert session.history == [report] and report.step == 1
 
 
+def test_repr_names_only_the_techniques_that_differ_from_the_defaults():
+    session = small_session()
+    session.set(lora_rank=4, method="lora")
+    session.step()
+    first, second = repr(session).splitlines()
+    assert "steps=1" in first and "cpu" in first
+    defaults = nt.Techniques()
+    expected = [f"{k}={getattr(session.techniques, k)!r}" for k in nt.Techniques.__dataclass_fields__
+                if getattr(session.techniques, k) != getattr(defaults, k)]
+    assert second == "  techniques (besides the defaults): " + ", ".join(expected)
+    assert "method='lora'" in second and "lora_rank=4" in second and "optimizer=" not in second
+
+
 def test_loss_falls_on_repeated_data():
     session = small_session(lr=3e-3)
     trace = losses(session, 30)

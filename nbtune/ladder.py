@@ -104,13 +104,24 @@ class Ladder:
             estimate = "" if r.estimated_peak is None else format_bytes(r.estimated_peak)
             out.append([r.label, format_bytes(r.peak), change, f"{r.tokens_per_second:,.0f}",
                         estimate])
+        if not self._estimated:
+            out = [row[:-1] for row in out]
         return out
 
     HEADER = ["configuration", "peak", "change", "tokens/s", "estimated peak"]
 
+    @property
+    def _estimated(self) -> bool:
+        """Whether any row has an estimate: without one (``estimate=False``) the column goes."""
+        return any(r.estimated_peak is not None for r in self.rows)
+
+    @property
+    def header(self) -> list[str]:
+        return self.HEADER if self._estimated else self.HEADER[:-1]
+
     def __repr__(self) -> str:
-        cells = [self.HEADER] + self._cells()
-        widths = [max(len(row[i]) for row in cells) for i in range(len(self.HEADER))]
+        cells = [self.header] + self._cells()
+        widths = [max(len(row[i]) for row in cells) for i in range(len(self.header))]
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
                  for row in cells]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -125,7 +136,7 @@ class Ladder:
     def _repr_html_(self) -> str:
         from .ui.charts import figure_png
 
-        head = "".join(f"<th>{h}</th>" for h in self.HEADER)
+        head = "".join(f"<th>{h}</th>" for h in self.header)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
                        for row in self._cells())
         png = base64.b64encode(figure_png(self.chart(), dpi=90)).decode()

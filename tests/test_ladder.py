@@ -45,6 +45,11 @@ def test_compare_runs_each_row_on_a_trial_and_leaves_the_session_alone():
     pair = ladder[1:3]  # a slice is a ladder of those rows, shown the same way
     assert isinstance(pair, type(ladder)) and [r.label for r in pair] == [r.label for r in ladder.rows[1:3]]
     assert pair._repr_html_().count("<tr>") == 3 and pair.steps == ladder.steps
+    import dataclasses  # with estimate=False no row has an estimate: no empty column
+    unestimated = type(ladder)([dataclasses.replace(r, estimated_peak=None) for r in ladder],
+                               ladder.device, ladder.steps)
+    assert repr(unestimated).splitlines()[0].split() == ["configuration", "peak", "change", "tokens/s"]
+    assert "estimated" not in unestimated._repr_html_()
 
 
 def test_a_bad_row_is_refused_before_anything_runs():

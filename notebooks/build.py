@@ -232,7 +232,7 @@ rung(weights, 4, "parameters")"""),
 Once weights, gradients and optimizer state are small, the activations saved for backward set
 the peak, and they grow with every token in the batch. LoRA at 4 rows of 128 tokens:"""),
     ("code", """# NBVAL_IGNORE_OUTPUT
-lora = nt.Techniques(method="lora", batch_size=4, seq_len=128, packing=True)
+lora = full.replace(method="lora", batch_size=4)
 activations = session.compare([lora, {"batch_size": 2, "grad_accum": 2},
                                {"activation_checkpointing": 2}, {"activation_checkpointing": True},
                                {"chunked_loss": 8}], steps=3, estimate=False)

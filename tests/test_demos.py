@@ -64,7 +64,7 @@ def test_missing_smollm2_package_says_how_to_install(monkeypatch):
         nt.Session.demo("smollm2")
 
 
-def small_gguf(path, arch="llama", tokenizer_model="gpt2", extra_tensors=()):
+def small_gguf(path, arch="llama", tokenizer_model="gpt2", extra_tensors=(), drop=()):
     """A metadata-complete GGUF of one layer with random weights."""
     from gguf import GGUFWriter
 
@@ -82,7 +82,7 @@ def small_gguf(path, arch="llama", tokenizer_model="gpt2", extra_tensors=()):
               "blk.0.attn_v.weight": (32, 32), "blk.0.attn_output.weight": (32, 32),
               "blk.0.ffn_gate.weight": (64, 32), "blk.0.ffn_up.weight": (64, 32),
               "blk.0.ffn_down.weight": (32, 64)}
-    for name, shape in [*shapes.items(), *extra_tensors]:
+    for name, shape in [*((n, s) for n, s in shapes.items() if n not in drop), *extra_tensors]:
         writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -105,6 +105,12 @@ def test_unsupported_gguf_models_are_refused_by_name(tmp_path, kind, match):
     with pytest.raises(GGUFError, match=match):
         config_from_gguf(path)
     with pytest.raises(GGUFError, match="model.gguf"):
+        nt.load_model(path)
+
+
+def test_a_gguf_missing_a_tensor_is_refused_naming_the_file_and_the_tensor(tmp_path):
+    path = small_gguf(tmp_path / "cut.gguf", drop=("blk.0.ffn_up.weight",))
+    with pytest.raises(GGUFError, match=r"cut\.gguf lacks weights for \['model\.layers\.0\.mlp\.up_proj\.weight'\]"):
         nt.load_model(path)
 
 

@@ -230,7 +230,7 @@ def load_gguf_model(path: "str | os.PathLike | GGUFFile", dtype: torch.dtype = t
             weight = to_nf4(weight, key)
             _release_freed_heap()
         loaded[key] = weight
-    return fill_model(model, loaded, quantized, expected, str(path))
+    return fill_model(model, loaded, quantized, expected, str(path), GGUFError)
 
 
 def gguf_tokenizer(path: "str | os.PathLike | GGUFFile") -> Tokenizer:

@@ -165,12 +165,13 @@ def empty_model(config: ModelConfig, quantize: Collection[str]):
     return model, quantized, expected
 
 
-def fill_model(model: CausalLM, loaded: dict, quantized: set, expected: dict, where: str) -> CausalLM:
-    """Assign the read tensors (all of ``expected``, else an error naming ``where``), freeze
+def fill_model(model: CausalLM, loaded: dict, quantized: set, expected: dict, where: str,
+               error: type[ValueError] = ValueError) -> CausalLM:
+    """Assign the read tensors (all of ``expected``, else ``error`` naming ``where``), freeze
     the NF4 ones and tie the head."""
     missing = sorted(set(expected) - set(loaded))
     if missing:
-        raise ValueError(f"{where} lacks weights for {missing[:4]}{' ...' if len(missing) > 4 else ''}: "
+        raise error(f"{where} lacks weights for {missing[:4]}{' ...' if len(missing) > 4 else ''}: "
                          "it does not describe a whole model of this shape.")
     model.load_state_dict(loaded, assign=True, strict=False)
     for key in quantized:

@@ -1,4 +1,5 @@
-"""Command line: ``nbtune demo`` trains the embedded default headless."""
+"""Command line: ``nbtune demo`` trains the embedded default headless; ``nbtune train run.yaml``
+runs a saved session unattended."""
 
 from __future__ import annotations
 
@@ -80,10 +81,54 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--lr", type=float, default=None, help="learning rate (demo default)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the data order")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    train = commands.add_parser(
+        "train", help="run a run file (session.save_config) unattended",
+        description="Train as a run file says (write one with session.save_config): metrics.jsonl, "
+                    "checkpoints and the final save go to its run.out folder (or --out).")
+    train.add_argument("run_file", help="a YAML run file")
+    train.add_argument("--steps", type=int, default=None, help="optimizer steps in all (run.steps)")
+    train.add_argument("--epochs", type=float, default=None, help="or passes over the data (run.epochs)")
+    train.add_argument("--out", default=None, help="output folder (default: run.out in the file)")
+    train.add_argument("--checkpoint-every", type=int, default=None,
+                       help="save a checkpoint every N steps (run.checkpoint_every)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest checkpoint in the output folder")
+    train.add_argument("--device", default=None, help="cpu or cuda (default: the file's, else cuda if present)")
+    train.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                       help="override any field, e.g. --set techniques.lr=1e-4 (repeatable; "
+                            "VALUE is read as YAML)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         return run_demo(args)
+    if args.command == "train":
+        return run_train(args, parser)
     return 2
+
+
+def run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import yaml
+
+    from .headless import train
+    from .runfile import RunFileError
+
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--set {item!r}: write FIELD=VALUE, e.g. --set techniques.lr=1e-4")
+        overrides[key.strip()] = yaml.safe_load(value)
+    if args.steps is not None:
+        overrides.update({"run.steps": args.steps, "run.epochs": None})
+    if args.epochs is not None:
+        overrides.update({"run.epochs": args.epochs, "run.steps": None})
+    if args.checkpoint_every is not None:
+        overrides["run.checkpoint_every"] = args.checkpoint_every
+    try:
+        return train(args.run_file, overrides=overrides, out=args.out, resume=args.resume,
+                     device=args.device)
+    except RunFileError as err:
+        print(f"nbtune train: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -191,6 +191,10 @@ class Session:
         self.price_per_hour: float | None = None  # the rented card's price: status shows cost
         self._eval_cache: dict = {}
         self._last_run: BackgroundRun | None = None
+        # What save_config writes: where the data came from, the demo, the run's settings.
+        self.data_files: dict[str, str] = {}
+        self.demo_name: str | None = None
+        self.run_settings = None  # a runfile.RunSettings, once read from or written to a run file
         if as_techniques(techniques).eval_every and not self.heldout_examples:
             raise ValueError("eval_every needs held-out rows: create the session with heldout=... "
                              "(a JSONL path or rows), or leave eval_every=0.")
@@ -265,6 +269,38 @@ class Session:
                            quantize=quantize)  # NF4 as each weight is read: lean loading
         session = cls(model, tokenizer, train, heldout=held, techniques=techniques, device=device)
         session.source, session._base = str(path_or_id), source
+        session.data_files = {split: str(value) for split, value in (("train", data), ("heldout", heldout))
+                              if isinstance(value, (str, os.PathLike))}
+        return session
+
+    @classmethod
+    def from_config(cls, config, *, overrides: dict | None = None, device=None) -> "Session":
+        """A session from a run file (``save_config`` writes one) or a loaded ``RunConfig``.
+
+        ``overrides`` are dotted fields that win over the file, e.g. ``{"techniques.lr": 1e-4}``;
+        a bad field is refused naming its line (``RunFileError``) before anything loads. torch's
+        random generator is seeded with ``techniques.seed`` first, so two runs of a file agree."""
+        from . import runfile
+
+        if not isinstance(config, runfile.RunConfig):
+            config = runfile.load(config, overrides)
+        elif overrides:
+            raise ValueError("overrides apply to a run file path; change a RunConfig with "
+                             "config.model_copy(update=...) instead.")
+        techniques = config.to_techniques()
+        device = device or config.device
+        torch.manual_seed(techniques.seed)  # adapters' initial values and dropout: repeatable runs
+        if config.demo is not None:
+            session = cls.demo(config.demo, techniques=techniques, device=device)
+            session.demo_name = config.demo
+        else:
+            session = cls.from_pretrained(config.path(config.model), config.path(config.data.train),
+                                          heldout=config.path(config.data.heldout),
+                                          techniques=techniques, device=device,
+                                          revision=config.revision)
+            session.match = config.data.match
+        session.memory_tracking = config.memory_tracking
+        session.run_settings = config.run
         return session
 
     @classmethod
@@ -283,6 +319,7 @@ class Session:
                                       heldout=demo_data_file("heldout", name),
                                       techniques=techniques, device=device)
         session.match = demo.match
+        session.demo_name = name
         return session
 
     # ---- techniques ---------------------------------------------------------------------
@@ -778,6 +815,73 @@ class Session:
         with tempfile.TemporaryDirectory() as tmp:
             folder = self.save(Path(tmp) / "upload", merge=merge)
             return push_to_hub(folder, repo_id, private=private, token=token)
+
+    def save_config(self, path: str | os.PathLike, *, steps: int | None = None,
+                    epochs: float | None = None, out: str | None = None,
+                    checkpoint_every: int | None = None, save: list[str] | None = None,
+                    evaluate: bool | None = None) -> Path:
+        """Write a run file that repeats this session unattended (``nbtune train path``): the
+        model source, the data, the current techniques and the run's length, checkpoint interval,
+        output folder and save formats. Rows given in code are written beside it as JSONL.
+
+        ``steps`` defaults to the steps this session has trained (a demo's own length before
+        any). Relative paths in the file are relative to its folder."""
+        from . import runfile
+
+        path = Path(path)
+        folder = path.parent
+        if self.source is None and self.demo_name is None:
+            raise runfile.RunFileError(
+                "This session's model was built in code, not loaded, so a run file cannot name it: "
+                "save it first (session.save('base/')) and create the session with "
+                "nt.Session.from_pretrained('base/', data) before save_config.")
+        settings = self.run_settings or runfile.RunSettings()
+        changes = {k: v for k, v in (("steps", steps), ("epochs", epochs), ("out", out),
+                                     ("checkpoint_every", checkpoint_every), ("save", save),
+                                     ("evaluate", evaluate)) if v is not None}
+        if steps is not None:
+            changes["epochs"] = None
+        elif epochs is not None:
+            changes["steps"] = None
+        elif settings.steps is None and settings.epochs is None:
+            from .demos import DEMOS
+
+            length = len(self.history) or (DEMOS[self.demo_name].steps if self.demo_name else 0)
+            if not length:
+                raise ValueError("save_config: this session has not trained yet, so say how long "
+                                 "the run is: save_config(path, steps=100) or epochs=1.")
+            changes["steps"] = length
+        try:
+            settings = runfile.RunSettings.model_validate({**settings.model_dump(), **changes})
+        except runfile.ValidationError as err:
+            raise runfile.RunFileError(f"save_config: {err}") from None
+        folder.mkdir(parents=True, exist_ok=True)
+        data = {"match": self.match if isinstance(self.match, str) else "exact"}
+        for split, rows in (("train", self.train_examples), ("heldout", self.heldout_examples)):
+            if self.demo_name is not None or not rows:
+                continue
+            if split in self.data_files and "://" not in self.data_files[split]:
+                data[split] = runfile.relative(self.data_files[split], folder)
+            elif split in self.data_files:
+                data[split] = self.data_files[split]
+            else:  # rows given in code: the run file needs them as a file
+                rows_file = folder / f"{path.stem}.{split}.jsonl"
+                runfile.write_rows(rows, rows_file)
+                data[split] = rows_file.name
+        if self.demo_name is not None:
+            model = {"demo": self.demo_name}
+        elif Path(self.source).exists():
+            model = {"model": runfile.relative(self.source, folder)}
+        else:
+            model = {"model": self.source}
+        config = runfile.RunConfig.model_validate({
+            **model, "memory_tracking": self.memory_tracking,
+            "data": data, "techniques": self.techniques.as_dict(), "run": settings.model_dump()})
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(runfile.dump(config), encoding="utf-8")
+        tmp.replace(path)
+        self.run_settings = settings
+        return path
 
     @_exclusive
     def save_checkpoint(self, folder: str | os.PathLike) -> Path:

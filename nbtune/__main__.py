@@ -1,0 +1,7 @@
+"""``python -m nbtune`` (and ``torchrun -m nbtune train run.yaml``): the command line."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

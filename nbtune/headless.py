@@ -1,0 +1,209 @@
+"""``nbtune train run.yaml``: a saved session run unattended, on the notebook's own step.
+
+The loop asks the session for one step at a time (``session.run(1)``: the same trainer, the
+same transactions), and between steps writes the metrics line, checkpoints and logs. Output
+folder:
+
+* ``run.yaml``: the configuration as run (flags applied);
+* ``metrics.jsonl``: one JSON object per optimizer step (``step``, ``loss``, ``tokens``,
+  ``seconds``, ``peak_bytes``, ``rank`` and more);
+* ``checkpoints/step-NNNNNNNN/``: exact training state every ``checkpoint_every`` steps and at
+  the end (always when interrupted), the newest ``keep_checkpoints`` kept; ``--resume``
+  continues the newest, also to train further with a larger ``--steps``;
+* ``final/`` (and ``merged/``, ``gguf/``): the saves the run file asks for;
+* ``summary.json``: the run in numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from . import runfile
+from .ui.charts import format_bytes
+
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+
+
+def metrics_row(report, rank: int = 0) -> dict:
+    memory = report.memory
+    return {"step": report.step, "loss": report.loss, "tokens": report.tokens,
+            "trained_tokens": report.trained_tokens, "seconds": report.seconds,
+            "tokens_per_second": report.tokens_per_second, "lr": report.lr,
+            "peak_bytes": memory.peak, "memory_measured": memory.measured,
+            "memory": memory.categories, "eval_loss": report.eval_loss, "rank": rank}
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """Complete checkpoint folders under ``out``, oldest first."""
+    folder = out / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir()
+                  if p.is_dir() and p.name.startswith("step-") and (p / "trainer_state.json").is_file())
+
+
+def total_steps(settings, session) -> int:
+    """``steps``, or ``epochs`` turned into optimizer steps over this session's batches."""
+    if settings.steps is not None:
+        return settings.steps
+    t = session.techniques
+    per_epoch = math.ceil(len(session.trainer.stream.samples) / (t.batch_size * t.grad_accum))
+    return max(1, math.ceil((settings.epochs or 1) * per_epoch))
+
+
+class _Loggers:
+    """metrics.jsonl always; TensorBoard when the run file asks (checked before any work)."""
+
+    def __init__(self, out: Path, settings, rank: int, resumed_at: int) -> None:
+        self.rank = rank
+        name = METRICS if rank == 0 else f"metrics.rank{rank}.jsonl"
+        self.path = out / name
+        kept = []
+        if resumed_at and self.path.exists():  # lines past the checkpoint are re-done
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resumed_at]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.file = self.path.open("a")
+        self.tensorboard = None
+        if "tensorboard" in settings.log and rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(out / "tensorboard"))
+
+    def write(self, report) -> None:
+        row = metrics_row(report, self.rank)
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.tensorboard is not None:
+            for key in ("loss", "tokens_per_second", "peak_bytes", "lr"):
+                self.tensorboard.add_scalar(f"train/{key}", row[key], report.step)
+            if report.eval_loss is not None:
+                self.tensorboard.add_scalar("eval/loss", report.eval_loss, report.step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def check_loggers(settings) -> None:
+    if "tensorboard" in settings.log:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise runfile.RunFileError("run.log asks for tensorboard, which is not installed: "
+                                       "pip install tensorboard, or drop it from run.log.") from None
+
+
+def _save_checkpoint(session, out: Path, keep: int) -> Path:
+    folder = session.save_checkpoint(out / CHECKPOINTS / f"step-{len(session.history):08d}")
+    for old in checkpoints(out)[:-keep]:
+        shutil.rmtree(old)
+    return folder
+
+
+def _line(report) -> str:
+    memory = report.memory
+    mark = "" if memory.measured else " (last measured)"
+    eval_part = f"  eval {report.eval_loss:.3f}" if report.eval_loss is not None else ""
+    return (f"step {report.step:5d}  loss {report.loss:7.4f}{eval_part}  "
+            f"{report.tokens_per_second:7.0f} tok/s  peak {format_bytes(memory.peak)}{mark}")
+
+
+def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: str | None,
+          progress: bool = True) -> int:
+    """Run a run file; returns the process exit code (0 done, 130 interrupted)."""
+    from tqdm.auto import tqdm
+
+    from .session import Session
+
+    config = runfile.load(path, overrides)
+    settings = config.run
+    out_dir = Path(out) if out is not None else Path(config.path(settings.out))
+    check_loggers(settings)
+    if not resume and ((out_dir / METRICS).exists() or checkpoints(out_dir)):
+        raise runfile.RunFileError(
+            f"{out_dir} already holds a run ({METRICS} or {CHECKPOINTS}/): pass --resume to continue "
+            "it, or choose another folder with --out.")
+    started = time.perf_counter()
+    session = Session.from_config(config, device=device)
+    session._say = lambda message: tqdm.write(f"nbtune: {message}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    effective = config.model_copy(update={"run": settings.model_copy(update={"out": str(out_dir.resolve())})})
+    (out_dir / "run.yaml").write_text(runfile.dump(effective.model_copy(update={
+        "model": config.path(config.model), "data": config.data.model_copy(update={
+            "train": config.path(config.data.train), "heldout": config.path(config.data.heldout)})})))
+    found = checkpoints(out_dir) if resume else []
+    if found:
+        session.load_checkpoint(found[-1])
+        print(f"resumed from {found[-1]} (step {len(session.history)})")
+    elif resume:
+        print(f"no checkpoint under {out_dir / CHECKPOINTS}: starting at step 0")
+    total = total_steps(settings, session)
+    model = session.model
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"nbtune train {path}: {model.config.model_type}, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
+          f"({trainable / 1e6:.2f}M trained), {session.techniques.method}, {session.device}, "
+          f"{total} steps -> {out_dir}")
+    summary = {"run_file": str(Path(path).resolve()), "steps": total, "resumed_at": len(session.history)}
+    if settings.evaluate and session.heldout_examples:
+        summary["heldout_accuracy_before"] = session.evaluate()
+        print(f"held-out accuracy before: {summary['heldout_accuracy_before']:.0%}")
+    loggers = _Loggers(out_dir, settings, rank=0, resumed_at=len(session.history))
+    interrupted = False
+    try:
+        with tqdm(total=total, initial=len(session.history), desc="training", unit="step",
+                  disable=not progress, file=sys.stderr) as bar:
+            while len(session.history) < total:
+                reports = session.run(1, progress=False, live=False)
+                if not reports:  # Ctrl-C: the step was rolled back, the state is consistent
+                    interrupted = True
+                    break
+                report = reports[-1]
+                loggers.write(report)
+                tqdm.write(_line(report))
+                bar.update()
+                bar.set_postfix(loss=f"{report.loss:.3f}")
+                every = settings.checkpoint_every
+                if every and (report.step % every == 0 or report.step == total):
+                    _save_checkpoint(session, out_dir, settings.keep_checkpoints)
+    except KeyboardInterrupt:  # between steps: the state is that of the last completed step
+        interrupted = True
+    finally:
+        loggers.close()
+    if interrupted:
+        if session.history:
+            folder = _save_checkpoint(session, out_dir, settings.keep_checkpoints)
+            print(f"interrupted after step {len(session.history)}: saved {folder}; continue with "
+                  f"nbtune train {path} --resume" + (f" --out {out}" if out else ""))
+        return 130
+    saved = {}
+    for kind in settings.save:
+        folder = out_dir / {"hf": "final", "merged": "merged", "gguf": "gguf"}[kind]
+        if kind == "merged" and session.techniques.method == "full":
+            continue  # full weights are already whole: "hf" holds them
+        session.save(folder, merge=kind == "merged", format="gguf" if kind == "gguf" else "hf")
+        saved[kind] = str(folder)
+    losses = [r.loss for r in session.history]
+    window = losses[-10:]
+    summary.update({
+        "loss_first": losses[0], "loss_last": sum(window) / len(window),
+        "peak_bytes": max(r.memory.peak for r in session.history),
+        "seconds": time.perf_counter() - started, "saved": saved,
+        "techniques": session.techniques.as_dict(), "device": str(session.device)})
+    if settings.evaluate and session.heldout_examples:
+        summary["heldout_accuracy_after"] = session.evaluate()
+        print(f"held-out accuracy after: {summary['heldout_accuracy_after']:.0%}")
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"done: {len(session.history)} steps, loss {summary['loss_first']:.3f} -> "
+          f"{summary['loss_last']:.3f} (mean of the last {len(window)}), peak "
+          f"{format_bytes(summary['peak_bytes'])}, {summary['seconds']:.0f} s; saved "
+          + (", ".join(saved.values()) or "nothing") + f"; metrics in {out_dir / METRICS}")
+    return 0

@@ -1,0 +1,224 @@
+"""Run files: a session's whole configuration as YAML, to repeat it unattended.
+
+``session.save_config("run.yaml")`` writes one, ``Session.from_config("run.yaml")`` and
+``nbtune train run.yaml`` read it. The text is parsed with PyYAML, which keeps the line of
+every key, and validated with pydantic, which names every bad field with its path: together
+an error says "run.yaml, line 12, techniques.lr: ...". pydantic rather than jsonargparse or
+tyro because the command line stays a few flags (``--steps``, ``--out``, ``--set key=value``)
+while the file is the configuration, and because the fields it checks are generated from the
+``Techniques`` dataclass itself (one list of toggles, no copy to drift). The combination rules
+stay in ``Techniques`` (``RULES``): the same reasons as in the notebook.
+
+Relative paths in a run file are relative to the file's folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import typing
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from .techniques import Techniques
+
+SAVE_CHOICES = ("hf", "merged", "gguf")  # hf: full weights or the PEFT adapter; merged: LoRA folded in
+LOGGERS = ("tensorboard",)
+TRACKING = ("sampled", "every_step", "off")
+
+
+class RunFileError(ValueError):
+    """A run file that cannot be used: each problem names its line and field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _techniques_model() -> type[BaseModel]:
+    """A pydantic model with exactly the fields, types and defaults of ``Techniques``."""
+    hints = typing.get_type_hints(Techniques)
+    return create_model("TechniquesFields", __base__=_Strict,
+                        **{f.name: (hints[f.name], f.default) for f in dataclasses.fields(Techniques)})
+
+
+TechniquesFields = _techniques_model()
+
+
+class DataSettings(_Strict):
+    train: str | None = None  # a .jsonl/.json file or hf://datasets/... URL; a demo brings its own
+    heldout: str | None = None
+    match: str = "exact"  # how held-out replies are scored (nbtune.scoring.MATCHES)
+
+
+class RunSettings(_Strict):
+    steps: int | None = Field(default=None, gt=0)  # optimizer steps in all (resumed runs included)
+    epochs: float | None = Field(default=None, gt=0)  # or passes over the training rows
+    checkpoint_every: int = Field(default=0, ge=0)  # 0: no checkpoints during the run
+    keep_checkpoints: int = Field(default=2, ge=1)  # the newest this many are kept
+    out: str = "nbtune-run"  # metrics.jsonl, checkpoints/ and the final save go here
+    save: list[Literal["hf", "merged", "gguf"]] = ["hf"]
+    log: list[Literal["tensorboard"]] = []  # besides metrics.jsonl, always written
+    evaluate: bool = False  # held-out accuracy (generation, scored by data.match) before and after
+
+
+class RunConfig(_Strict):
+    """Everything ``nbtune train`` needs to repeat a session."""
+
+    model: str | None = None  # an HF folder, a Hub repo id or a .gguf file
+    revision: str | None = None
+    demo: Literal["tiny", "smollm2"] | None = None  # or a ready-made demo (its model and data)
+    device: str | None = None  # cpu or cuda; default cuda when present
+    memory_tracking: Literal["sampled", "every_step", "off"] = "sampled"
+    data: DataSettings = DataSettings()
+    techniques: TechniquesFields = TechniquesFields()
+    run: RunSettings = RunSettings()
+
+    # Set by ``load`` (not in the file): the file's folder, which relative paths start from.
+    base: str = Field(default=".", exclude=True)
+
+    def path(self, value: str | None) -> str | None:
+        """``value`` (a path in the file) from the file's folder; ids and URLs unchanged."""
+        if value is None or "://" in value:
+            return value
+        candidate = Path(value).expanduser()
+        if not candidate.is_absolute():
+            candidate = Path(self.base) / candidate
+        if candidate.exists() or value.endswith((".jsonl", ".json", ".gguf")) or value.startswith("."):
+            return str(candidate)
+        return value  # not a path here: a Hub repo id
+
+    def to_techniques(self) -> Techniques:
+        return Techniques(**self.techniques.model_dump())
+
+
+def _line(node, loc: tuple) -> int | None:
+    """1-based line of the key at ``loc`` in a composed YAML tree (its parent's if absent)."""
+    line = node.start_mark.line + 1 if node is not None else None
+    for key in loc:
+        if not isinstance(node, yaml.MappingNode):
+            break
+        for k, v in node.value:
+            if k.value == str(key):
+                line, node = k.start_mark.line + 1, v
+                break
+        else:
+            break
+    return line
+
+
+def _known(loc: tuple) -> list[str]:
+    model: type[BaseModel] = RunConfig
+    for key in loc[:-1]:
+        field = model.model_fields.get(str(key))
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return [name for name, f in model.model_fields.items() if not f.exclude]
+
+
+def _message(error: dict) -> str:
+    loc = error["loc"]
+    if error["type"] == "extra_forbidden":
+        known = _known(loc)
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        return f"unknown field {loc[-1]!r}.{hint} Known here: {', '.join(known)}."
+    got = error.get("input")
+    shown = "" if isinstance(got, dict) else f"; got {got!r}"
+    return f"{error['msg']}{shown}."
+
+
+def load(source: str | Path, overrides: dict | None = None) -> RunConfig:
+    """Read and check a run file; ``overrides`` (dotted keys, ``{"run.steps": 5}``) win over it.
+
+    Every problem is reported at once, each with its line, in one ``RunFileError``.
+    """
+    path = Path(source)
+    if not path.is_file():
+        raise RunFileError(f"{path}: no such run file. Write one with session.save_config({str(path)!r}).")
+    text = path.read_text(encoding="utf-8")
+    try:
+        tree = yaml.compose(text)
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        raise RunFileError(f"{path}{where}: not valid YAML ({getattr(err, 'problem', err)}).") from None
+    if not isinstance(data, dict):
+        raise RunFileError(f"{path}: a run file is a mapping of fields (model:, data:, techniques:, "
+                           f"run:), not a {type(data).__name__}.")
+    for dotted, value in (overrides or {}).items():
+        parts, target = dotted.split("."), data
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise RunFileError(f"{path}: cannot set {dotted}: {part} is not a mapping in the file.")
+        target[parts[-1]] = value
+    def where(loc: tuple) -> str:
+        """", line N, field" in the file, or where an override set the field."""
+        field = ".".join(map(str, loc)) or "(top)"
+        if field in (overrides or {}):
+            return f" (overridden: {field}={overrides[field]!r}), {field}"
+        line = _line(tree, loc)
+        return f"{f', line {line}' if line else ''}, {field}"
+
+    try:
+        config = RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise RunFileError("\n".join(f"{path}{where(e['loc'])}: {_message(e)}"
+                                     for e in err.errors())) from None
+    try:
+        config.to_techniques()
+    except ValueError as err:  # a combination rule: point at the first field it names
+        named = [name for name in Techniques.__dataclass_fields__ if name in str(err)]
+        loc = ("techniques", named[0]) if named else ("techniques",)
+        raise RunFileError(f"{path}{where(loc)}: {err}") from None
+    if config.model is None and config.demo is None:
+        raise RunFileError(f"{path}: no model: set model: (an HF folder, a Hub repo id or a .gguf "
+                           "file) or demo: (tiny or smollm2).")
+    if config.model is not None and config.demo is not None:
+        raise RunFileError(f"{path}, line {_line(tree, ('demo',))}: set model: or demo:, not both.")
+    if config.demo is None and config.data.train is None:
+        raise RunFileError(f"{path}, line {_line(tree, ('data',))}, data.train: no training data: "
+                           "give a .jsonl file (relative to the run file's folder).")
+    if config.run.steps is not None and config.run.epochs is not None:
+        raise RunFileError(f"{path}, line {_line(tree, ('run', 'epochs'))}, run: set steps or epochs, "
+                           "not both.")
+    config.base = str(path.resolve().parent)
+    return config
+
+
+def dump(config: RunConfig) -> str:
+    """The run file's text: every field, defaults included, so the file says it all."""
+    body = config.model_dump(mode="json")
+    body["techniques"]["lora_targets"] = list(body["techniques"]["lora_targets"])
+    header = ("# nbtune run file: nbtune train THIS_FILE [--steps N] [--out DIR] [--resume]\n"
+              "# Relative paths are relative to this file's folder.\n")
+    return header + yaml.safe_dump(body, sort_keys=False, default_flow_style=None, width=100)
+
+
+def write_rows(examples, path: Path) -> None:
+    """Rows as JSONL in the format they were read from (instruction rows stay instruction rows)."""
+    lines = []
+    for example in examples:
+        if example.instruction is not None:
+            instruction, input = example.instruction
+            row = {"instruction": instruction, "input": input, "output": example.messages[-1][1]}
+        else:
+            row = {"messages": [{"role": r, "content": c} for r, c in example.messages]}
+        lines.append(json.dumps(row, ensure_ascii=False))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def relative(path: str, folder: Path) -> str:
+    """``path`` relative to ``folder`` when it lies under it, else absolute."""
+    try:
+        return str(Path(path).resolve().relative_to(folder.resolve()))
+    except ValueError:
+        return str(Path(path).resolve())

@@ -1,0 +1,231 @@
+"""Run files and ``nbtune train``: a saved session repeats exactly, unattended, and resumes."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import nbtune as nt
+from nbtune import cli, headless, runfile
+from nbtune.data import load_examples
+from nbtune.models import demo_model_dir
+from nbtune.peft import merged_state_dict
+from nbtune.session import demo_data_file
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LORA = dict(method="lora", batch_size=4, seq_len=96, lr=2e-3, lora_rank=4, lora_alpha=8.0)
+
+
+def rows(n=32, split="train"):
+    return [{"instruction": e.instruction[0], "input": e.instruction[1], "output": e.messages[-1][1]}
+            for e in load_examples(demo_data_file(split))[:n]]
+
+
+def session_in_code(**changes):
+    torch.manual_seed(0)
+    return nt.Session.from_pretrained(demo_model_dir(), rows(), heldout=rows(8, "heldout"),
+                                      techniques={**LORA, **changes}, device="cpu")
+
+
+def steps(session, n):
+    return [session.step().loss for _ in range(n)]
+
+
+def test_save_config_then_from_config_repeats_the_session_bit_for_bit(tmp_path):
+    trained = session_in_code()
+    trained.match = "contains"
+    steps(trained, 2)
+    path = trained.save_config(tmp_path / "run.yaml")
+    text = yaml.safe_load(path.read_text())
+    # the file says it all, in plain YAML: the techniques as set, the length trained so far
+    assert text["techniques"] == {**nt.Techniques().as_dict(), **LORA,
+                                  "lora_targets": list(nt.Techniques().lora_targets)}
+    assert text["run"]["steps"] == 2 and text["data"]["match"] == "contains"
+    # rows given in code were written beside the file, relative to it
+    assert text["data"]["train"] == "run.train.jsonl" and (tmp_path / "run.heldout.jsonl").exists()
+    assert Path(text["model"]) == demo_model_dir()
+
+    again = nt.Session.from_config(path, device="cpu")
+    assert again.techniques == trained.techniques
+    assert again.train_examples == trained.train_examples
+    assert again.heldout_examples == trained.heldout_examples and again.match == "contains"
+    twin = session_in_code()  # a never-saved session made the same way
+    torch.manual_seed(0)
+    assert steps(again, 3) == steps(twin, 3)
+    for (name, a), (_, b) in zip(again.model.named_parameters(), twin.model.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_from_config_reads_paths_relative_to_the_file_and_save_config_keeps_them(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows(16)) + "\n")
+    (tmp_path / "run.yaml").write_text(
+        f"model: {demo_model_dir()}\ndata:\n  train: data/train.jsonl\n"
+        "techniques: {method: lora, batch_size: 2, seq_len: 96}\nrun: {steps: 3}\n")
+    session = nt.Session.from_config(tmp_path / "run.yaml", device="cpu")
+    assert len(session.train_examples) == 16
+    assert session.techniques == nt.Techniques(method="lora", batch_size=2, seq_len=96)
+    elsewhere = tmp_path / "elsewhere"
+    session.save_config(elsewhere / "copy.yaml")
+    saved = yaml.safe_load((elsewhere / "copy.yaml").read_text())
+    assert Path(saved["data"]["train"]) == (data / "train.jsonl").resolve()  # not under it: absolute
+    assert saved["run"]["steps"] == 3  # read from the first file, not trained yet
+    assert not (elsewhere / "copy.train.jsonl").exists()
+
+
+def test_overrides_reach_the_maths(tmp_path):
+    session_in_code().save_config(tmp_path / "run.yaml", steps=2)
+    base = nt.Session.from_config(tmp_path / "run.yaml", device="cpu")
+    hot = nt.Session.from_config(tmp_path / "run.yaml", device="cpu",
+                                 overrides={"techniques.lr": 0.05, "techniques.lora_rank": 2})
+    assert hot.optimizer.param_groups[0]["lr"] == 0.05
+    assert {p.shape[0] for n, p in hot.model.named_parameters() if n.endswith("lora_A.weight")} == {2}
+    first = steps(base, 2), steps(hot, 2)
+    assert first[0][0] != first[1][0] or first[0][1] != first[1][1]
+
+
+def test_run_file_errors_name_the_line_and_the_field(tmp_path):
+    text = (f"model: {demo_model_dir()}\n"
+            "data:\n  train: x.jsonl\n"
+            "techniques:\n  method: lora\n  lr: fast\n  packin: true\n"
+            "run:\n  steps: -1\n  sve: [hf]\n")
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    lines = text.splitlines()
+
+    def line_of(key):
+        return next(i + 1 for i, line in enumerate(lines) if line.strip().startswith(key + ":"))
+
+    with pytest.raises(runfile.RunFileError) as err:
+        nt.Session.from_config(path)
+    message = str(err.value)
+    assert f"line {line_of('lr')}, techniques.lr:" in message and "'fast'" in message
+    assert f"line {line_of('packin')}, techniques.packin: unknown field" in message
+    assert "Did you mean 'packing'?" in message
+    assert f"line {line_of('steps')}, run.steps:" in message
+    assert f"line {line_of('sve')}, run.sve" in message and "'save'" in message
+
+    path.write_text("demo: tiny\ntechniques:\n  optimizer_in_backward: true\n  grad_accum: 2\n")
+    with pytest.raises(runfile.RunFileError, match=r"line 4, techniques.grad_accum: optimizer_in_backward"):
+        nt.Session.from_config(path)
+    path.write_text("demo: tiny\ntechniques:\n\tlr: 1\nrun: {steps: 2}\n")  # a tab indent
+    with pytest.raises(runfile.RunFileError, match=r"line 3: not valid YAML"):
+        nt.Session.from_config(path)
+    path.write_text("demo: tiny\nmodel: x\n")
+    with pytest.raises(runfile.RunFileError, match="line 1: set model: or demo:, not both"):
+        nt.Session.from_config(path)
+    path.write_text("techniques: {}\n")
+    with pytest.raises(runfile.RunFileError, match="no model"):
+        nt.Session.from_config(path)
+    with pytest.raises(runfile.RunFileError, match="no such run file.*save_config"):
+        nt.Session.from_config(tmp_path / "missing.yaml")
+
+
+def test_save_config_refuses_what_it_cannot_repeat(tmp_path):
+    from nbtune.models import CausalLM
+
+    session = nt.Session.demo("tiny", device="cpu")
+    in_code = nt.Session(CausalLM(session.model.config), session.tokenizer, rows(8),
+                         techniques={"seq_len": 96}, device="cpu")
+    with pytest.raises(runfile.RunFileError, match="built in code.*from_pretrained"):
+        in_code.save_config(tmp_path / "run.yaml")
+    fresh = session_in_code()
+    with pytest.raises(ValueError, match="has not trained yet.*steps=100"):
+        fresh.save_config(tmp_path / "run.yaml")
+    assert not (tmp_path / "run.yaml").exists()
+    demo = nt.Session.demo("tiny", device="cpu").save_config(tmp_path / "demo.yaml")
+    assert yaml.safe_load(demo.read_text())["run"]["steps"] == nt.demos.DEMOS["tiny"].steps
+
+
+def test_epochs_become_optimizer_steps(tmp_path):
+    session_in_code(grad_accum=2).save_config(tmp_path / "run.yaml", epochs=1.5)
+    config = runfile.load(tmp_path / "run.yaml")
+    session = nt.Session.from_config(config, device="cpu")
+    assert headless.total_steps(config.run, session) == math.ceil(1.5 * math.ceil(32 / (4 * 2)))
+
+
+def _train(run_file, out, *flags):
+    return cli.main(["train", str(run_file), "--out", str(out), *flags])
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_nbtune_train_is_the_notebook_step_and_writes_metrics_checkpoints_and_saves(tmp_path):
+    session_in_code().save_config(tmp_path / "run.yaml", steps=4, checkpoint_every=2,
+                                  save=["hf", "merged"])
+    assert _train(tmp_path / "run.yaml", tmp_path / "out") == 0
+    out = tmp_path / "out"
+    metrics = _metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        assert {"step", "loss", "tokens", "seconds", "peak_bytes", "rank"} <= set(m) and m["rank"] == 0
+        assert m["tokens"] > 0 and m["seconds"] > 0 and m["peak_bytes"] > 0
+    notebook = nt.Session.from_config(tmp_path / "run.yaml", device="cpu")
+    torch.manual_seed(0)
+    assert [m["loss"] for m in metrics] == steps(notebook, 4)  # the same step, bit for bit
+    assert [p.name for p in headless.checkpoints(out)] == ["step-00000002", "step-00000004"]
+    merged = nt.load_model(out / "merged")
+    reference = merged_state_dict(notebook.model)
+    for name, value in merged.state_dict().items():
+        assert torch.equal(value, reference[name]), name
+    assert (out / "final" / "adapter_model.safetensors").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["loss_first"] == metrics[0]["loss"]
+    # a second run into the same folder is refused rather than mixing two runs' metrics
+    assert _train(tmp_path / "run.yaml", out) == 2
+    assert len(_metrics(out)) == 4
+
+
+def test_interrupted_then_resumed_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+    session_in_code().save_config(tmp_path / "run.yaml", steps=6, checkpoint_every=4)
+    assert _train(tmp_path / "run.yaml", tmp_path / "whole") == 0
+
+    line = headless._line
+
+    def interrupt_after_3(report):
+        if report.step == 3:
+            raise KeyboardInterrupt
+        return line(report)
+
+    monkeypatch.setattr(headless, "_line", interrupt_after_3)
+    assert _train(tmp_path / "run.yaml", tmp_path / "cut") == 130
+    monkeypatch.setattr(headless, "_line", line)
+    assert [p.name for p in headless.checkpoints(tmp_path / "cut")] == ["step-00000003"]
+    assert _train(tmp_path / "run.yaml", tmp_path / "cut", "--resume") == 0
+    whole, cut = _metrics(tmp_path / "whole"), _metrics(tmp_path / "cut")
+    assert [m["step"] for m in cut] == [1, 2, 3, 4, 5, 6]
+    assert [m["loss"] for m in cut] == [m["loss"] for m in whole]
+    wa = load_file(str(tmp_path / "whole" / "final" / "adapter_model.safetensors"))
+    wb = load_file(str(tmp_path / "cut" / "final" / "adapter_model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # training further: a larger --steps continues from the last checkpoint
+    assert _train(tmp_path / "run.yaml", tmp_path / "whole", "--resume", "--steps", "8") == 0
+    assert [m["step"] for m in _metrics(tmp_path / "whole")] == list(range(1, 9))
+
+
+def test_python_m_nbtune_train_runs_headless_with_flags_over_the_file(tmp_path):
+    session_in_code().save_config(tmp_path / "run.yaml", steps=50)
+    done = subprocess.run([sys.executable, "-m", "nbtune", "train", str(tmp_path / "run.yaml"),
+                           "--steps", "3", "--out", str(tmp_path / "o"), "--set", "techniques.lr=1e-2"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [m["step"] for m in _metrics(tmp_path / "o")] == [1, 2, 3]
+    assert [m["lr"] for m in _metrics(tmp_path / "o")] == [1e-2] * 3
+    assert sum(line.startswith("step ") for line in done.stdout.splitlines()) == 3
+    assert yaml.safe_load((tmp_path / "o" / "run.yaml").read_text())["techniques"]["lr"] == 1e-2
+    bad = subprocess.run([sys.executable, "-m", "nbtune", "train", str(tmp_path / "run.yaml"),
+                          "--set", "techniques.method=qlorra", "--out", str(tmp_path / "p")],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2
+    assert "(overridden: techniques.method='qlorra'), techniques.method: " in bad.stderr
+    assert not (tmp_path / "p").exists()

@@ -115,6 +115,17 @@ def _optimizer_state(tensors: dict, meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
+def history_rows(history) -> list[dict]:
+    """Step reports as JSON-ready dicts (``history_from_rows`` reads them back)."""
+    return [{**{k: v for k, v in vars(r).items() if k != "memory"}, "memory": r.memory.as_dict()}
+            for r in history]
+
+
+def history_from_rows(rows: list[dict]) -> list[StepReport]:
+    return [StepReport(**{**r, "shape": tuple(r.get("shape", (0, 0))),
+                          "memory": MemoryBreakdown(**r["memory"])}) for r in rows]
+
+
 def save_training_checkpoint(session, folder) -> Path:
     """Everything a run needs to continue exactly: the trainer's whole ``state_dict``."""
     state = session.trainer.state_dict()
@@ -125,8 +136,7 @@ def save_training_checkpoint(session, folder) -> Path:
         "base_fingerprint": state["base_fingerprint"], "full_weights": state["full_weights"],
         "techniques": state["techniques"].as_dict(), "steps": len(state["history"]),
         "optimizer": opt_meta, "data": state["data"],
-        "history": [{**{k: v for k, v in vars(r).items() if k != "memory"},
-                     "memory": r.memory.as_dict()} for r in state["history"]],
+        "history": history_rows(state["history"]),
     }
 
     def write(tmp: Path) -> None:
@@ -170,9 +180,7 @@ def read_training_checkpoint(folder) -> dict:
         "optimizer": _optimizer_state(tensors["optimizer.safetensors"], trainer["optimizer"]),
         "data": trainer["data"],
         "rng": tensors["rng.safetensors"],
-        "history": [StepReport(**{**r, "shape": tuple(r.get("shape", (0, 0))),
-                                  "memory": MemoryBreakdown(**r["memory"])})
-                    for r in trainer["history"]],
+        "history": history_from_rows(trainer["history"]),
         "base_changed": trainer["base_changed"],
         "base_fingerprint": trainer["base_fingerprint"],
     }

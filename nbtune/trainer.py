@@ -76,10 +76,16 @@ class Trainer:
     def __init__(self, model: nn.Module, make_stream: Callable[[Techniques], BatchStream],
                  techniques: Techniques, device: torch.device, pad_id: int,
                  say: Callable[[str], None] = print,
-                 make_eval_batches: Callable[[Techniques], list] | None = None) -> None:
+                 make_eval_batches: Callable[[Techniques], list] | None = None,
+                 parallel=None) -> None:
         problems = check(techniques, model, device.type)
+        if parallel is not None:
+            from .distributed import check_sharding
+
+            problems += check_sharding(parallel.sharding, model, techniques.method)
         if problems:
             raise ValueError(" ".join(problems))
+        self.parallel = parallel  # a distributed.Parallel under torchrun, else None
         self.device, self.pad_id, self.say = device, pad_id, say
         self._make_stream = make_stream
         self._make_eval_batches = make_eval_batches
@@ -88,11 +94,17 @@ class Trainer:
         self.model = model.to(device)
         self.base_fingerprint = base_fingerprint(self.model)  # of the weights as loaded
         transform_model(self.model, techniques, previous=None)
+        if parallel is not None:  # after every transform: FSDP2 shards what the modules hold now
+            from .distributed import shard_model
+
+            shard_model(self.model, parallel.sharding)
         self.optimizer = build_optimizer(self.model, techniques)
         self.techniques = techniques
         self.history: list[StepReport] = []
         self.base_changed = False  # True once full training or a merge altered the base weights
-        self.rollback = "auto"
+        # Under torchrun a failed step ends the job (the other ranks wait in a collective), so
+        # no undo copy is kept there.
+        self.rollback = "auto" if parallel is None else "none"
         self.damaged: str | None = None  # why the state cannot be trusted, after a failed update
         self.last_memory: MemoryBreakdown | None = None
         self.last_undo_bytes = 0  # host bytes the last step's undo copy held
@@ -104,6 +116,9 @@ class Trainer:
         """Switch to ``new`` techniques, all or nothing; returns the fields that changed."""
         self._usable()
         changed = new.changed(self.techniques)
+        if changed and self.parallel is not None:
+            raise ValueError(f"Under torchrun the techniques are fixed by the run file (the model is "
+                             f"sharded): change {', '.join(sorted(changed))} in the file and start again.")
         if changed:
             self._commit(self._prepare(new))
         return changed
@@ -118,15 +133,18 @@ class Trainer:
         phase: list = [None]
         number, shape = len(self.history) + 1, None
         try:
-            batches = [{k: v.to(self.device) for k, v in self.stream.next().items()}
-                       for _ in range(t.grad_accum)]
+            batches = [self.stream.next() for _ in range(t.grad_accum)]
+            if self.parallel is not None:  # the global batch: this rank keeps its rows
+                batches = [self.parallel.rows(b) for b in batches]
+            batches = [{k: v.to(self.device) for k, v in b.items()} for b in batches]
             shape = max((tuple(b["input_ids"].shape) for b in batches), key=lambda s: s[0] * s[1])
             for group in self.optimizer.param_groups:
                 group["lr"] = t.lr_at(number)
             report = train_step(self.model, self.optimizer, batches, self.pad_id, step=number,
                                 loss_chunks=t.chunked_loss, offload_activations=t.activation_offloading,
                                 max_grad_norm=t.max_grad_norm, compiled_loss=t.compile, track=track,
-                                phase=phase, critical=self._critical if undo is None else None)
+                                phase=phase, critical=self._critical if undo is None else None,
+                                parallel=self.parallel)
         except BaseException as err:
             oom = isinstance(err, torch.OutOfMemoryError) and not isinstance(err, OutOfMemory)
             held = held_now(self.model, self.optimizer, self.device) if oom else None

@@ -1,0 +1,225 @@
+"""Several processes under torchrun: FSDP2 sharding, the global batch, sharded checkpoints.
+
+Everything here is PyTorch's own distributed engine: ``fully_shard`` per decoder layer and on
+the root (``torch.distributed.fsdp``), ``torch.distributed.checkpoint`` for sharded saves and
+``get_state_dict`` / ``set_state_dict`` to move between sharded and full weights. nbtune adds
+only the bookkeeping that keeps N ranks equal to one process on the same run file:
+
+* ``batch_size`` is the global batch: every rank walks the same shuffled order and keeps its
+  own ``batch_size / N`` rows of each batch (disjoint, together the whole batch);
+* the loss is divided by the trained tokens of all ranks (one all-reduce per step), and each
+  rank's backward is scaled by N because FSDP averages gradients over ranks: the sum of the
+  ranks' gradients is then the single-process gradient;
+* the reported loss and token counts are all-reduced, so every rank reports the global step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """FSDP2 settings (the run file's ``distributed:`` section)."""
+
+    reshard_after_forward: bool = True  # free gathered layer weights after forward (regather in backward)
+    cpu_offload: bool = False  # sharded weights, gradients and optimizer state in CPU memory
+    mixed_precision: str | None = None  # "bf16": gather and compute in bf16, reduce in fp32
+    shard_embeddings: bool = False  # embedding and output head as their own units (untied only)
+
+
+class Parallel:
+    """This process's place in a torchrun job; None-like when not under torchrun."""
+
+    def __init__(self, rank: int, world: int, local_rank: int, sharding: Sharding) -> None:
+        self.rank, self.world, self.local_rank, self.sharding = rank, world, local_rank, sharding
+
+    @classmethod
+    def from_env(cls, sharding: Sharding | None = None) -> "Parallel | None":
+        """The job torchrun started (``WORLD_SIZE`` > 1), with its process group up; else None."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world < 2:
+            return None
+        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        if not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if torch.cuda.is_available():
+                torch.cuda.set_device(local)
+            dist.init_process_group(backend)
+        return cls(rank, world, local, sharding or Sharding())
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+    def rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's share of a global batch (its rows, contiguous)."""
+        size = batch["input_ids"].shape[0]
+        if size % self.world:
+            raise ValueError(f"batch_size={size} does not split over {self.world} ranks: batch_size "
+                             "is the global batch, so make it a multiple of the number of processes.")
+        share = size // self.world
+        return {k: v[self.rank * share:(self.rank + 1) * share] for k, v in batch.items()}
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """All-reduce ``tensor`` in place (sum over ranks); returns it."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def shard_model(model: nn.Module, sharding: Sharding) -> None:
+    """``fully_shard`` each decoder layer, optionally the embedding and head, then the root.
+
+    Run after every model transform (dtype cast, LoRA/QLoRA, checkpoint wrappers): FSDP2 shards
+    the parameters the modules hold at this moment.
+    """
+    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard,
+                                        register_fsdp_forward_method)
+
+    options = {"reshard_after_forward": sharding.reshard_after_forward}
+    if sharding.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    if sharding.mixed_precision is not None:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                    reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, **options)
+    if sharding.shard_embeddings:
+        fully_shard(model.model.embed_tokens, **options)
+        fully_shard(model.lm_head, **options)
+    # The root (embedding, final norm, tied head) stays gathered after forward: the step calls
+    # ``hidden_states`` (registered below as a forward) and then the head outside it.
+    fully_shard(model, **{**options, "reshard_after_forward": False})
+    register_fsdp_forward_method(model, "hidden_states")
+
+
+def check_sharding(sharding: Sharding, model: nn.Module, method: str) -> list[str]:
+    problems = []
+    if sharding.shard_embeddings and model.config.tie_word_embeddings:
+        problems.append("shard_embeddings needs separate embedding and output weights, but this "
+                        "model ties them (tie_word_embeddings): they are one tensor, sharded with the "
+                        "root. Set distributed.shard_embeddings: false.")
+    if method == "qlora":
+        problems.append("method 'qlora' under FSDP2 is not supported yet (NF4 weights are not "
+                        "sharded): use method 'lora' with several processes, or one process.")
+    if sharding.mixed_precision not in (None, "bf16"):
+        problems.append(f"distributed.mixed_precision={sharding.mixed_precision!r} is not null or 'bf16'.")
+    return problems
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight gathered whole, on every rank (a collective: all ranks call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def unsharded_copy(model: nn.Module, techniques) -> nn.Module:
+    """A plain (unsharded) model with ``model``'s weights, built on this rank for saving."""
+    from .models.decoder import CausalLM
+    from .plan import transform_model
+
+    state = full_state(model)
+    with torch.device("meta"):
+        copy = CausalLM(model.config)
+    transform_model(copy, techniques, previous=None)
+    missing, unexpected = copy.load_state_dict(state, strict=False, assign=True)
+    tied = model.config.tie_word_embeddings
+    if unexpected or [k for k in missing if not (tied and k == "lm_head.weight")]:
+        raise RuntimeError(f"Gathering the sharded weights gave missing {missing[:3]} / unexpected "
+                           f"{unexpected[:3]} names: the model was changed after sharding.")
+    if tied:
+        copy.tie_weights()
+    return copy
+
+
+# ---- sharded checkpoints -----------------------------------------------------------------
+
+TRAINER_STATE = "trainer_state.json"
+
+
+def save_sharded(trainer, folder: str | os.PathLike, parallel: Parallel, about: dict) -> Path:
+    """The run's state as a torch.distributed.checkpoint folder (each rank writes its shards)
+    plus rank 0's JSON of the rest; written beside and renamed, so a crash keeps the old one."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from .trainer import rng_state
+
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    if parallel.rank == 0 and tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    parallel.barrier()
+    frozen = any(not p.requires_grad for p in trainer.model.parameters())
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer,
+                                        options=StateDictOptions(ignore_frozen_params=frozen))
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / "shards"))
+    save_file(rng_state(), str(tmp / f"rng.rank{parallel.rank}.safetensors"))
+    if parallel.rank == 0:
+        from .checkpoint import history_rows
+
+        (tmp / TRAINER_STATE).write_text(json.dumps({
+            **about, "sharded": True, "world": parallel.world, "frozen_skipped": frozen,
+            "techniques": trainer.techniques.as_dict(), "data": trainer.stream.state_dict(),
+            "history": history_rows(trainer.history), "base_fingerprint": trainer.base_fingerprint,
+            "base_changed": trainer.base_changed}, indent=2))
+    parallel.barrier()
+    if parallel.rank == 0:
+        if folder.exists():
+            import shutil
+
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    parallel.barrier()
+    return folder
+
+
+def load_sharded(trainer, folder: str | os.PathLike, parallel: Parallel) -> None:
+    """Continue from ``save_sharded``'s folder: same run file, same number of ranks."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    from .checkpoint import history_from_rows
+    from .techniques import Techniques
+    from .trainer import set_rng_state
+
+    folder = Path(folder)
+    about = json.loads((folder / TRAINER_STATE).read_text())
+    if not about.get("sharded"):
+        raise ValueError(f"{folder} is a single-process checkpoint; resume it without torchrun.")
+    if about["world"] != parallel.world:
+        raise ValueError(f"{folder} was saved by {about['world']} ranks; this job has "
+                         f"{parallel.world}: resume with --nproc_per_node {about['world']}.")
+    saved = Techniques(**{**about["techniques"], "lora_targets": tuple(about["techniques"]["lora_targets"])})
+    if saved != trainer.techniques or about["base_fingerprint"] != trainer.base_fingerprint:
+        raise ValueError(f"{folder} was saved with other techniques or another base model than "
+                         "this run file's: resume with the run file that wrote it.")
+    options = StateDictOptions(ignore_frozen_params=about["frozen_skipped"])
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=options)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=str(folder / "shards"))
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"], options=options)
+    trainer.stream.load_state_dict(about["data"])
+    trainer.history = history_from_rows(about["history"])
+    trainer.base_changed = about["base_changed"]
+    set_rng_state(load_file(str(folder / f"rng.rank{parallel.rank}.safetensors")))

@@ -107,8 +107,13 @@ def shard_model(model: nn.Module, sharding: Sharding) -> None:
     register_fsdp_forward_method(model, "hidden_states")
 
 
-def check_sharding(sharding: Sharding, model: nn.Module, method: str) -> list[str]:
+def check_sharding(sharding: Sharding, model: nn.Module, method: str, device: str) -> list[str]:
+    """Every reason ``sharding`` cannot run here, each naming the fix (nothing is built yet)."""
     problems = []
+    if sharding.cpu_offload and device != "cuda":
+        problems.append("distributed.cpu_offload moves the sharded weights, gradients and optimizer "
+                        "state off a CUDA device; on this device they are already in CPU memory: "
+                        "set distributed.cpu_offload: false.")
     if sharding.shard_embeddings and model.config.tie_word_embeddings:
         problems.append("shard_embeddings needs separate embedding and output weights, but this "
                         "model ties them (tie_word_embeddings): they are one tensor, sharded with the "

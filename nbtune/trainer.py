@@ -82,7 +82,7 @@ class Trainer:
         if parallel is not None:
             from .distributed import check_sharding
 
-            problems += check_sharding(parallel.sharding, model, techniques.method)
+            problems += check_sharding(parallel.sharding, model, techniques.method, device.type)
         if problems:
             raise ValueError(" ".join(problems))
         self.parallel = parallel  # a distributed.Parallel under torchrun, else None

@@ -1,0 +1,141 @@
+"""FSDP2 under torchrun, proven on CPU with two gloo ranks against one process on the same run file."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from nbtune import cli, runfile
+from nbtune.distributed import Parallel, Sharding, check_sharding, shard_model
+from nbtune.models import demo_model_dir, load_model
+
+from helpers import tiny_llama
+
+RUN = "demo: tiny\ntechniques: {{{techniques}}}\nrun: {{steps: {steps}, checkpoint_every: 2, save: [hf]}}\n"
+FULL = "batch_size: 4, seq_len: 96, lr: 1e-3"
+LORA = ("method: lora, batch_size: 4, seq_len: 96, lr: 1e-3, lora_rank: 4, grad_accum: 2, "
+        "max_grad_norm: 1.0")
+
+
+def run_file(tmp_path, techniques, steps=4):
+    path = tmp_path / "run.yaml"
+    path.write_text(RUN.format(techniques=techniques, steps=steps))
+    return path
+
+
+def torchrun(path, out, *flags):
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", "-m", "nbtune", "train", str(path),
+                           "--out", str(out), *flags],
+                          capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    return done
+
+
+def metrics(out, name="metrics.jsonl"):
+    return [json.loads(line) for line in (out / name).read_text().splitlines()]
+
+
+def weights(out):
+    folder = out / "final"
+    name = "adapter_model.safetensors" if (folder / "adapter_model.safetensors").exists() else "model.safetensors"
+    return load_file(str(folder / name))
+
+
+def close(a, b, tol=1e-5):
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= tol, worst
+
+
+@pytest.mark.parametrize("techniques", [FULL, LORA], ids=["full", "lora"])
+def test_two_ranks_equal_one_process_and_hold_half_the_state_each(tmp_path, techniques):
+    path = run_file(tmp_path, techniques, steps=3)
+    assert cli.main(["train", str(path), "--out", str(tmp_path / "one")]) == 0
+    done = torchrun(path, tmp_path / "two")
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    other = metrics(tmp_path / "two", "metrics.rank1.jsonl")
+    assert [m["step"] for m in two] == [1, 2, 3] and {m["rank"] for m in other} == {1}
+    for a, b, c in zip(one, two, other):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 and b["loss"] == c["loss"]  # the global loss
+        assert a["tokens"] == b["tokens"]  # every rank reports the global batch's tokens
+    close(weights(tmp_path / "one"), weights(tmp_path / "two"))
+    # the tracker's per-rank bytes: each rank holds half the weights, gradients and state
+    single = one[0]["memory"]
+    for rank in (two[0], other[0]):
+        for key in ("parameters", "gradients", "optimizer_state"):  # LoRA: the frozen base too
+            assert abs(rank["memory"][key] / single[key] - 0.5) < 0.02, (key, rank["memory"], single)
+    assert "memory per rank" in done.stdout and "   1 " in done.stdout
+
+
+def test_sharded_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path):
+    path = run_file(tmp_path, FULL, steps=4)
+    torchrun(path, tmp_path / "whole")
+    torchrun(path, tmp_path / "cut", "--steps", "2")
+    first = json.loads((tmp_path / "cut" / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    assert first["sharded"] and first["world"] == 2
+    assert (tmp_path / "cut" / "checkpoints" / "step-00000002" / "shards").is_dir()
+    done = torchrun(path, tmp_path / "cut", "--resume")
+    assert "resumed from" in done.stdout
+    assert [m["loss"] for m in metrics(tmp_path / "cut")] == [m["loss"] for m in metrics(tmp_path / "whole")]
+    close(weights(tmp_path / "whole"), weights(tmp_path / "cut"), tol=0.0)
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+def test_each_sharding_setting_reaches_fsdp(one_rank_group, tmp_path):
+    from torch.distributed.fsdp import FSDPModule
+
+    def sharded(sharding, folder=None):
+        model = load_model(folder or demo_model_dir(), dtype="fp32", device="cpu")
+        shard_model(model, sharding)
+        hidden = model.hidden_states(torch.randint(0, 90, (1, 8)))
+        return model, hidden, model.model.layers[0].mlp.up_proj.weight
+
+    _, _, weight = sharded(Sharding())
+    assert type(weight).__name__ == "DTensor"  # resharded after forward
+    _, _, weight = sharded(Sharding(reshard_after_forward=False))
+    assert type(weight).__name__ != "DTensor" and weight.dtype == torch.float32
+    _, hidden, weight = sharded(Sharding(reshard_after_forward=False, mixed_precision="bf16"))
+    assert weight.dtype == torch.bfloat16 and hidden.dtype == torch.bfloat16
+    tiny_llama(tmp_path / "untied", tie=False, safe_serialization=True)
+    model, _, _ = sharded(Sharding(shard_embeddings=True), tmp_path / "untied")
+    assert isinstance(model.model.embed_tokens, FSDPModule) and isinstance(model.lm_head, FSDPModule)
+    model, _, _ = sharded(Sharding(), tmp_path / "untied")
+    assert not isinstance(model.model.embed_tokens, FSDPModule)
+
+
+def test_sharding_refusals_name_the_setting_and_the_fix():
+    model = load_model(demo_model_dir(), dtype="fp32", device="cpu")  # tied embeddings
+    assert any("shard_embeddings: false" in p for p in check_sharding(Sharding(shard_embeddings=True),
+                                                                      model, "full", "cpu"))
+    assert any("cpu_offload: false" in p for p in check_sharding(Sharding(cpu_offload=True), model,
+                                                                 "full", "cpu"))
+    assert not check_sharding(Sharding(cpu_offload=True), model, "full", "cuda")
+    assert any("qlora" in p for p in check_sharding(Sharding(), model, "qlora", "cpu"))
+    parallel = Parallel(rank=1, world=2, local_rank=1, sharding=Sharding())
+    batch = {"input_ids": torch.arange(8).reshape(4, 2), "labels": torch.arange(8).reshape(4, 2)}
+    assert parallel.rows(batch)["input_ids"].tolist() == [[4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="batch_size=3 does not split over 2 ranks"):
+        parallel.rows({k: v[:3] for k, v in batch.items()})
+
+
+def test_the_run_file_checks_its_distributed_section(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("demo: tiny\ndistributed:\n  mixed_precision: fp16\n  reshard: false\n")
+    with pytest.raises(runfile.RunFileError) as err:
+        runfile.load(path)
+    assert "line 3, distributed.mixed_precision" in str(err.value)
+    assert "line 4, distributed.reshard: unknown field" in str(err.value)
+    path.write_text("demo: tiny\ndistributed: {reshard_after_forward: false, mixed_precision: bf16}\n")
+    assert runfile.load(path).to_sharding() == Sharding(reshard_after_forward=False, mixed_precision="bf16")

@@ -97,7 +97,27 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                        help="override any field, e.g. --set techniques.lr=1e-4 (repeatable; "
                             "VALUE is read as YAML)")
+    ladder = commands.add_parser(
+        "ladder", help="seed 001's FSDP2 ladder on a run file (under torchrun: per rank)",
+        description="Train each row a few steps with every step measured: FSDP2, + activation "
+                    "checkpointing, + CPU offload, + sharded embeddings, + chunked loss (each row "
+                    "adds to the last); prints peak per rank and the change. Run it under "
+                    "torchrun --nproc_per_node N -m nbtune ladder run.yaml for N ranks.")
+    ladder.add_argument("run_file")
+    ladder.add_argument("--steps", type=int, default=2, help="steps per row (default 2)")
+    ladder.add_argument("--out", default=None, help="folder for ladder.json")
+    ladder.add_argument("--device", default=None)
     args = parser.parse_args(argv)
+    if args.command == "ladder":
+        from .headless import ladder as run_ladder
+        from .runfile import RunFileError
+
+        try:
+            run_ladder(args.run_file, steps=args.steps, out=args.out, device=args.device)
+        except RunFileError as err:
+            print(f"nbtune ladder: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "demo":
         return run_demo(args)
     if args.command == "train":

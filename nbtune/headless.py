@@ -269,3 +269,98 @@ def _run(session, path, out, out_dir, settings, resume, parallel, rank, say, sta
           f"{format_bytes(summary['peak_bytes'])}, {summary['seconds']:.0f} s; saved "
           + (", ".join(saved.values()) or "nothing") + f"; metrics in {out_dir / METRICS}")
     return 0
+
+
+# ---- nbtune ladder: seed 001's table, one row per added technique ------------------------
+
+# Seed 001's FSDP2 ladder: each row adds its change to the rows before it.
+FSDP_LADDER = (
+    ("FSDP2", {}),
+    ("+ activation checkpointing", {"techniques.activation_checkpointing": True}),
+    ("+ CPU offload", {"distributed.cpu_offload": True}),
+    ("+ sharded embeddings", {"distributed.shard_embeddings": True}),
+    ("+ chunked loss", {"techniques.chunked_loss": 8}),
+)
+
+
+def ladder(path: str, *, rows=FSDP_LADDER, steps: int = 2, out: str | None = None,
+           device: str | None = None, overrides: dict | None = None) -> list[dict]:
+    """Each row of ``rows`` (label, dotted changes; cumulative) trained ``steps`` steps with
+    every step measured, in this process or under torchrun on every rank; rank 0 prints the
+    table (peak of the highest rank, change against the first row) and writes ladder.json.
+    A row the rules refuse (CPU offload without CUDA, ...) says why and is not carried on."""
+    import gc
+
+    from .distributed import Parallel
+    from .session import Session
+
+    config = runfile.load(path, overrides)
+    parallel = Parallel.from_env(config.to_sharding())
+    lead = parallel is None or parallel.rank == 0
+    carried: dict = dict(overrides or {})
+    results = []
+    try:
+        for label, changes in rows:
+            if parallel is None and changes and all(k.startswith("distributed.") for k in changes):
+                results.append({"label": label, "refused": "an FSDP2 setting: run the ladder under "
+                                "torchrun --nproc_per_node 2 (or more) -m nbtune ladder"})
+                continue
+            if parallel is None and not changes and label == "FSDP2":
+                label = "one process (no FSDP2)"
+            trial = {**carried, **changes}
+            try:
+                row_config = runfile.load(path, trial)
+                row_parallel = None if parallel is None else replaced_parallel(parallel, row_config)
+                session = Session.from_config(row_config, device=device, parallel=row_parallel)
+            except ValueError as err:
+                results.append({"label": label, "refused": str(err).splitlines()[0]})
+                continue
+            carried = trial
+            session._say = lambda message: None
+            session.memory_tracking = "every_step"
+            reports = session.run(steps, progress=False, live=False)
+            peak = max(r.memory.peak for r in reports)
+            categories = reports[-1].memory.categories
+            seconds = sum(r.seconds for r in reports[1:]) or reports[0].seconds
+            tokens = sum(r.tokens for r in reports[1:]) or reports[0].tokens
+            mine = {"peak": peak, **categories}
+            if parallel is not None:
+                import torch.distributed as dist
+
+                every = [None] * parallel.world
+                dist.all_gather_object(every, mine)
+            else:
+                every = [mine]
+            results.append({"label": label, "peak": max(m["peak"] for m in every),
+                            "per_rank": every, "tokens_per_second": tokens / seconds,
+                            "changes": {k: v for k, v in trial.items()}})
+            del session, reports
+            gc.collect()
+    finally:
+        if parallel is not None:
+            parallel.close()
+    if lead:
+        base = next((r["peak"] for r in results if "peak" in r), None)
+        lines = [f"{'row':<28} {'peak per rank':>14} {'change':>8} {'tokens/s':>9}"]
+        for r in results:
+            if "refused" in r:
+                lines.append(f"{r['label']:<28} refused: {r['refused']}")
+            else:
+                change = f"{(r['peak'] / base - 1) * 100:+.0f} %" if base else ""
+                lines.append(f"{r['label']:<28} {format_bytes(r['peak']):>14} {change:>8} "
+                             f"{r['tokens_per_second']:9.0f}")
+        ranks = parallel.world if parallel is not None else 1
+        print(f"nbtune ladder {path}: {ranks} rank(s), {steps} steps a row, every step measured")
+        print("\n".join(lines))
+        if out is not None:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / "ladder.json").write_text(json.dumps({"ranks": ranks, "steps": steps,
+                                                               "rows": results}, indent=2))
+    return results
+
+
+def replaced_parallel(parallel, config):
+    """The same ranks with the row's FSDP2 settings."""
+    from .distributed import Parallel
+
+    return Parallel(parallel.rank, parallel.world, parallel.local_rank, config.to_sharding())

@@ -139,3 +139,31 @@ def test_the_run_file_checks_its_distributed_section(tmp_path):
     assert "line 4, distributed.reshard: unknown field" in str(err.value)
     path.write_text("demo: tiny\ndistributed: {reshard_after_forward: false, mixed_precision: bf16}\n")
     assert runfile.load(path).to_sharding() == Sharding(reshard_after_forward=False, mixed_precision="bf16")
+
+
+def test_the_fsdp_ladder_measures_each_row_per_rank_and_says_why_a_row_is_refused(tmp_path):
+    path = run_file(tmp_path, FULL)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", "-m", "nbtune", "ladder", str(path),
+                           "--out", str(tmp_path / "ladder")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["label"]: r for r in json.loads((tmp_path / "ladder" / "ladder.json").read_text())["rows"]}
+    assert list(rows) == ["FSDP2", "+ activation checkpointing", "+ CPU offload",
+                          "+ sharded embeddings", "+ chunked loss"]
+    assert len(rows["FSDP2"]["per_rank"]) == 2
+    assert rows["+ activation checkpointing"]["peak"] < rows["FSDP2"]["peak"]
+    assert "CUDA" in rows["+ CPU offload"]["refused"]  # CPU: the weights are already in CPU memory
+    assert "tie_word_embeddings" in rows["+ sharded embeddings"]["refused"]
+    assert rows["+ chunked loss"]["changes"] == {"techniques.activation_checkpointing": True,
+                                                 "techniques.chunked_loss": 8}
+    assert "refused:" in done.stdout and "peak per rank" in done.stdout
+
+
+def test_the_ladder_in_one_process_names_what_needs_torchrun(tmp_path, capsys):
+    from nbtune.headless import ladder
+
+    rows = ladder(str(run_file(tmp_path, FULL)), steps=1)
+    assert rows[0]["label"] == "one process (no FSDP2)"
+    assert "torchrun" in rows[2]["refused"] and "torchrun" in rows[3]["refused"]
+    assert rows[1]["peak"] < rows[0]["peak"]  # checkpointing reaches the maths

@@ -107,7 +107,8 @@ def shard_model(model: nn.Module, sharding: Sharding) -> None:
     register_fsdp_forward_method(model, "hidden_states")
 
 
-def check_sharding(sharding: Sharding, model: nn.Module, method: str, device: str) -> list[str]:
+def check_sharding(sharding: Sharding, model: nn.Module, method: str, device: str,
+                   optimizer_in_backward: bool = False) -> list[str]:
     """Every reason ``sharding`` cannot run here, each naming the fix (nothing is built yet)."""
     problems = []
     if sharding.cpu_offload and device != "cuda":
@@ -118,6 +119,10 @@ def check_sharding(sharding: Sharding, model: nn.Module, method: str, device: st
         problems.append("shard_embeddings needs separate embedding and output weights, but this "
                         "model ties them (tie_word_embeddings): they are one tensor, sharded with the "
                         "root. Set distributed.shard_embeddings: false.")
+    if optimizer_in_backward:
+        problems.append("optimizer_in_backward under FSDP2 is not supported yet (each sharded "
+                        "gradient arrives after the reduce-scatter, not in the parameter's own "
+                        "backward hook): turn it off for runs under torchrun.")
     if method == "qlora":
         problems.append("method 'qlora' under FSDP2 is not supported yet (NF4 weights are not "
                         "sharded): use method 'lora' with several processes, or one process.")

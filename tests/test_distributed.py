@@ -123,6 +123,8 @@ def test_sharding_refusals_name_the_setting_and_the_fix():
                                                                  "full", "cpu"))
     assert not check_sharding(Sharding(cpu_offload=True), model, "full", "cuda")
     assert any("qlora" in p for p in check_sharding(Sharding(), model, "qlora", "cpu"))
+    assert any("optimizer_in_backward" in p for p in check_sharding(Sharding(), model, "full", "cpu",
+                                                                    optimizer_in_backward=True))
     parallel = Parallel(rank=1, world=2, local_rank=1, sharding=Sharding())
     batch = {"input_ids": torch.arange(8).reshape(4, 2), "labels": torch.arange(8).reshape(4, 2)}
     assert parallel.rows(batch)["input_ids"].tolist() == [[4, 5], [6, 7]]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +73,12 @@ class Parallel:
         """All-reduce ``tensor`` in place (sum over ranks); returns it."""
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
+
+    def gather(self, value) -> list:
+        """Every rank's ``value`` (any picklable object), in rank order, on every rank."""
+        out = [None] * self.world
+        dist.all_gather_object(out, value)
+        return out
 
     def barrier(self) -> None:
         dist.barrier()
@@ -174,8 +181,6 @@ def save_sharded(trainer, folder: str | os.PathLike, parallel: Parallel, about: 
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     if parallel.rank == 0 and tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)
     parallel.barrier()
     frozen = any(not p.requires_grad for p in trainer.model.parameters())
@@ -194,8 +199,6 @@ def save_sharded(trainer, folder: str | os.PathLike, parallel: Parallel, about: 
     parallel.barrier()
     if parallel.rank == 0:
         if folder.exists():
-            import shutil
-
             shutil.rmtree(folder)
         tmp.rename(folder)
     parallel.barrier()

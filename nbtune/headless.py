@@ -115,14 +115,9 @@ def rank_memory(session, parallel) -> list[dict] | None:
     """Each rank's last measured breakdown (a collective under torchrun), else None."""
     if parallel is None:
         return None
-    import torch.distributed as dist
-
     memory = session.trainer.last_memory
-    mine = {"rank": parallel.rank, "peak": memory.peak if memory else 0,
-            **(memory.categories if memory else {})}
-    rows = [None] * parallel.world
-    dist.all_gather_object(rows, mine)
-    return rows
+    return parallel.gather({"rank": parallel.rank, "peak": memory.peak if memory else 0,
+                            **(memory.categories if memory else {})})
 
 
 def rank_table(rows: list[dict]) -> str:
@@ -324,13 +319,7 @@ def ladder(path: str, *, rows=FSDP_LADDER, steps: int = 2, out: str | None = Non
             seconds = sum(r.seconds for r in reports[1:]) or reports[0].seconds
             tokens = sum(r.tokens for r in reports[1:]) or reports[0].tokens
             mine = {"peak": peak, **categories}
-            if parallel is not None:
-                import torch.distributed as dist
-
-                every = [None] * parallel.world
-                dist.all_gather_object(every, mine)
-            else:
-                every = [mine]
+            every = parallel.gather(mine) if parallel is not None else [mine]
             results.append({"label": label, "peak": max(m["peak"] for m in every),
                             "per_rank": every, "tokens_per_second": tokens / seconds,
                             "changes": {k: v for k, v in trial.items()}})
@@ -361,6 +350,4 @@ def ladder(path: str, *, rows=FSDP_LADDER, steps: int = 2, out: str | None = Non
 
 def replaced_parallel(parallel, config):
     """The same ranks with the row's FSDP2 settings."""
-    from .distributed import Parallel
-
-    return Parallel(parallel.rank, parallel.world, parallel.local_rank, config.to_sharding())
+    return type(parallel)(parallel.rank, parallel.world, parallel.local_rank, config.to_sharding())

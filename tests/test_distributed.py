@@ -169,3 +169,35 @@ def test_the_ladder_in_one_process_names_what_needs_torchrun(tmp_path, capsys):
     assert rows[0]["label"] == "one process (no FSDP2)"
     assert "torchrun" in rows[2]["refused"] and "torchrun" in rows[3]["refused"]
     assert rows[1]["peak"] < rows[0]["peak"]  # checkpointing reaches the maths
+
+
+def test_a_ranks_peak_counts_the_weights_fsdp_gathers(one_rank_group):
+    """FSDP2 grows its gather buffers with ``UntypedStorage.resize_``, which dispatch does not
+    see. The untied root holds the full embedding through the step; as its own unit the
+    embedding is freed after its forward: the forward peaks must differ by at least its bytes."""
+    from nbtune.memory.tracker import CpuStepMemory
+    from nbtune.models import CausalLM, ModelConfig
+    from nbtune.step import update
+
+    config = ModelConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=16, model_type="llama",
+                         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    batch = {"input_ids": torch.randint(0, 4096, (2, 16)), "labels": torch.randint(0, 4096, (2, 16))}
+
+    def forward_peak(sharding):
+        torch.manual_seed(0)
+        model = CausalLM(config)
+        model.reset_parameters()
+        shard_model(model, sharding)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        peaks = []
+        for _ in range(2):  # the second step starts with the gather buffers already made
+            memory = CpuStepMemory(model, optimizer, *batch.values())
+            with memory:
+                update(model, optimizer, [batch], batch["labels"].numel(), memory)
+            peaks.append(memory.result().phases["forward"]["peak"])
+        return peaks[-1]
+
+    embedding = config.vocab_size * config.hidden_size * 4
+    assert forward_peak(Sharding()) - forward_peak(Sharding(shard_embeddings=True)) >= embedding

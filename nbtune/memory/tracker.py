@@ -87,15 +87,37 @@ class _HighWaterTracker(MemTracker):
         self._mod_tracker = _StepPhase()
         self.highs: dict[str, int] = {}
         self.phase_peaks: dict[str, dict] = {}  # phase -> MemTracker snapshot at its peak
+        self.track_resizes = False
 
     # MemTracker also swaps torch.UntypedStorage.resize_ process-wide on enter and puts back
-    # what it saw on exit: two trackers in two threads would restore out of order. nbtune
-    # never resizes storages, so that patch is left out.
+    # what it saw on exit: two trackers in two threads would restore out of order. Only
+    # FSDP2 resizes storages (its gathered weights), and a sharded run has no second thread,
+    # so the patch is on for sharded models only.
     def _track_resize(self) -> None:
-        pass
+        if self.track_resizes:
+            super()._track_resize()
 
     def _restore_resize(self) -> None:
-        pass
+        if self.track_resizes:
+            super()._restore_resize()
+
+    def track_gathered_weights(self, model: nn.Module) -> None:
+        """Count the full weights FSDP2 gathers for the unit running, filed as "other".
+
+        FSDP2 keeps each unit's gather buffers between steps with their storage resized to
+        zero, and grows them (``UntypedStorage.resize_``, which dispatch does not see) for
+        the unit's forward and backward: without this a rank's peak leaves them out.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+            if group is None:
+                continue
+            self.track_resizes = True
+            for param in group.fsdp_params:
+                for buffer in param.all_gather_outputs:  # empty before the first forward
+                    self._update_and_maybe_create_winfos(buffer, _MemRefType.TEMP)
 
     def _register_global_optimizer_hook(self) -> None:
         # MemTracker hooks every optimizer's step, process-wide. A background run trains
@@ -151,6 +173,7 @@ class CpuStepMemory:
         self._tracker = _HighWaterTracker()
         self._tracker.track_external(model, optimizer, *inputs)
         self._tracker.track_gradients(model)
+        self._tracker.track_gathered_weights(model)
 
     def __enter__(self) -> "CpuStepMemory":
         self._tracker.__enter__()

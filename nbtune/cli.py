@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                        help="override any field, e.g. --set techniques.lr=1e-4 (repeatable; "
                             "VALUE is read as YAML)")
+    train.add_argument("--no-progress", action="store_true",
+                       help="no progress bar (the line per step stays); for logs and notebooks")
     ladder = commands.add_parser(
         "ladder", help="seed 001's FSDP2 ladder on a run file (under torchrun: per rank)",
         description="Train each row a few steps with every step measured: FSDP2, + activation "
@@ -128,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import yaml
 
+    from .data import DataError
     from .headless import train
     from .runfile import RunFileError
 
@@ -145,8 +148,8 @@ def run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         overrides["run.checkpoint_every"] = args.checkpoint_every
     try:
         return train(args.run_file, overrides=overrides, out=args.out, resume=args.resume,
-                     device=args.device)
-    except RunFileError as err:
+                     device=args.device, progress=not args.no_progress)
+    except (RunFileError, DataError, FileNotFoundError) as err:  # the file's content: no traceback
         print(f"nbtune train: {err}", file=sys.stderr)
         return 2
 

@@ -94,8 +94,8 @@ def shard_model(model: nn.Module, sharding: Sharding) -> None:
     Run after every model transform (dtype cast, LoRA/QLoRA, checkpoint wrappers): FSDP2 shards
     the parameters the modules hold at this moment.
     """
-    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard,
-                                        register_fsdp_forward_method)
+    from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                        fully_shard, register_fsdp_forward_method)
 
     options = {"reshard_after_forward": sharding.reshard_after_forward}
     if sharding.cpu_offload:
@@ -112,6 +112,12 @@ def shard_model(model: nn.Module, sharding: Sharding) -> None:
     # ``hidden_states`` (registered below as a forward) and then the head outside it.
     fully_shard(model, **{**options, "reshard_after_forward": False})
     register_fsdp_forward_method(model, "hidden_states")
+    # Gather and free each unit once, so that its gather buffers exist before the first step:
+    # the memory tracker then files them as gathered weights from step 1 on, not activations.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()
+            module.reshard()
 
 
 def check_sharding(sharding: Sharding, model: nn.Module, method: str, device: str,

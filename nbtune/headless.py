@@ -211,7 +211,7 @@ def _run(session, path, out, out_dir, settings, resume, parallel, rank, say, sta
     interrupted = False
     try:
         with tqdm(total=total, initial=len(session.history), desc="training", unit="step",
-                  disable=not (progress and lead), file=sys.stderr) as bar:
+                  disable=None if progress and lead else True, file=sys.stderr) as bar:
             while len(session.history) < total:
                 reports = session.run(1, progress=False, live=False)
                 if not reports:  # Ctrl-C: the step was rolled back, the state is consistent
@@ -260,7 +260,7 @@ def _run(session, path, out, out_dir, settings, resume, parallel, rank, say, sta
         say(f"held-out accuracy after: {summary['heldout_accuracy_after']:.0%}")
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     say(f"done: {len(session.history)} steps, loss {summary['loss_first']:.3f} -> "
-          f"{summary['loss_last']:.3f} (mean of the last {len(window)}), peak "
+          f"{summary['loss_last']:.3f} (mean of steps {len(losses) - len(window) + 1}-{len(losses)}), peak "
           f"{format_bytes(summary['peak_bytes'])}, {summary['seconds']:.0f} s; saved "
           + (", ".join(saved.values()) or "nothing") + f"; metrics in {out_dir / METRICS}")
     return 0

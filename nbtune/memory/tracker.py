@@ -111,13 +111,13 @@ class _HighWaterTracker(MemTracker):
         from torch.distributed.fsdp import FSDPModule
 
         for module in model.modules():
-            group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
-            if group is None:
+            if not isinstance(module, FSDPModule):
                 continue
             self.track_resizes = True
-            for param in group.fsdp_params:
-                for buffer in param.all_gather_outputs:  # empty before the first forward
-                    self._update_and_maybe_create_winfos(buffer, _MemRefType.TEMP)
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    for buffer in param.all_gather_outputs:  # made by shard_model's first gather
+                        self._update_and_maybe_create_winfos(buffer, _MemRefType.TEMP)
 
     def _register_global_optimizer_hook(self) -> None:
         # MemTracker hooks every optimizer's step, process-wide. A background run trains

@@ -229,3 +229,52 @@ def test_python_m_nbtune_train_runs_headless_with_flags_over_the_file(tmp_path):
     assert bad.returncode == 2
     assert "(overridden: techniques.method='qlorra'), techniques.method: " in bad.stderr
     assert not (tmp_path / "p").exists()
+
+
+def _on_a_terminal(*args):
+    """Run ``python -m nbtune ...`` with stderr on a pseudo-terminal (as in a shell or a
+    notebook's ``!``), where the progress bar is drawn; returns (exit code, stderr text)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # 0 columns: no bar
+    done = subprocess.run([sys.executable, "-m", "nbtune", *map(str, args)], stdout=subprocess.PIPE,
+                          stderr=follower, timeout=300)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal is closed and drained
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    return done.returncode, b"".join(chunks).decode(errors="replace")
+
+
+def test_the_progress_bar_is_drawn_on_a_terminal_unless_no_progress(tmp_path):
+    session_in_code().save_config(tmp_path / "run.yaml", steps=2)
+    code, shown = _on_a_terminal("train", tmp_path / "run.yaml", "--out", tmp_path / "bar")
+    assert code == 0 and "training: 100%" in shown
+    code, shown = _on_a_terminal("train", tmp_path / "run.yaml", "--out", tmp_path / "quiet",
+                                 "--no-progress")
+    assert code == 0 and "training:" not in shown
+    assert len(_metrics(tmp_path / "quiet")) == 2
+
+
+def test_bad_data_named_by_the_run_file_is_one_line_not_a_traceback(tmp_path, capsys):
+    session_in_code().save_config(tmp_path / "run.yaml", steps=2)
+    (tmp_path / "train.jsonl").write_text('{"instruction": "hi", "output": "yo"}\n{"oops\n')
+    text = (tmp_path / "run.yaml").read_text()
+    data_line = next(line for line in text.splitlines() if line.startswith("data:"))
+    (tmp_path / "run.yaml").write_text(text.replace(data_line, "data: {train: train.jsonl}"))
+    assert cli.main(["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nbtune train: ") and "train.jsonl" in err and "line 2" in err
+    assert "Traceback" not in err

@@ -278,3 +278,19 @@ def test_bad_data_named_by_the_run_file_is_one_line_not_a_traceback(tmp_path, ca
     err = capsys.readouterr().err
     assert err.startswith("nbtune train: ") and "train.jsonl" in err and "line 2" in err
     assert "Traceback" not in err
+
+
+def test_tensorboard_logging_writes_each_steps_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    session_in_code().save_config(tmp_path / "run.yaml", steps=3)
+    assert _train(tmp_path / "run.yaml", tmp_path / "o", "--set", "run.log=[tensorboard]") == 0
+    events = EventAccumulator(str(tmp_path / "o" / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    expected = [(m["step"], m["loss"]) for m in _metrics(tmp_path / "o")]
+    assert [s for s, _ in logged] == [1, 2, 3]
+    assert all(math.isclose(a, b, rel_tol=1e-6) for (_, a), (_, b) in zip(logged, expected))
+    peak = events.Scalars("train/peak_bytes")[0].value  # stored as float32
+    assert math.isclose(peak, _metrics(tmp_path / "o")[0]["peak_bytes"], rel_tol=1e-6)

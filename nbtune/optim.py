@@ -44,19 +44,19 @@ def build_optimizer(model: nn.Module, techniques: Techniques) -> torch.optim.Opt
     params = trainable_parameters(model)
     if techniques.cpu_offload_optimizer:
         return _cpu_offload_optimizer(params, techniques)
-    make = _optimizer_factory(techniques, on_cuda=params[0].is_cuda)
+    make = _optimizer_factory(techniques)
     return OptimizerInBackward(params, make) if techniques.optimizer_in_backward else make(params)
 
 
-def _optimizer_factory(techniques: Techniques,
-                       on_cuda: bool) -> Callable[[list], torch.optim.Optimizer]:
+def _optimizer_factory(techniques: Techniques) -> Callable[[list], torch.optim.Optimizer]:
     """A function that builds the named optimizer over a list of parameters."""
     name = techniques.optimizer
     kwargs = dict(lr=techniques.lr, weight_decay=techniques.weight_decay)
     if name == "adamw":
-        # fused keeps no per-group temporaries on CUDA; foreach is the fast path on CPU.
-        return partial(torch.optim.AdamW, **kwargs, fused=on_cuda or None,
-                       foreach=None if on_cuda else True)
+        # fused: one kernel per step, no list-wide temporaries (foreach holds one more copy of
+        # every weight at the step, the peak once checkpointing has shrunk the activations) and
+        # faster, on CUDA and on CPU alike (DESIGN.md: 1908 against 2378 MiB on the 125M shape).
+        return partial(torch.optim.AdamW, **kwargs, fused=True)
     if name == "sgd":
         return partial(torch.optim.SGD, **kwargs)
     if name in _BITSANDBYTES:

@@ -98,7 +98,7 @@ def test_stand_in_state_is_what_the_real_optimizer_keeps(name):
     params = [torch.nn.Parameter(torch.randn(shape, dtype=dtype))
               for shape in [(64,), (100, 50), (128, 128), (256, 257)]
               for dtype in (torch.float32, torch.bfloat16)]
-    real = _optimizer_factory(nt.Techniques(optimizer=name), on_cuda=False)(params)
+    real = _optimizer_factory(nt.Techniques(optimizer=name))(params)
     stand_in = _StateStandIn(params, name, paged=False)
     for p in params:
         p.grad = torch.randn_like(p)

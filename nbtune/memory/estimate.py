@@ -118,7 +118,7 @@ class _StateStandIn(torch.optim.Optimizer):
 
 
 def _estimate_optimizer(model: nn.Module, t: Techniques, device: str) -> torch.optim.Optimizer:
-    from ..optim import OptimizerInBackward, _optimizer_factory, build_optimizer, trainable_parameters
+    from ..optim import OptimizerInBackward, _optimizer_factory, trainable_parameters
 
     params = trainable_parameters(model)
     if t.cpu_offload_optimizer:  # the state and its step live in CPU memory
@@ -128,10 +128,8 @@ def _estimate_optimizer(model: nn.Module, t: Techniques, device: str) -> torch.o
 
         def make(ps):
             return _StateStandIn(ps, t.optimizer, paged)
-    elif device == "cuda":
-        make = _optimizer_factory(t, on_cuda=True)  # fused AdamW, as on CUDA (it runs on CPU too)
     else:
-        return build_optimizer(model, t)
+        make = _optimizer_factory(t)
     return OptimizerInBackward(params, make) if t.optimizer_in_backward else make(params)
 
 

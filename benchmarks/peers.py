@@ -1,0 +1,636 @@
+"""nbtune against transformers (+ PEFT, + bitsandbytes) and torchtune 0.6.1, rung by rung.
+
+    python benchmarks/peers.py                    # CPU rungs on the 125M Llama shape, 2 rounds
+    python benchmarks/peers.py --shape small --rounds 1 --steps 2   # a quick look
+    python benchmarks/peers.py --device cuda      # the GPU half (published shapes; unmeasured)
+    # writes benchmarks/results/peers/peers-<shape>-<device>.json and a table on stdout
+
+The same random-weight Llama (one safetensors folder written with transformers) and the same
+token batches go to every framework. Each (rung, framework) runs in a fresh process: load,
+one step untimed (first allocations, optimizer state), one step counted, then ``--steps``
+timed steps. Within a round the frameworks alternate order, so a machine that drifts biases
+none of them. Memory is counted one way for all: the peak of live tensor bytes in the counted
+step, from torch's own ``MemTracker`` wrapped around it (each framework's own tracking off).
+Also reported: peak RSS growth over the run, the first step's loss (the work is the same: it
+agrees to rounding) and the ratios nbtune / best peer.
+
+torchtune 0.6.1 imports ``torchao.quantization.int4_weight_only``, gone from torchao 0.16 on, so
+it runs in its own venv (``--torchtune-python``, default ``.venv-torchtune/bin/python``), made on
+first use with ``pip install torch==<this torch> torchtune==0.6.1 torchao==0.15.0`` (the newest
+torchao it imports with, tried one by one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+OUT = HERE / "results" / "peers"
+
+SHAPES = {  # Llama shapes; "125m" is the one DESIGN.md's CPU figures use
+    "125m": dict(vocab=32000, hidden=768, mlp=2048, layers=12, heads=12, kv=4, batch=2, seq=512),
+    "small": dict(vocab=32000, hidden=256, mlp=688, layers=4, heads=8, kv=4, batch=2, seq=256),
+    "tiny": dict(vocab=512, hidden=64, mlp=172, layers=2, heads=4, kv=2, batch=2, seq=32),
+    # the GPU half: torchtune's README shape (Llama 3.2 3B, 2 x 4096) and Llama 3.1 8B
+    "3b": dict(vocab=128256, hidden=3072, mlp=8192, layers=28, heads=24, kv=8, batch=2, seq=4096,
+               tied=True),
+    "8b": dict(vocab=128256, hidden=4096, mlp=14336, layers=32, heads=32, kv=8, batch=2, seq=2048),
+}
+
+# torchtune's README ladder: each rung adds to the one before; LoRA and QLoRA stand alone.
+LADDER = [
+    ("full fp32", {}),
+    ("+ bf16", {"dtype": "bf16"}),
+    ("+ activation checkpointing", {"checkpointing": True}),
+    ("+ chunked loss", {"chunked_loss": True}),
+    ("+ optimizer in backward", {"optimizer_in_backward": True}),
+    ("+ activation offloading", {"offloading": True}),
+    ("+ 8-bit AdamW", {"adamw8bit": True}),
+    ("LoRA", {"lora": True}),
+    ("QLoRA", {"lora": True, "qlora": True}),
+]
+STANDALONE = {"LoRA", "QLoRA"}  # over the ladder's dtype and checkpointing only
+FEATURES = {  # what each framework can do, by rung key (one name each, as the rungs use)
+    "nbtune": {"dtype", "checkpointing", "chunked_loss", "optimizer_in_backward", "offloading",
+               "adamw8bit", "lora", "qlora"},
+    "transformers": {"dtype", "checkpointing", "adamw8bit", "lora", "qlora"},
+    "torchtune": {"dtype", "checkpointing", "chunked_loss", "optimizer_in_backward", "offloading",
+                  "adamw8bit", "lora", "qlora"},
+}
+LORA = dict(rank=8, alpha=16.0)
+TORCHAO_FOR_TORCHTUNE = "torchao==0.15.0"
+LR = 1e-5
+
+
+def rung_configs(device: str = "cpu", bf16_slow: float | None = None) -> list[tuple[str, dict, str | None]]:
+    """(label, config, why skipped) per rung; a skipped rung's change is not carried on."""
+    rows, current = [], {}
+    for label, change in LADDER:
+        if label in STANDALONE:
+            keep = {k: current[k] for k in ("dtype", "checkpointing") if k in current}
+            config = {**keep, **change}
+        else:
+            config = {**current, **change}
+        why = skipped_on(device, change, bf16_slow)
+        if why is None and label not in STANDALONE:
+            current = config
+        rows.append((label, config, why))
+    return rows
+
+
+def skipped_on(device: str, config: dict, bf16_slow: float | None) -> str | None:
+    """Why a rung cannot say anything on this device, or None."""
+    if device == "cpu" and config.get("offloading"):
+        return "activation offloading moves activations to host memory: on a CPU they are there"
+    if device == "cpu" and config.get("dtype") == "bf16" and bf16_slow and bf16_slow > 4:
+        return f"bf16 matmuls run {bf16_slow:.0f}x slower than fp32 on this CPU (no native bf16)"
+    return None
+
+
+def bf16_slowdown() -> float:
+    """How many times slower a bf16 matmul is than fp32 here (probed once, ~0.1 s)."""
+    import torch
+
+    a32, b32 = torch.randn(256, 256), torch.randn(256, 256)
+    a16, b16 = a32.bfloat16(), b32.bfloat16()
+
+    def timed(a, b, n=5):
+        a @ b
+        start = time.perf_counter()
+        for _ in range(n):
+            a @ b
+        return (time.perf_counter() - start) / n
+
+    return timed(a16, b16) / timed(a32, b32)
+
+
+# ---- shared inputs ---------------------------------------------------------------------------
+
+def make_inputs(shape: dict, folder: Path, steps: int) -> None:
+    """The random-weight model (transformers' init, seed 0) and the batches, via nbtune's own
+    ``BatchStream`` so that the nbtune worker draws exactly these."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / "model" / "model.safetensors").exists():
+        config = transformers.LlamaConfig(
+            vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["mlp"],
+            num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+            num_key_value_heads=shape["kv"], max_position_embeddings=max(shape["seq"], 128),
+            rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=shape.get("tied", False))
+        torch.manual_seed(0)
+        with torch.device("meta" if shape["hidden"] >= 3072 else "cpu"):
+            model = transformers.LlamaForCausalLM(config)
+        if shape["hidden"] >= 3072:  # GPU shapes: the weights' values do not matter; bf16 on disk
+            model = model.to_empty(device="cpu").to(torch.bfloat16)
+            for p in model.parameters():
+                torch.nn.init.normal_(p, std=0.02)
+        model.save_pretrained(folder / "model", safe_serialization=True)
+    batches = []
+    stream = nbtune_stream(shape, folder, rows=shape["batch"] * (steps + 2))
+    for _ in range(steps + 2):
+        batches.append(stream.next())
+    save_file({f"{k}.{i}": b[k].contiguous() for i, b in enumerate(batches) for k in ("input_ids", "labels")},
+              str(folder / "batches.safetensors"))
+
+
+def nbtune_stream(shape: dict, folder: Path, rows: int):
+    import torch
+
+    from nbtune.data import IGNORE, BatchStream, Sample
+
+    gen = torch.Generator().manual_seed(1)
+    samples = []
+    for _ in range(rows):
+        ids = torch.randint(0, shape["vocab"], (shape["seq"],), generator=gen)
+        labels = torch.cat([ids[1:], torch.tensor([IGNORE])])
+        samples.append(Sample(input_ids=ids, labels=labels))
+    return BatchStream(samples, shape["batch"], pad_id=0, seed=0)
+
+
+def load_batches(folder: Path) -> list[dict]:
+    from safetensors.torch import load_file
+
+    flat = load_file(str(folder / "batches.safetensors"))
+    n = len(flat) // 2
+    return [{"input_ids": flat[f"input_ids.{i}"], "labels": flat[f"labels.{i}"]} for i in range(n)]
+
+
+# ---- measuring one step the same way for everyone ------------------------------------------
+
+def live_bytes_mode():
+    """A dispatch mode that counts the live tensor bytes on the CPU and their peak.
+
+    Written here, not taken from nbtune (whose own tracker is under test) or from torch's
+    ``MemTracker`` (its module hooks refuse a module called twice in a step, as a chunked loss
+    does, and hook every parameter, frozen ones included): each storage is counted once, when
+    an op first returns it or when it is already held (``hold``), and dropped when freed.
+    """
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+    from torch.utils._pytree import tree_map_only
+
+    class LiveBytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes, self.now, self.peak = {}, 0, 0
+
+        def see(self, t):
+            if is_traceable_wrapper_subclass(t):  # NF4 and other wrappers: their inner tensors
+                for name in t.__tensor_flatten__()[0]:
+                    self.see(getattr(t, name))
+                return
+            if t.device.type != "cpu" or t.is_meta:
+                return
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in self.sizes:
+                return
+            self.sizes[key] = storage.nbytes()
+            self.now += self.sizes[key]
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(storage, self.drop, key)
+
+        def drop(self, key):
+            self.now -= self.sizes.pop(key, 0)
+
+        def hold(self, *roots):
+            for root in roots:
+                if isinstance(root, torch.nn.Module):
+                    for p in root.parameters():
+                        self.see(p)
+                        if p.grad is not None:
+                            self.see(p.grad)
+                    for b in root.buffers():
+                        self.see(b)
+                elif isinstance(root, torch.optim.Optimizer):
+                    for state in root.state.values():
+                        tree_map_only(torch.Tensor, self.see, state)
+                elif isinstance(root, (list, tuple)):
+                    self.hold(*root)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            tree_map_only(torch.Tensor, self.see, out)
+            return out
+
+    return LiveBytes()
+
+
+def measure(step, model, optimizer, batches: list[dict], steps: int, device: str) -> dict:
+    """``step(batch) -> loss`` once untimed, once counted, then ``steps`` timed."""
+    import torch
+
+    rss_before = _rss()
+    first_loss = float(step(batches[0]))
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step(batches[1])
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        counter = live_bytes_mode()
+        counter.hold(model, optimizer)
+        with counter:
+            step(batches[1])
+        peak = counter.peak
+    started = time.perf_counter()
+    for batch in batches[2:2 + steps]:
+        step(batch)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    tokens = sum(b["input_ids"].numel() for b in batches[2:2 + steps])
+    return {"first_loss": first_loss, "peak_bytes": peak, "tokens_per_second": tokens / seconds,
+            "rss_growth_bytes": _max_rss() - rss_before}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _max_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ---- the three workers -----------------------------------------------------------------------
+
+def worker_nbtune(shape, config, folder, steps, device):
+    import torch
+
+    import nbtune as nt
+    from nbtune.models import load_model
+    from nbtune.trainer import Trainer
+
+    method = "qlora" if config.get("qlora") else "lora" if config.get("lora") else "full"
+    t = nt.Techniques(
+        method=method, dtype=config.get("dtype", "fp32"), batch_size=shape["batch"],
+        seq_len=shape["seq"], lr=LR, activation_checkpointing=bool(config.get("checkpointing")),
+        chunked_loss=8 if config.get("chunked_loss") else 0,
+        optimizer_in_backward=bool(config.get("optimizer_in_backward")),
+        activation_offloading=bool(config.get("offloading")),
+        optimizer="adamw8bit" if config.get("adamw8bit") else "adamw",
+        lora_rank=LORA["rank"], lora_alpha=LORA["alpha"])
+    model = load_model(folder / "model", dtype=t.dtype, device=device,
+                       quantize=t.lora_targets if method == "qlora" else ())  # NF4 as read
+    trainer = Trainer(model, lambda techniques: nbtune_stream(shape, folder, shape["batch"] * (steps + 2)),
+                      t, torch.device(device), pad_id=0, say=lambda message: None)
+    expected = load_batches(folder)
+
+    def step(batch):  # the trainer draws the same batch from its own stream
+        return trainer.step(track=False).loss
+
+    drawn = trainer.stream.copy().next()
+    assert torch.equal(drawn["input_ids"], expected[0]["input_ids"]), "batches differ"
+    return measure(step, trainer.model, trainer.optimizer, expected, steps, device)
+
+
+def worker_transformers(shape, config, folder, steps, device):
+    import torch
+    import transformers
+
+    dtype = torch.bfloat16 if config.get("dtype") == "bf16" else torch.float32
+    kwargs = {"dtype": dtype}
+    if config.get("qlora"):
+        kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    model = transformers.LlamaForCausalLM.from_pretrained(folder / "model", **kwargs).to(device)
+    model.config.use_cache = False
+    if config.get("checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.get("lora"):
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = _optimizer(params, config, device)
+    model.train()
+
+    def step(batch):
+        ids = batch["input_ids"].to(device)
+        loss = model(input_ids=ids, labels=ids).loss  # transformers shifts the labels itself
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return measure(step, model, optimizer, load_batches(folder), steps, device)
+
+
+def worker_torchtune(shape, config, folder, steps, device):
+    import torch
+    from safetensors.torch import load_file
+    from torchtune import training
+    from torchtune.models.convert_weights import hf_to_tune
+    from torchtune.models.llama3._component_builders import llama3, lora_llama3
+    from torchtune.modules import TransformerSelfAttentionLayer
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+    dtype = torch.bfloat16 if config.get("dtype") == "bf16" else torch.float32
+    common = dict(vocab_size=shape["vocab"], num_layers=shape["layers"], num_heads=shape["heads"],
+                  num_kv_heads=shape["kv"], embed_dim=shape["hidden"],
+                  max_seq_len=max(shape["seq"], 128), intermediate_dim=shape["mlp"], norm_eps=1e-5,
+                  rope_base=500000.0)
+    with training.set_default_dtype(dtype), torch.device(device):
+        if config.get("lora"):
+            model = lora_llama3(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"],
+                                apply_lora_to_mlp=True, apply_lora_to_output=False,
+                                lora_rank=LORA["rank"], lora_alpha=LORA["alpha"],
+                                quantize_base=bool(config.get("qlora")), **common)
+        else:
+            model = llama3(**common)
+    state = hf_to_tune(load_file(str(folder / "model" / "model.safetensors")),
+                       num_heads=shape["heads"], num_kv_heads=shape["kv"], dim=shape["hidden"])
+    model.load_state_dict(state, strict=not config.get("lora"))
+    if config.get("lora"):
+        set_trainable_params(model, get_adapter_params(model))
+    if config.get("checkpointing"):
+        training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    chunked = bool(config.get("chunked_loss"))
+    loss_fn = CEWithChunkedOutputLoss() if chunked else torch.nn.CrossEntropyLoss(ignore_index=-100)
+    if chunked:
+        model.set_num_output_chunks(loss_fn.num_output_chunks)
+    params = [p for p in model.parameters() if p.requires_grad]
+    in_backward = bool(config.get("optimizer_in_backward"))
+    if in_backward:
+        optimizers = {p: _optimizer([p], config, device) for p in params}
+        training.register_optim_in_bwd_hooks(model=model, optim_dict=optimizers)
+        optimizer = None
+    else:
+        optimizer = _optimizer(params, config, device)
+    model.train()
+
+    def step(batch):
+        ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+        logits = model(ids)
+        if chunked:
+            loss = loss_fn(logits, labels)
+        else:
+            loss = loss_fn(logits.float().flatten(0, 1), labels.flatten())
+        del logits
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return measure(step, model, optimizer if optimizer is not None else list(optimizers.values()),
+                   load_batches(folder), steps, device)
+
+
+def _optimizer(params, config, device):
+    import torch
+
+    if config.get("adamw8bit"):
+        import bitsandbytes
+
+        return bitsandbytes.optim.AdamW8bit(params, lr=LR)
+    return torch.optim.AdamW(params, lr=LR, fused=True)  # the fastest torch AdamW, CPU and CUDA
+
+
+WORKERS = {"nbtune": worker_nbtune, "transformers": worker_transformers, "torchtune": worker_torchtune}
+
+
+# ---- the driver ------------------------------------------------------------------------------
+
+def torchtune_python(path: str | None) -> str:
+    """The torchtune venv's python, made on first use."""
+    import torch
+
+    python = Path(path) if path else ROOT / ".venv-torchtune" / "bin" / "python"
+    if python.exists():
+        return str(python)
+    if path:
+        sys.exit(f"--torchtune-python {path} does not exist.")
+    venv = python.parent.parent
+    print(f"making {venv} for torchtune 0.6.1 (once; a few minutes)", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    base = torch.__version__.split("+")[0]
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run(pip + [f"torch=={base}"], check=True)
+    subprocess.run(pip + [f"torch=={base}", "torchtune==0.6.1", TORCHAO_FOR_TORCHTUNE, "bitsandbytes",
+                          "safetensors"], check=True)
+    return str(python)
+
+
+def run_worker(python: str, framework: str, label: str, config: dict, args, folder: Path) -> dict:
+    command = [python, __file__, "--worker", framework, "--config", json.dumps(config), "--shape", args.shape,
+               "--steps", str(args.steps), "--device", args.device, "--folder", str(folder),
+               "--batch", str(args.batch_used), "--seq", str(args.seq_used)]
+    if args.cap_gib:
+        command += ["--cap-gib", str(args.cap_gib)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["(no output)"])[-1][:300]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=list(SHAPES), default=None,
+                        help="model shape (default: 125m on cpu, 3b on cuda)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
+    parser.add_argument("--rungs", default=None, help="comma-separated rung labels (default: all)")
+    parser.add_argument("--frameworks", default="nbtune,transformers,torchtune")
+    parser.add_argument("--torchtune-python", default=None)
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    parser.add_argument("--batch", type=int, default=None, help="rows per step (default: the shape's)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per row (default: the shape's)")
+    parser.add_argument("--cap-gib", type=float, default=None,
+                        help="CUDA: cap each process at this many GiB (set_per_process_memory_fraction), "
+                             "e.g. 24 for a 3090/4090 on a larger card")
+    parser.add_argument("--longest-context", action="store_true",
+                        help="CUDA: the longest row (batch 1) each framework trains with QLoRA under "
+                             "--cap-gib, by bisection (Unsloth's published 8B figure: 78,475 tokens)")
+    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.shape = args.shape or ("125m" if args.device == "cpu" else "3b")
+    shape = {**SHAPES[args.shape], **{k: v for k, v in (("batch", args.batch), ("seq", args.seq))
+                                      if v is not None}}
+
+    if args.worker:  # one (framework, rung) in this fresh process; prints one JSON line
+        import torch
+
+        torch.manual_seed(0)
+        if args.device == "cuda" and args.cap_gib:
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total))
+        result = WORKERS[args.worker](shape, json.loads(args.config), Path(args.folder), args.steps,
+                                      args.device)
+        print(json.dumps(result))
+        return
+
+    frameworks = args.frameworks.split(",")
+    wanted = args.rungs.split(",") if args.rungs else [label for label, _ in LADDER]
+    pythons = {f: sys.executable for f in frameworks}
+    if "torchtune" in frameworks:
+        pythons["torchtune"] = torchtune_python(args.torchtune_python)
+    if args.longest_context:
+        return longest_context(args, shape, frameworks, pythons)
+    args.batch_used, args.seq_used = shape["batch"], shape["seq"]
+    folder = Path(args.out) / f"inputs-{args.shape}-{shape['batch']}x{shape['seq']}"
+    make_inputs(shape, folder, args.steps)
+    slow = bf16_slowdown() if args.device == "cpu" else None
+    rows = []
+    planned = {label: (config, why) for label, config, why in rung_configs(args.device, slow)}
+    for label in wanted:
+        config, why = planned[label]
+        row = {"rung": label, "config": config, "runs": {}}
+        if why:
+            row["skipped"] = why
+            rows.append(row)
+            print(f"{label}: skipped ({why})", flush=True)
+            continue
+        able = [f for f in frameworks if set(config) <= FEATURES[f]]
+        row["not_available"] = sorted(set(frameworks) - set(able))
+        for r in range(args.rounds):
+            order = able if r % 2 == 0 else able[::-1]
+            for framework in order:
+                result = run_worker(pythons[framework], framework, label, config, args, folder)
+                row["runs"].setdefault(framework, []).append(result)
+                print(f"{label} round {r + 1} {framework}: {result}", flush=True)
+        row["summary"] = summarize(row["runs"])
+        rows.append(row)
+    result = {
+        "benchmark": "peers", "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+        "shape": {args.shape: shape}, "device": args.device, "rounds": args.rounds,
+        "timed_steps": args.steps, "bf16_slowdown": slow, "rows": rows,
+        "machine": machine(args.device), "versions": versions(pythons),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"peers-{args.shape}-{args.device}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(table(rows))
+    print(f"wrote {path}")
+
+
+def longest_context(args, shape: dict, frameworks: list[str], pythons: dict) -> None:
+    """Bisect the longest row (batch 1) that trains a QLoRA step under the cap, per framework."""
+    config = {"checkpointing": True, "lora": True, "qlora": True}
+    found = {}
+    for framework in frameworks:
+        fits, fails = 0, None
+        seq = 4096
+        while fails is None or fails - fits > 1024:
+            args.batch_used, args.seq_used = 1, seq
+            folder = Path(args.out) / f"inputs-{args.shape}-1x{seq}"
+            make_inputs({**shape, "batch": 1, "seq": seq}, folder, 1)
+            result = run_worker(pythons[framework], framework, "QLoRA", config,
+                                argparse.Namespace(**{**vars(args), "steps": 1}), folder)
+            print(f"{framework} 1 x {seq}: {result}", flush=True)
+            if "error" in result:
+                fails = seq
+            else:
+                fits = seq
+            seq = seq * 2 if fails is None else (fits + fails) // 2 // 256 * 256
+            if seq <= fits:
+                break
+        found[framework] = fits
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"longest-context-{args.shape}-{args.device}.json"
+    path.write_text(json.dumps({"benchmark": "longest_context", "shape": shape, "cap_gib": args.cap_gib,
+                                "longest_tokens": found, "published": {"unsloth_8b_qlora_24gb": 78475},
+                                "machine": machine(args.device), "versions": versions(pythons)}, indent=2))
+    print(json.dumps(found), f"wrote {path}")
+
+
+def summarize(runs: dict) -> dict:
+    """Per framework: the median tokens/s, the peak (the same every round) and the loss; then
+    nbtune's ratios against the best peer that ran."""
+    out = {}
+    for framework, results in runs.items():
+        good = [r for r in results if "error" not in r]
+        if not good:
+            out[framework] = {"error": results[-1]["error"]}
+            continue
+        out[framework] = {
+            "tokens_per_second": statistics.median(r["tokens_per_second"] for r in good),
+            "peak_bytes": max(r["peak_bytes"] for r in good),
+            "rss_growth_bytes": max(r["rss_growth_bytes"] for r in good),
+            "first_loss": good[0]["first_loss"]}
+    ours = out.get("nbtune", {})
+    peers = {f: v for f, v in out.items() if f != "nbtune" and "error" not in v}
+    if "error" not in ours and ours and peers:
+        best_peak = min(v["peak_bytes"] for v in peers.values())
+        best_speed = max(v["tokens_per_second"] for v in peers.values())
+        out["ratios"] = {"peak_vs_best_peer": ours["peak_bytes"] / best_peak,
+                         "speed_vs_best_peer": ours["tokens_per_second"] / best_speed,
+                         "targets": {"peak": 0.9, "speed": 1.1}}
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    mib = 2 ** 20
+    lines = [f"{'rung':<28}{'framework':<14}{'peak MiB':>10}{'tokens/s':>10}{'loss':>9}"
+             f"{'peak ratio':>12}{'speed ratio':>12}"]
+    for row in rows:
+        if "skipped" in row:
+            lines.append(f"{row['rung']:<28}skipped: {row['skipped']}")
+            continue
+        ratios = row["summary"].get("ratios", {})
+        for i, (framework, v) in enumerate((f, v) for f, v in row["summary"].items() if f != "ratios"):
+            head = row["rung"] if i == 0 else ""
+            if "error" in v:
+                lines.append(f"{head:<28}{framework:<14}error: {v['error'][:60]}")
+                continue
+            extra = (f"{ratios['peak_vs_best_peer']:>12.2f}{ratios['speed_vs_best_peer']:>12.2f}"
+                     if framework == "nbtune" and ratios else "")
+            lines.append(f"{head:<28}{framework:<14}{v['peak_bytes'] / mib:>10,.0f}"
+                         f"{v['tokens_per_second']:>10,.1f}{v['first_loss']:>9.4f}{extra}")
+        for missing in row.get("not_available", []):
+            lines.append(f"{'':<28}{missing:<14}n/a (no such feature)")
+    return "\n".join(lines)
+
+
+def machine(device: str) -> dict:
+    import torch
+
+    info = {"platform": platform.platform(), "processor": platform.processor(),
+            "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    if device == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(), driver=torch.version.cuda)
+    return info
+
+
+def versions(pythons: dict) -> dict:
+    out = {}
+    for framework, python in pythons.items():
+        names = {"nbtune": "nbtune torch torchao bitsandbytes",
+                 "transformers": "transformers peft torch bitsandbytes",
+                 "torchtune": "torchtune torchao torch bitsandbytes"}[framework].split()
+        code = ("import importlib.metadata as m, json; print(json.dumps({n: m.version(n) for n in "
+                f"{names!r}}}))")
+        done = subprocess.run([python, "-c", code], capture_output=True, text=True)
+        out[framework] = json.loads(done.stdout) if done.returncode == 0 else done.stderr[-200:]
+    return out
+
+
+if __name__ == "__main__":
+    main()

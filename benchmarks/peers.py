@@ -36,6 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 OUT = HERE / "results" / "peers"
+INPUTS = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nbtune" / "peers-inputs"
 
 SHAPES = {  # Llama shapes; "125m" is the one DESIGN.md's CPU figures use
     "125m": dict(vocab=32000, hidden=768, mlp=2048, layers=12, heads=12, kv=4, batch=2, seq=512),
@@ -67,6 +68,7 @@ FEATURES = {  # what each framework can do, by rung key (one name each, as the r
     "torchtune": {"dtype", "checkpointing", "chunked_loss", "optimizer_in_backward", "offloading",
                   "adamw8bit", "lora", "qlora"},
 }
+FEATURES["nbtune-norollback"] = FEATURES["nbtune"]
 LORA = dict(rank=8, alpha=16.0)
 TORCHAO_FOR_TORCHTUNE = "torchao==0.15.0"
 LR = 1e-5
@@ -270,7 +272,7 @@ def _max_rss() -> int:
 
 # ---- the three workers -----------------------------------------------------------------------
 
-def worker_nbtune(shape, config, folder, steps, device):
+def worker_nbtune(shape, config, folder, steps, device, rollback="auto"):
     import torch
 
     import nbtune as nt
@@ -290,6 +292,7 @@ def worker_nbtune(shape, config, folder, steps, device):
                        quantize=t.lora_targets if method == "qlora" else ())  # NF4 as read
     trainer = Trainer(model, lambda techniques: nbtune_stream(shape, folder, shape["batch"] * (steps + 2)),
                       t, torch.device(device), pad_id=0, say=lambda message: None)
+    trainer.rollback = rollback  # "auto": the undo copy a user gets; on CPU it is counted
     expected = load_batches(folder)
 
     def step(batch):  # the trainer draws the same batch from its own stream
@@ -406,7 +409,9 @@ def _optimizer(params, config, device):
     return torch.optim.AdamW(params, lr=LR, fused=True)  # the fastest torch AdamW, CPU and CUDA
 
 
-WORKERS = {"nbtune": worker_nbtune, "transformers": worker_transformers, "torchtune": worker_torchtune}
+WORKERS = {"nbtune": worker_nbtune, "transformers": worker_transformers, "torchtune": worker_torchtune,
+           # the step alone: without the host copy that makes a failed step undoable
+           "nbtune-norollback": lambda *a: worker_nbtune(*a, rollback="none")}
 
 
 # ---- the driver ------------------------------------------------------------------------------
@@ -464,6 +469,8 @@ def main() -> None:
                         help="CUDA: the longest row (batch 1) each framework trains with QLoRA under "
                              "--cap-gib, by bisection (Unsloth's published 8B figure: 78,475 tokens)")
     parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--inputs", default=str(INPUTS),
+                        help="where the random-weight model and the batches are written (reused)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -492,7 +499,7 @@ def main() -> None:
     if args.longest_context:
         return longest_context(args, shape, frameworks, pythons)
     args.batch_used, args.seq_used = shape["batch"], shape["seq"]
-    folder = Path(args.out) / f"inputs-{args.shape}-{shape['batch']}x{shape['seq']}"
+    folder = Path(args.inputs) / f"{args.shape}-{shape['batch']}x{shape['seq']}"
     make_inputs(shape, folder, args.steps)
     slow = bf16_slowdown() if args.device == "cpu" else None
     rows = []
@@ -518,7 +525,7 @@ def main() -> None:
     result = {
         "benchmark": "peers", "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
         "shape": {args.shape: shape}, "device": args.device, "rounds": args.rounds,
-        "timed_steps": args.steps, "bf16_slowdown": slow, "rows": rows,
+        "timed_steps": args.steps, "bf16_slowdown": slow, "rows": rows, "inputs": str(folder),
         "machine": machine(args.device), "versions": versions(pythons),
     }
     out = Path(args.out)
@@ -538,7 +545,7 @@ def longest_context(args, shape: dict, frameworks: list[str], pythons: dict) -> 
         seq = 4096
         while fails is None or fails - fits > 1024:
             args.batch_used, args.seq_used = 1, seq
-            folder = Path(args.out) / f"inputs-{args.shape}-1x{seq}"
+            folder = Path(args.inputs) / f"{args.shape}-1x{seq}"
             make_inputs({**shape, "batch": 1, "seq": seq}, folder, 1)
             result = run_worker(pythons[framework], framework, "QLoRA", config,
                                 argparse.Namespace(**{**vars(args), "steps": 1}), folder)
@@ -575,7 +582,7 @@ def summarize(runs: dict) -> dict:
             "rss_growth_bytes": max(r["rss_growth_bytes"] for r in good),
             "first_loss": good[0]["first_loss"]}
     ours = out.get("nbtune", {})
-    peers = {f: v for f, v in out.items() if f != "nbtune" and "error" not in v}
+    peers = {f: v for f, v in out.items() if not f.startswith("nbtune") and "error" not in v}
     if "error" not in ours and ours and peers:
         best_peak = min(v["peak_bytes"] for v in peers.values())
         best_speed = max(v["tokens_per_second"] for v in peers.values())
@@ -624,7 +631,7 @@ def versions(pythons: dict) -> dict:
     for framework, python in pythons.items():
         names = {"nbtune": "nbtune torch torchao bitsandbytes",
                  "transformers": "transformers peft torch bitsandbytes",
-                 "torchtune": "torchtune torchao torch bitsandbytes"}[framework].split()
+                 "torchtune": "torchtune torchao torch bitsandbytes"}[framework.split("-")[0]].split()
         code = ("import importlib.metadata as m, json; print(json.dumps({n: m.version(n) for n in "
                 f"{names!r}}}))")
         done = subprocess.run([python, "-c", code], capture_output=True, text=True)

@@ -9,12 +9,15 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from .demos import DEMOS
 from .session import Session
 from .techniques import DTYPES, METHODS
 from .ui.charts import format_bytes
 
 LAST_WINDOW = 10  # loss_last is the mean of this many final steps (one step is noisy)
+DEMO_LINES = 10  # step lines the demo prints (the summary JSON has every step)
 
 
 def _memory_line(memory) -> str:
@@ -36,10 +39,20 @@ def run_demo(args: argparse.Namespace) -> int:
     measure = "held-out accuracy" + ("" if session.match == "exact" else f" ({session.match})")
     before = session.evaluate()
     print(f"{measure} before training: {before:.0%}")
-    for _ in range(steps):
-        r = session.step()
-        print(f"step {r.step:4d}  loss {r.loss:6.3f}  {r.tokens:5d} tok  "
-              f"{r.seconds * 1000:5.0f} ms  {_memory_line(r.memory)}", flush=True)
+    # A bar on a terminal (none in a log), a line for about every tenth step; every step's
+    # numbers go to the JSON summary.
+    every = max(1, steps // DEMO_LINES)
+    rows = []
+    with tqdm(total=steps, desc="training", unit="step", disable=None, file=sys.stderr) as bar:
+        for _ in range(steps):
+            r = session.step()
+            rows.append({"step": r.step, "loss": r.loss, "tokens": r.tokens, "seconds": r.seconds,
+                         "peak_bytes": r.memory.peak, "memory_measured": r.memory.measured})
+            bar.update()
+            bar.set_postfix(loss=f"{r.loss:.3f}")
+            if r.step == 1 or r.step % every == 0:
+                bar.write(f"step {r.step:4d}  loss {r.loss:6.3f}  {r.tokens:5d} tok  "
+                          f"{r.seconds * 1000:5.0f} ms  {_memory_line(r.memory)}", file=sys.stdout)
     after = session.evaluate()
     losses = [r.loss for r in session.history]
     summary = {
@@ -54,6 +67,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "memory_last_step": session.history[-1].memory.categories,
         "device": str(session.device),
         "techniques": session.techniques.as_dict(),
+        "history": rows,
     }
     session.chart().savefig(out / "demo_memory.png", dpi=100)
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=2))

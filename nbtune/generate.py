@@ -9,6 +9,17 @@ import torch
 from .models.decoder import CausalLM, KVCache
 
 
+class Reply(str):
+    """The generated text: a plain ``str`` to code, shown as text in a notebook.
+
+    A notebook shows a bare string as its repr, quotes and ``\\n`` escapes included; this
+    one is shown as it reads, line breaks and all (``repr()`` is unchanged for code).
+    """
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        printer.text(str(self) if self else "(empty reply)")
+
+
 def next_token(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
                generator: torch.Generator | None = None) -> int:
     """Pick one token from ``logits`` [V]: argmax at temperature 0, else nucleus sampling."""

@@ -15,7 +15,7 @@ import torch
 
 from .data import (BatchStream, DataError, Example, check_renderable, collate, examples_from, pack,
                    prompt_and_reference, prompt_ids, prompt_text, tokenize_all)
-from .generate import generate_ids
+from .generate import Reply, generate_ids
 from .hub import resolve_model_folder
 from .memory.sampling import MemorySampler
 from .models import Tokenizer, load_model
@@ -752,8 +752,10 @@ class Session:
     @_exclusive
     def generate(self, prompt: str, *, input: str = "", max_new_tokens: int = 48,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                 raw: bool = False) -> str:
+                 raw: bool = False) -> "Reply":
         """Continue ``prompt`` (greedy at temperature 0, else sampled with top-p).
+
+        Returns a ``str`` (a ``Reply``, which a notebook shows as readable text).
 
         The prompt is written as training rows are (the chat template when the model has
         one, else the instruction prompt) unless ``raw``; generation stops at the model's
@@ -772,7 +774,7 @@ class Session:
                                temperature=temperature, top_p=top_p, generator=generator)
         finally:
             self.model.train(was_training)
-        return self.tokenizer.decode(new)
+        return Reply(self.tokenizer.decode(new))
 
     @_exclusive
     def evaluate(self, examples: Iterable[Example] | None = None,

@@ -59,6 +59,36 @@ HELP = {
 }
 
 
+# One sentence per dropdown choice: what it does and what it costs. The panel shows the
+# current choice's sentence under its dropdown and all of them in the dropdown's tooltip.
+CHOICE_HELP = {
+    "method": {
+        "full": "Trains every weight: gradients and optimizer state for all of them, the most memory.",
+        "lora": "Freezes the model and trains small adapters beside each projection: gradients and "
+                "optimizer state for well under 1% of the weights.",
+        "qlora": "LoRA over a base stored in 4-bit NF4 (a quarter of bf16, an eighth of fp32), "
+                 "dequantized as each layer runs: the least memory, slower steps.",
+    },
+    "dtype": {
+        "fp32": "4 bytes per weight, gradient and activation: exact, twice bf16's memory.",
+        "bf16": "2 bytes per value: half the memory and fast on GPUs; on CPUs without native bf16 "
+                "it can be many times slower than fp32.",
+    },
+    "optimizer": {
+        "adamw": "AdamW (torch's fused kernel): two states per trained weight, 8 bytes each in fp32.",
+        "sgd": "Plain SGD: no optimizer state at all, but usually needs more steps to train as well.",
+        "adamw8bit": "bitsandbytes AdamW with 8-bit states: 2 bytes per weight instead of 8, "
+                     "trains about as well.",
+        "paged_adamw8bit": "adamw8bit whose state CUDA can page out to CPU memory when the card "
+                           "fills: changes what happens at the limit, not the peak (CUDA only).",
+        "paged_adamw": "AdamW with 32-bit state in CUDA unified memory, paged out under pressure "
+                       "(CUDA only).",
+        "ao_adamw8bit": "torchao's pure-PyTorch 8-bit AdamW: 2 bytes per weight of state.",
+        "ao_adamw4bit": "torchao's 4-bit AdamW: 1 byte per weight of state, a little less exact.",
+    },
+}
+
+
 @dataclass(frozen=True)
 class Techniques:
     """What to train and how: method, precision, memory techniques, batch shape, optimizer."""
@@ -147,6 +177,34 @@ class Techniques:
             out += [rule.reason for rule in RULES if rule.device is None and rule.broken(self)]
         return out
 
+    def summary(self) -> str:
+        """The techniques in words, the panel's summary line, e.g. "QLoRA r16 · bf16 ·
+        checkpointing every layer · AdamW 8-bit · 2 × 2048 tokens"."""
+        method = {"full": "full finetuning", "lora": "LoRA", "qlora": "QLoRA"}[self.method]
+        if self.method != "full":
+            method += f" r{self.lora_rank}"
+        parts = [method, self.dtype]
+        every = self.checkpoint_every
+        if every:
+            parts.append("checkpointing every layer" if every == 1 else f"checkpointing every {every} layers")
+        if self.activation_offloading:
+            parts.append("activations offloaded")
+        if self.chunked_loss > 1:
+            parts.append(f"loss in {self.chunked_loss} chunks")
+        optimizer = {"adamw": "AdamW", "sgd": "SGD", "adamw8bit": "AdamW 8-bit",
+                     "paged_adamw8bit": "paged AdamW 8-bit", "paged_adamw": "paged AdamW",
+                     "ao_adamw8bit": "torchao AdamW 8-bit", "ao_adamw4bit": "torchao AdamW 4-bit"}
+        parts.append(optimizer[self.optimizer]
+                     + (" in backward" if self.optimizer_in_backward else "")
+                     + (" on CPU" if self.cpu_offload_optimizer else ""))
+        batch = f"{self.batch_size} × {self.seq_len} tokens" + (" packed" if self.packing else "")
+        if self.grad_accum > 1:
+            batch += f" × {self.grad_accum} accumulated"
+        parts.append(batch)
+        if self.compile:
+            parts.append("compiled")
+        return " · ".join(parts)
+
     def conflicts(self, device: str) -> list["Rule"]:
         """The rules this combination breaks on ``device`` ("cpu" or "cuda")."""
         return [rule for rule in RULES
@@ -230,4 +288,13 @@ RULES = (
          "Paged optimizers keep their state in CUDA unified memory and page only on CUDA; on this "
          "device use adamw8bit (same 8-bit state, no paging) or adamw.",
          ("optimizer",), device="cuda"),
+)
+
+# Settings the rules allow but that change nothing on a device: the panel disables their control
+# there with this reason (code may still set them: the mechanism runs, and is tested, on CPU).
+NO_EFFECT = (
+    Rule(lambda t: not t.activation_offloading,
+         "Activation offloading moves the activations saved for backward from the GPU to CPU "
+         "memory; on this device they are in CPU memory already, so it would save nothing "
+         "(available on CUDA).", ("activation_offloading",), device="cuda"),
 )

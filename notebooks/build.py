@@ -633,10 +633,10 @@ print("CPU offload refused here, with the reason:", "CUDA" in rows["+ CPU offloa
     ("code", """shutil.rmtree("scale_out")"""),
 ]
 
-SCALE_OUT_CHECK = ("two ranks trained like one process: True\\n"
-                   "each rank held half the weights, gradients and optimizer state: True\\n"
-                   "checkpointing, sharded embeddings and chunked loss each lowered the peak per rank: True\\n"
-                   "CPU offload refused here, with the reason: True\\n")
+SCALE_OUT_CHECK = ("two ranks trained like one process: True\n"
+                   "each rank held half the weights, gradients and optimizer state: True\n"
+                   "checkpointing, sharded embeddings and chunked loss each lowered the peak per rank: True\n"
+                   "CPU offload refused here, with the reason: True\n")
 
 
 def build(cells, check_output: str) -> nbformat.NotebookNode:

@@ -110,11 +110,13 @@ def _run_cell(page, index: int, wait_for: str | None = None) -> None:
     raise AssertionError(f"cell {index} did not run")
 
 
-def _shot(page, name: str) -> None:
+def _shot(page, name: str, element=None) -> None:
+    """The page (or only ``element``) as ``name``.png under $NBTUNE_BROWSER_SHOTS, if set."""
     folder = os.environ.get("NBTUNE_BROWSER_SHOTS")
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(Path(folder) / f"{name}.png"), full_page=True)
+        path = str(Path(folder) / f"{name}.png")
+        element.screenshot(path=path) if element is not None else page.screenshot(path=path, full_page=True)
 
 
 def test_run_in_the_background_stop_and_a_live_toggle_in_jupyterlab(lab):
@@ -164,8 +166,62 @@ def test_run_in_the_background_stop_and_a_live_toggle_in_jupyterlab(lab):
         progress = panel.locator(".widget-html").filter(has_text="stopped ·").first.inner_text()
         done = int(re.search(r"step (\d+) of 3000", progress).group(1))
         assert 0 < done < 3000
+        _explains_itself(page, panel, button)
         tracebacks = page.locator(".jp-OutputArea-output").filter(has_text="Traceback").count()
         assert tracebacks == 0
         browser.close()
     # A demo step takes ~0.1-0.5 s on 2 cores; the browser round trip adds well under a second.
     assert latency < 15, latency
+
+
+# Each control shown in the open tab, with the hover text on it or inside it (a slider's sits
+# on its label, a dropdown's on a span in its label).
+_TITLES_JS = """el => {
+  const box = [...el.querySelectorAll('.widget-tab-contents > .widget-vbox')]
+    .find(b => !b.classList.contains('lm-mod-hidden'));
+  return [...box.children]
+    .filter(c => !c.classList.contains('widget-html') && c.style.display !== 'none')
+    .map(c => [c.innerText.slice(0, 40),
+               c.getAttribute('title') || (c.querySelector('[title]') || {title: ''}).title]);
+}"""
+
+
+def _dropdown(page, panel, label: str):
+    return panel.locator(".widget-dropdown").filter(
+        has=page.locator("label", has_text=re.compile(rf"^{label}$"))).locator("select")
+
+
+def _explains_itself(page, panel, button) -> None:
+    """What a first-time user sees: state at a glance, every control explained, replies in the
+    panel, LoRA fields only for LoRA methods (issue 15). Screenshots: full, LoRA, QLoRA."""
+    summary = panel.locator(".widget-html").filter(has_text="now:").first
+    assert "full finetuning" in summary.inner_text() and "packed" in summary.inner_text()
+    # every control says what it does when hovered (its title), in every tab
+    for tab in ("Method & adapter", "Precision", "Activations", "Optimizer", "Batch", "Evaluation"):
+        panel.locator(".lm-TabBar-tab", has_text=tab).click()
+        titles = panel.evaluate(_TITLES_JS)
+        assert titles and all(title.strip() for _, title in titles), (tab, titles)
+    # a toggle looks on only when on
+    panel.locator(".lm-TabBar-tab", has_text="Batch").click()
+    packing = button("pack examples into sequences")
+    assert "mod-info" in packing.get_attribute("class")
+    packing.click()
+    panel.locator(".widget-html").filter(has_text="applied").first.wait_for()
+    page.wait_for_function("el => !el.classList.contains('mod-info')", arg=packing.element_handle())
+    # a choice the rules refuse here: the reason in the panel, the dropdown snaps back
+    panel.locator(".lm-TabBar-tab", has_text="Optimizer").click()
+    optimizer = _dropdown(page, panel, "optimizer")
+    optimizer.select_option("paged_adamw8bit")
+    panel.locator(".widget-html").filter(has_text="Paged optimizers").first.wait_for()
+    page.wait_for_function("el => el.value === 'adamw'", arg=optimizer.element_handle())
+    # LoRA fields appear only for LoRA methods
+    panel.locator(".lm-TabBar-tab", has_text="Method & adapter").click()
+    rank = panel.get_by_text("LoRA rank", exact=True)
+    assert rank.count() == 0 or rank.first.is_hidden()
+    _shot(page, "panel-full", panel)
+    for method in ("lora", "qlora"):
+        _dropdown(page, panel, "method").select_option(method)
+        panel.locator(".widget-html").filter(has_text=f"{method}: ").first.wait_for()
+        panel.get_by_text("LoRA rank", exact=True).first.wait_for(state="visible")
+        panel.locator(".widget-html").filter(has_text="now: " + ("LoRA" if method == "lora" else "QLoRA")).first.wait_for()
+        _shot(page, f"panel-{method}", panel)

@@ -20,12 +20,14 @@ def test_demo_learns_and_writes_chart_and_summary(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
-    assert len(lines) == 150 and "loss" in lines[0] and "peak" in lines[0]
+    assert [int(line.split()[1]) for line in lines] == [1] + list(range(15, 151, 15))
+    assert "loss" in lines[0] and "peak" in lines[0]
+    assert len(done.stdout.splitlines()) <= 20  # a screenful; every step is in the JSON
     summary = json.loads((tmp_path / "demo_summary.json").read_text())
     for key in ("loss_first", "loss_last", "heldout_accuracy_before", "heldout_accuracy_after",
                 "steps", "seconds", "peak_bytes"):
         assert key in summary
-    assert summary["steps"] == 150
+    assert summary["steps"] == 150 and [row["step"] for row in summary["history"]] == list(range(1, 151))
     assert summary["loss_last"] <= summary["loss_first"] / 2
     assert summary["heldout_accuracy_after"] > summary["heldout_accuracy_before"]
     assert summary["peak_bytes"] > 0

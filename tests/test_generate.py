@@ -61,3 +61,17 @@ def test_sampling_is_seeded_and_top_p_keeps_the_nucleus():
     b = [next_token(logits, 2.0, generator=torch.Generator().manual_seed(7)) for _ in range(3)]
     assert a == b
     assert next_token(logits, 0.0) == 0
+
+
+def test_a_reply_is_a_str_that_a_notebook_shows_as_it_reads():
+    from IPython.lib.pretty import pretty
+
+    from nbtune.generate import Reply
+
+    reply = Reply('{"name": "Chile",\n "capital": "Santiago"}')
+    assert isinstance(reply, str) and reply == '{"name": "Chile",\n "capital": "Santiago"}'
+    assert repr(reply) == repr(str(reply))  # code sees a plain string
+    assert pretty(reply) == '{"name": "Chile",\n "capital": "Santiago"}'  # no quotes, no \\n
+    assert pretty(Reply("")) == "(empty reply)"
+    session = nt.Session.demo(device="cpu")
+    assert type(session.generate("Which vowel is in the word?", input="bcud", max_new_tokens=4)) is Reply

@@ -20,7 +20,8 @@ def test_required_controls_exist_with_tooltips(session_and_panel):
     for name in REQUIRED:
         assert name in panel.controls
     for name, control in panel.controls.items():
-        assert control.tooltip == HELP[name] or control.disabled
+        assert control.tooltip.startswith(HELP[name]) or control.disabled
+        assert control.tooltip.strip()
 
 
 def test_widget_changes_reach_the_session(session_and_panel):
@@ -83,6 +84,7 @@ def test_a_control_a_rule_would_refuse_is_disabled_with_the_reason(session_and_p
     assert panel.controls["compile"].disabled
     in_backward = panel.controls["optimizer_in_backward"]
     assert not in_backward.disabled and in_backward.tooltip == HELP["optimizer_in_backward"]
+    assert "Not available" in on_cpu.tooltip
     panel.controls["grad_accum"].value = 2
     assert in_backward.disabled and "grad_accum=1" in in_backward.tooltip
     panel.controls["grad_accum"].value = 1
@@ -155,3 +157,54 @@ def test_a_background_run_shows_as_a_progress_bar_with_stop():
     view = RunView(session, done)
     done.wait()
     assert view.bar.value == 2 and view.bar.bar_style == "success" and "done" in view.line.value
+
+
+def test_the_summary_line_says_the_techniques_in_words():
+    import nbtune as nt
+
+    t = nt.Techniques(method="qlora", lora_rank=16, dtype="bf16", activation_checkpointing=True,
+                      optimizer="adamw8bit", batch_size=2, seq_len=2048)
+    assert t.summary() == "QLoRA r16 · bf16 · checkpointing every layer · AdamW 8-bit · 2 × 2048 tokens"
+    t = nt.Techniques(activation_checkpointing=2, chunked_loss=8, optimizer_in_backward=True,
+                      packing=True, batch_size=4, seq_len=128)
+    assert t.summary() == ("full finetuning · fp32 · checkpointing every 2 layers · loss in 8 chunks · "
+                           "AdamW in backward · 4 × 128 tokens packed")
+    assert nt.Techniques(grad_accum=4, batch_size=1, seq_len=64).summary().endswith("1 × 64 tokens × 4 accumulated")
+
+
+def test_every_field_and_every_choice_has_its_sentence():
+    import dataclasses
+
+    import nbtune as nt
+    from nbtune.techniques import CHOICE_HELP, DTYPES, METHODS, OPTIMIZERS
+
+    for field in dataclasses.fields(nt.Techniques):
+        assert HELP[field.name].strip().endswith("."), field.name
+    for name, choices in (("method", METHODS), ("dtype", DTYPES), ("optimizer", OPTIMIZERS)):
+        assert set(CHOICE_HELP[name]) == set(choices)
+        assert all(text.strip().endswith(".") for text in CHOICE_HELP[name].values())
+
+
+def test_the_panel_shows_its_state_at_a_glance(session_and_panel):
+    session, panel = session_and_panel
+    packing = panel.controls["packing"]
+    assert not packing.value and packing.icon == "" and packing.button_style == ""
+    packing.value = True
+    assert session.techniques.packing and packing.icon == "check" and packing.button_style == "info"
+    assert "4 × 96 tokens packed" in panel.summary.value
+    # LoRA's own controls only for LoRA methods
+    assert all(panel.controls[n].layout.display == "none" for n in ("lora_rank", "lora_targets"))
+    panel.controls["method"].value = "lora"
+    assert all(panel.controls[n].layout.display != "none" for n in ("lora_rank", "lora_targets"))
+    assert "LoRA r8" in panel.summary.value
+    assert "lora: Freezes the model" in panel.choice_help["method"].value
+    assert "Now: lora: Freezes the model" in panel.controls["method"].tooltip
+    # changes nothing on this device: disabled, with the reason
+    offload = panel.controls["activation_offloading"]
+    assert offload.disabled and "already" in offload.tooltip and "CUDA" in offload.tooltip
+
+
+def test_hiding_lora_fields_hides_nothing_else(session_and_panel):
+    _, panel = session_and_panel
+    hidden = {name for name, control in panel.controls.items() if control.layout.display == "none"}
+    assert hidden == {"lora_rank", "lora_alpha", "lora_dropout", "lora_targets"}

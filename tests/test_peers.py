@@ -45,10 +45,11 @@ def test_nbtune_and_transformers_do_the_same_work_on_a_tiny_shape(tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--shape", "tiny", "--rounds", "1",
          "--steps", "1", "--frameworks", "nbtune,transformers", "--rungs",
-         "full fp32,+ chunked loss,LoRA", "--out", str(tmp_path)],
+         "full fp32,+ chunked loss,LoRA", "--out", str(tmp_path), "--inputs", str(tmp_path / "inputs")],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = {r["rung"]: r for r in json.loads((tmp_path / "peers-tiny-cpu.json").read_text())["rows"]}
+    result = json.loads((tmp_path / "peers-tiny-cpu.json").read_text())
+    rows = {r["rung"]: r for r in result["rows"]}
     for label in ("full fp32", "LoRA"):
         ours, theirs = rows[label]["summary"]["nbtune"], rows[label]["summary"]["transformers"]
         assert abs(ours["first_loss"] - theirs["first_loss"]) < 1e-4  # same weights, same batches
@@ -56,7 +57,7 @@ def test_nbtune_and_transformers_do_the_same_work_on_a_tiny_shape(tmp_path):
         ratios = rows[label]["summary"]["ratios"]
         assert ratios["peak_vs_best_peer"] == ours["peak_bytes"] / theirs["peak_bytes"]
     # full finetuning holds at least weights + gradients + two AdamW states: 16 bytes a weight
-    weights = sum(t.numel() for t in load_file(str(tmp_path / "inputs-tiny-2x32" / "model" / "model.safetensors")).values())
+    weights = sum(t.numel() for t in load_file(str(Path(result["inputs"]) / "model" / "model.safetensors")).values())
     assert rows["full fp32"]["summary"]["transformers"]["peak_bytes"] >= 16 * weights
     assert rows["full fp32"]["summary"]["nbtune"]["peak_bytes"] >= 16 * weights
     assert rows["+ chunked loss"]["not_available"] == ["transformers"]

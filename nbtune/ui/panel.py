@@ -12,12 +12,13 @@ that thread (no display handles), which JupyterLab, Notebook 7, VS Code and Cola
 
 from __future__ import annotations
 
+import html
 import threading
 import time
 
 import ipywidgets as w
 
-from ..techniques import DTYPES, HELP, LORA_TARGETS, METHODS, OPTIMIZERS
+from ..techniques import CHOICE_HELP, DTYPES, HELP, LORA_TARGETS, METHODS, NO_EFFECT, OPTIMIZERS
 from .charts import draw_memory, figure_png, format_bytes
 from ..fitting import CARDS
 from .fitcheck import FitCheck
@@ -31,31 +32,36 @@ def _controls(session) -> dict[str, w.ValueWidget]:
     layers = len(session.model.model.layers)
     limit = session.model.config.max_position_embeddings
     style = {"description_width": "170px"}
-    wide = w.Layout(width="440px")
+    def wide():  # one Layout per control: hiding one (LoRA's under "full") must not hide others
+        return w.Layout(width="440px")
 
     def slider(cls, description, **kw):
-        return cls(description=description, style=style, layout=wide, **kw)
+        return cls(description=description, style=style, layout=wide(), **kw)
 
     def toggle(description):
         # A ToggleButton, not a Checkbox: a checkbox's hover text is its label, never the
-        # tooltip, so a disabled one could not say why.
-        return w.ToggleButton(description=description, icon="check",
+        # tooltip, so a disabled one could not say why. Its look follows its value (_look).
+        return w.ToggleButton(description=description,
                               layout=w.Layout(width="262px", margin="2px 0 2px 178px"))
 
     return {
         # model
-        "method": w.Dropdown(options=METHODS, description="method", style=style, layout=wide),
-        "dtype": w.Dropdown(options=DTYPES, description="dtype", style=style, layout=wide),
+        "method": w.Dropdown(options=METHODS, description="method", style=style, layout=wide(),
+                             description_allow_html=True),
+        "dtype": w.Dropdown(options=DTYPES, description="dtype", style=style, layout=wide(),
+                            description_allow_html=True),
         "lora_rank": slider(w.IntSlider, "LoRA rank", min=1, max=64),
         "lora_alpha": slider(w.FloatSlider, "LoRA alpha", min=1.0, max=128.0, step=1.0),
         "lora_dropout": slider(w.FloatSlider, "LoRA dropout", min=0.0, max=0.5, step=0.05),
         "lora_targets": w.SelectMultiple(options=LORA_TARGETS, description="LoRA targets",
-                                         style=style, layout=w.Layout(width="440px", height="130px")),
+                                         style=style, layout=w.Layout(width="440px", height="130px"),
+                                         description_allow_html=True),
         # memory
         "activation_checkpointing": slider(w.IntSlider, "checkpoint every N layers", min=0, max=layers),
         "activation_offloading": toggle("offload activations to CPU"),
         "chunked_loss": slider(w.IntSlider, "loss in N chunks", min=0, max=16),
-        "optimizer": w.Dropdown(options=OPTIMIZERS, description="optimizer", style=style, layout=wide),
+        "optimizer": w.Dropdown(options=OPTIMIZERS, description="optimizer", style=style, layout=wide(),
+                                description_allow_html=True),
         "optimizer_in_backward": toggle("optimizer step in backward"),
         "cpu_offload_optimizer": toggle("optimizer state on CPU"),
         "compile": toggle("torch.compile"),
@@ -74,12 +80,15 @@ def _controls(session) -> dict[str, w.ValueWidget]:
     }
 
 
-TABS = {"Model": ("method", "dtype", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
-        "Memory": ("activation_checkpointing", "activation_offloading", "chunked_loss", "optimizer",
-                   "optimizer_in_backward", "cpu_offload_optimizer", "compile"),
+# Controls grouped by concern, one tab each.
+TABS = {"Method & adapter": ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
+        "Precision": ("dtype", "compile"),
+        "Activations": ("activation_checkpointing", "activation_offloading", "chunked_loss"),
+        "Optimizer": ("optimizer", "optimizer_in_backward", "cpu_offload_optimizer", "lr",
+                      "warmup_steps", "weight_decay", "max_grad_norm"),
         "Batch": ("batch_size", "seq_len", "packing", "grad_accum"),
-        "Optimizer": ("lr", "warmup_steps", "weight_decay", "max_grad_norm"),
         "Evaluation": ("eval_every",)}
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")  # hidden under "full"
 # The value a control is moved to when a rule would stop it (checked to disable it ahead).
 PROBES = {"optimizer_in_backward": True, "cpu_offload_optimizer": True, "compile": True,
           "activation_offloading": True, "packing": True, "grad_accum": 2, "max_grad_norm": 1.0}
@@ -91,7 +100,12 @@ def _widget_value(name: str, value):
 
 
 def _blocked_reason(techniques, name: str, device: str) -> str | None:
-    """Why moving control ``name`` to its probe value would be refused, or None."""
+    """Why control ``name`` is disabled: moving it to its probe value would be refused, or it
+    would change nothing on this device (``NO_EFFECT``); None if it is free to move."""
+    pointless = [rule.reason for rule in NO_EFFECT
+                 if name in rule.fields and rule.device != device and rule.broken(techniques)]
+    if pointless:
+        return " ".join(pointless)
     probe = PROBES.get(name)
     if probe is None or getattr(techniques, name) == probe:
         return None  # nothing to probe, or already on (it must stay possible to turn it off)
@@ -109,6 +123,7 @@ class Panel(w.VBox):
         self.session = session
         self._local = threading.local()  # which thread is moving controls to match the session
         self.controls = _controls(session)
+        self._labels = {name: control.description for name, control in self.controls.items()}
         for name, control in self.controls.items():
             control.value = _widget_value(name, getattr(session.techniques, name))
             control.observe(self._on_control, names="value")
@@ -155,12 +170,20 @@ class Panel(w.VBox):
         self.chart = w.Image(format="png")
         self._figure = Figure(figsize=(9, 4))
         self._pacer = PacedRedraw(session.overhead)
-        tabs = w.Tab([w.VBox([self.controls[name] for name in names]) for names in TABS.values()])
+        # the current choice of each dropdown, in a sentence, under it
+        self.choice_help = {name: w.HTML(layout=w.Layout(width="440px", margin="0 0 6px 178px"))
+                            for name in CHOICE_HELP}
+        self.summary = w.HTML()  # the techniques in words
+        tabs = w.Tab([w.VBox([widget for name in names
+                              for widget in (self.controls[name], self.choice_help.get(name)) if widget])
+                      for names in TABS.values()])
         for i, title in enumerate(TABS):
             tabs.set_title(i, title)
         super().__init__([
-            w.HTML("<b>nbtune</b>: change a toggle, run a few steps, watch where memory goes."),
-            tabs, w.HBox([self.budget, self.badge]), w.HBox([self.fit_button, self.fit_apply]),
+            w.HTML("<b>nbtune</b>: change a toggle, run a few steps, watch where memory goes. "
+                   "Hover over a control to see what it does and costs."),
+            self.summary, tabs, w.HBox([self.budget, self.badge]),
+            w.HBox([self.fit_button, self.fit_apply]),
             w.HBox([self.step_button, self.steps, self.run_button, self.stop_button, self.price]),
             self.status, self.progress, self.chart])
         self._sync_from(session.techniques)
@@ -290,20 +313,38 @@ class Panel(w.VBox):
         line = run_status(run.reports, run.steps, end - run.started, self.session.price_per_hour)
         if run.finished is not None:
             line = ("stopped · " if run.stopped else "failed · " if run.error else "done · ") + line
-        self.progress.value = f"<span style='color:#333'>{line}</span>"
+        self.progress.value = _wrapped(html.escape(line))
 
     def _last_run(self):
         return getattr(self, "_run_seen", None)  # the run that just ended
 
     def _sync_from(self, techniques) -> None:
-        """Show ``techniques``; disable each control a rule would refuse, saying why."""
+        """Show ``techniques``: values, the summary line, each dropdown's choice in words,
+        toggles that look on or off, LoRA fields only for LoRA methods, and each control a
+        rule would refuse (or that would change nothing here) disabled with the reason."""
         self._local.syncing = True
         try:
             for name, control in self.controls.items():
-                control.value = _widget_value(name, getattr(techniques, name))
+                value = getattr(techniques, name)
+                control.value = _widget_value(name, value)
                 reason = _blocked_reason(techniques, name, self.session.device.type)
                 control.disabled = reason is not None
-                control.tooltip = reason or HELP[name]
+                help_text = HELP[name]
+                if name in CHOICE_HELP:
+                    chosen = CHOICE_HELP[name][value]
+                    help_text = f"{help_text} Now: {value}: {chosen}"
+                    self.choice_help[name].value = _wrapped(html.escape(f"{value}: {chosen}"),
+                                                            "#555", "90%")
+                control.tooltip = f"Not available: {reason}" if reason else help_text
+                if getattr(control, "description_allow_html", False):
+                    # JupyterLab shows no hover text on a dropdown or list: put it on the label
+                    control.description = (f"<span title='{html.escape(control.tooltip, quote=True)}'>"
+                                           f"{self._labels[name]}</span>")
+                if isinstance(control, w.ToggleButton):
+                    _look(control, value)
+                if name in LORA_FIELDS:
+                    control.layout.display = "none" if techniques.method == "full" else None
+            self.summary.value = _wrapped(f"<b>now:</b> {html.escape(techniques.summary())}", size="105%")
         finally:
             self._local.syncing = False
 
@@ -322,7 +363,19 @@ class Panel(w.VBox):
 
     def _say(self, text: str, error: bool = False) -> None:
         color = "#b00" if error else "#333"
-        self.status.value = f"<span style='color:{color}'>{text}</span>"
+        self.status.value = _wrapped(html.escape(text), color)
+
+
+def _wrapped(body: str, color: str = "#333", size: str = "100%") -> str:
+    """HTML that wraps at the panel's edge: ipywidgets' HTML keeps one line and cuts the rest."""
+    return (f"<div style='white-space:normal;overflow-wrap:anywhere;line-height:1.35;"
+            f"color:{color};font-size:{size}'>{body}</div>")
+
+
+def _look(toggle: w.ToggleButton, on: bool) -> None:
+    """On and off look different: a check and a filled style only when on."""
+    toggle.icon = "check" if on else ""
+    toggle.button_style = "info" if on else ""
 
 
 def _budgets(session) -> list[tuple[str, object]]:
@@ -367,7 +420,7 @@ class RunView(w.HBox):
         if event in ("step", "run"):
             self._update()
         elif event == "message" and self.run.running:
-            self.line.value = f"<span style='color:#333'>{payload}</span>"
+            self.line.value = _wrapped(html.escape(payload))
 
     def _update(self) -> None:
         run = self.run
@@ -379,4 +432,4 @@ class RunView(w.HBox):
             self.bar.bar_style = "danger" if run.error else "warning" if run.stopped else "success"
             text = ("failed: " + str(run.error) + " · " if run.error else
                     "stopped · " if run.stopped else "done · ") + text
-        self.line.value = f"<span style='color:#333'>{text}</span>"
+        self.line.value = _wrapped(html.escape(text))

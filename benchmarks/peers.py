@@ -118,6 +118,12 @@ def bf16_slowdown() -> float:
 
 # ---- shared inputs ---------------------------------------------------------------------------
 
+def max_positions(shape: dict) -> int:
+    """The context the model is built for: the row length on CPU shapes, 128k on GPU ones (one
+    model folder serves every row length the longest-context search tries)."""
+    return 131072 if shape["hidden"] >= 3072 else max(shape["seq"], 128)
+
+
 def make_inputs(shape: dict, folder: Path, steps: int) -> None:
     """The random-weight model (transformers' init, seed 0) and the batches, via nbtune's own
     ``BatchStream`` so that the nbtune worker draws exactly these."""
@@ -126,20 +132,27 @@ def make_inputs(shape: dict, folder: Path, steps: int) -> None:
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / "model" / "model.safetensors").exists():
+    big = shape["hidden"] >= 3072  # the GPU shapes
+    # One model folder per shape, whatever the batch: an 8B copy per row length would fill a disk.
+    key = "-".join(str(shape[k]) for k in ("vocab", "hidden", "mlp", "layers", "heads", "kv"))
+    key += f"-{max_positions(shape)}"
+    model_dir = folder.parent / f"model-{key}{'-tied' if shape.get('tied') else ''}"
+    if not (folder / "model").exists():
+        (folder / "model").symlink_to(model_dir.resolve(), target_is_directory=True)
+    if not (model_dir / "model.safetensors").exists():
         config = transformers.LlamaConfig(
             vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["mlp"],
             num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-            num_key_value_heads=shape["kv"], max_position_embeddings=max(shape["seq"], 128),
+            num_key_value_heads=shape["kv"], max_position_embeddings=max_positions(shape),
             rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=shape.get("tied", False))
         torch.manual_seed(0)
-        with torch.device("meta" if shape["hidden"] >= 3072 else "cpu"):
+        with torch.device("meta" if big else "cpu"):
             model = transformers.LlamaForCausalLM(config)
-        if shape["hidden"] >= 3072:  # GPU shapes: the weights' values do not matter; bf16 on disk
+        if big:  # the weights' values do not matter for memory and speed; bf16 on disk
             model = model.to_empty(device="cpu").to(torch.bfloat16)
             for p in model.parameters():
                 torch.nn.init.normal_(p, std=0.02)
-        model.save_pretrained(folder / "model", safe_serialization=True)
+        model.save_pretrained(model_dir, safe_serialization=True)
     batches = []
     stream = nbtune_stream(shape, folder, rows=shape["batch"] * (steps + 2))
     for _ in range(steps + 2):
@@ -312,7 +325,11 @@ def worker_transformers(shape, config, folder, steps, device):
     if config.get("qlora"):
         kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
-    model = transformers.LlamaForCausalLM.from_pretrained(folder / "model", **kwargs).to(device)
+    if config.get("qlora"):  # bitsandbytes places 4-bit weights itself (.to() is refused)
+        kwargs["device_map"] = device
+    model = transformers.LlamaForCausalLM.from_pretrained(folder / "model", **kwargs)
+    if not config.get("qlora"):
+        model = model.to(device)
     model.config.use_cache = False
     if config.get("checkpointing"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -350,18 +367,25 @@ def worker_torchtune(shape, config, folder, steps, device):
     dtype = torch.bfloat16 if config.get("dtype") == "bf16" else torch.float32
     common = dict(vocab_size=shape["vocab"], num_layers=shape["layers"], num_heads=shape["heads"],
                   num_kv_heads=shape["kv"], embed_dim=shape["hidden"],
-                  max_seq_len=max(shape["seq"], 128), intermediate_dim=shape["mlp"], norm_eps=1e-5,
+                  max_seq_len=max_positions(shape), intermediate_dim=shape["mlp"], norm_eps=1e-5,
                   rope_base=500000.0)
+    build, lora_build = llama3, lora_llama3
+    if shape.get("tied"):  # Llama 3.2's builders tie the head (their RoPE is scaled: the loss
+        from torchtune.models.llama3_2._component_builders import llama3_2, lora_llama3_2
+
+        build, lora_build = llama3_2, lora_llama3_2  # differs a little; memory and speed do not)
     with training.set_default_dtype(dtype), torch.device(device):
         if config.get("lora"):
-            model = lora_llama3(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"],
+            model = lora_build(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"],
                                 apply_lora_to_mlp=True, apply_lora_to_output=False,
                                 lora_rank=LORA["rank"], lora_alpha=LORA["alpha"],
                                 quantize_base=bool(config.get("qlora")), **common)
         else:
-            model = llama3(**common)
-    state = hf_to_tune(load_file(str(folder / "model" / "model.safetensors")),
-                       num_heads=shape["heads"], num_kv_heads=shape["kv"], dim=shape["hidden"])
+            model = build(**common)
+    hf_state = {}
+    for part in sorted((folder / "model").glob("*.safetensors")):  # large models come in shards
+        hf_state.update(load_file(str(part)))
+    state = hf_to_tune(hf_state, num_heads=shape["heads"], num_kv_heads=shape["kv"], dim=shape["hidden"])
     model.load_state_dict(state, strict=not config.get("lora"))
     if config.get("lora"):
         set_trainable_params(model, get_adapter_params(model))

@@ -60,7 +60,7 @@ HELP = {
 
 
 # One sentence per dropdown choice: what it does and what it costs. The panel shows the
-# current choice's sentence under its dropdown and all of them in the dropdown's tooltip.
+# current choice's sentence under its dropdown and in the dropdown's hover text.
 CHOICE_HELP = {
     "method": {
         "full": "Trains every weight: gradients and optimizer state for all of them, the most memory.",

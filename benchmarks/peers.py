@@ -68,7 +68,7 @@ FEATURES = {  # what each framework can do, by rung key (one name each, as the r
     "torchtune": {"dtype", "checkpointing", "chunked_loss", "optimizer_in_backward", "offloading",
                   "adamw8bit", "lora", "qlora"},
 }
-FEATURES["nbtune-norollback"] = FEATURES["nbtune"]
+FEATURES["nbtune-norollback"] = FEATURES["nbtune-tracked"] = FEATURES["nbtune"]
 LORA = dict(rank=8, alpha=16.0)
 TORCHAO_FOR_TORCHTUNE = "torchao==0.15.0"
 LR = 1e-5
@@ -285,7 +285,7 @@ def _max_rss() -> int:
 
 # ---- the three workers -----------------------------------------------------------------------
 
-def worker_nbtune(shape, config, folder, steps, device, rollback="auto"):
+def worker_nbtune(shape, config, folder, steps, device, rollback="auto", track=False):
     import torch
 
     import nbtune as nt
@@ -309,7 +309,7 @@ def worker_nbtune(shape, config, folder, steps, device, rollback="auto"):
     expected = load_batches(folder)
 
     def step(batch):  # the trainer draws the same batch from its own stream
-        return trainer.step(track=False).loss
+        return trainer.step(track=track).loss  # track: nbtune's own memory tracker on every step
 
     drawn = trainer.stream.copy().next()
     assert torch.equal(drawn["input_ids"], expected[0]["input_ids"]), "batches differ"
@@ -435,7 +435,10 @@ def _optimizer(params, config, device):
 
 WORKERS = {"nbtune": worker_nbtune, "transformers": worker_transformers, "torchtune": worker_torchtune,
            # the step alone: without the host copy that makes a failed step undoable
-           "nbtune-norollback": lambda *a: worker_nbtune(*a, rollback="none")}
+           "nbtune-norollback": lambda *a: worker_nbtune(*a, rollback="none"),
+           # memory_tracking="every_step": what measuring every step costs (its peak counts the
+           # tracker's own bookkeeping too, so only its speed is compared)
+           "nbtune-tracked": lambda *a: worker_nbtune(*a, track=True)}
 
 
 # ---- the driver ------------------------------------------------------------------------------
@@ -613,6 +616,11 @@ def summarize(runs: dict) -> dict:
         out["ratios"] = {"peak_vs_best_peer": ours["peak_bytes"] / best_peak,
                          "speed_vs_best_peer": ours["tokens_per_second"] / best_speed,
                          "targets": {"peak": 0.9, "speed": 1.1}}
+    tracked = out.get("nbtune-tracked", {})
+    if ours and "error" not in ours and tracked and "error" not in tracked:
+        # a step's time with memory tracked over without (target: under 1.5x)
+        out.setdefault("ratios", {})["every_step_tracking_cost"] = (
+            ours["tokens_per_second"] / tracked["tokens_per_second"])
     return out
 
 
@@ -631,7 +639,9 @@ def table(rows: list[dict]) -> str:
                 lines.append(f"{head:<28}{framework:<14}error: {v['error'][:60]}")
                 continue
             extra = (f"{ratios['peak_vs_best_peer']:>12.2f}{ratios['speed_vs_best_peer']:>12.2f}"
-                     if framework == "nbtune" and ratios else "")
+                     if framework == "nbtune" and "peak_vs_best_peer" in ratios else "")
+            if framework == "nbtune-tracked" and "every_step_tracking_cost" in ratios:
+                extra = f"{'':>12}{'':>12}   tracking every step: {ratios['every_step_tracking_cost']:.2f}x"
             lines.append(f"{head:<28}{framework:<14}{v['peak_bytes'] / mib:>10,.0f}"
                          f"{v['tokens_per_second']:>10,.1f}{v['first_loss']:>9.4f}{extra}")
         for missing in row.get("not_available", []):

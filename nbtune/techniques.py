@@ -278,10 +278,11 @@ RULES = (
          ("cpu_offload_optimizer", "optimizer")),
     Rule(lambda t: t.cpu_offload_optimizer,
          "cpu_offload_optimizer (torchao's CPUOffloadOptimizer) moves optimizer state off a CUDA "
-         "device; on this device the state is already in CPU memory: turn it off.",
+         "device; on this device the state is already in CPU memory, so it is for CUDA only (keep "
+         "cpu_offload_optimizer off here).",
          ("cpu_offload_optimizer",), device="cuda"),
     Rule(lambda t: t.compile,
-         "On CPU every step's memory is measured by watching each operator, which makes torch "
+         "On CPU nbtune measures a step's memory by watching each operator, which makes torch "
          "run the model eagerly, so compile would change nothing here; it is available on CUDA.",
          ("compile",), device="cuda"),
     Rule(lambda t: t.optimizer in PAGED_OPTIMIZERS,

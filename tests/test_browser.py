@@ -37,7 +37,10 @@ CELLS = [
     "print('session ready')",
     "p = s.panel()\np",
     "print('kernel free while training:', s.current_run is not None, 'steps so far:', len(s.history))",
+    "s.memory_tracking = 'sampled'\nprint('memory tracking', s.memory_tracking)",
 ]
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+         "--disable-component-update", "--no-first-run"]
 
 
 def _notebook(folder: Path) -> Path:
@@ -61,7 +64,12 @@ def _free_port() -> int:
 def lab(tmp_path):
     _notebook(tmp_path)
     port, token = _free_port(), "nbtune-browser-test"
+    # no "get notified about Jupyter news?" pop-up over the panel (it would cover the chart)
+    news = tmp_path / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+    news.parent.mkdir(parents=True)
+    news.write_text(json.dumps({"fetchNews": "false"}))
     env = dict(os.environ, HF_HUB_OFFLINE="1", JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+               JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
                JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]),
                                            os.environ.get("PYTHONPATH", "")]))
@@ -121,7 +129,7 @@ def _shot(page, name: str, element=None) -> None:
 
 def test_run_in_the_background_stop_and_a_live_toggle_in_jupyterlab(lab):
     with playwright.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1400})
         page.set_default_timeout(120_000)
         page.goto(lab)
@@ -166,6 +174,8 @@ def test_run_in_the_background_stop_and_a_live_toggle_in_jupyterlab(lab):
         progress = panel.locator(".widget-html").filter(has_text="stopped ·").first.inner_text()
         done = int(re.search(r"step (\d+) of 3000", progress).group(1))
         assert 0 < done < 3000
+        assert " left" not in progress  # a stopped run has no time left
+        _run_cell(page, 3, "memory tracking sampled")  # the screenshots show measured steps
         _explains_itself(page, panel, button)
         tracebacks = page.locator(".jp-OutputArea-output").filter(has_text="Traceback").count()
         assert tracebacks == 0
@@ -201,6 +211,13 @@ def _explains_itself(page, panel, button) -> None:
         panel.locator(".lm-TabBar-tab", has_text=tab).click()
         titles = panel.evaluate(_TITLES_JS)
         assert titles and all(title.strip() for _, title in titles), (tab, titles)
+    # and outside the tabs: the card to fit on (title on its label) and the steps box
+    for label in ("will it fit on", "steps"):
+        box = panel.locator(".widget-inline-hbox").filter(
+            has=page.locator("label", has_text=re.compile(rf"^{label}$"))).first
+        title = box.evaluate("el => el.getAttribute('title') || "
+                             "(el.querySelector('[title]') || {title: ''}).title")
+        assert title.strip() and title != "null", (label, title)
     # a toggle looks on only when on
     panel.locator(".lm-TabBar-tab", has_text="Batch").click()
     packing = button("pack examples into sequences")
@@ -218,10 +235,26 @@ def _explains_itself(page, panel, button) -> None:
     panel.locator(".lm-TabBar-tab", has_text="Method & adapter").click()
     rank = panel.get_by_text("LoRA rank", exact=True)
     assert rank.count() == 0 or rank.first.is_hidden()
-    _shot(page, "panel-full", panel)
+    _measured_shot(page, panel, button, "panel-full")
     for method in ("lora", "qlora"):
         _dropdown(page, panel, "method").select_option(method)
         panel.locator(".widget-html").filter(has_text=f"{method}: ").first.wait_for()
         panel.get_by_text("LoRA rank", exact=True).first.wait_for(state="visible")
         panel.locator(".widget-html").filter(has_text="now: " + ("LoRA" if method == "lora" else "QLoRA")).first.wait_for()
-        _shot(page, f"panel-{method}", panel)
+        _measured_shot(page, panel, button, f"panel-{method}")
+
+
+def _measured_shot(page, panel, button, name: str) -> None:
+    """One step (measured: the first after a change) and the fit badge's answer, then the shot."""
+    def last_step() -> int:
+        found = re.findall(r"step (\d+): loss", panel.inner_text())
+        return int(found[-1]) if found else 0
+
+    before = last_step()
+    button("Step").click()
+    deadline = time.monotonic() + 60
+    while last_step() <= before:
+        assert time.monotonic() < deadline, "the step did not show"
+        time.sleep(0.1)
+    panel.locator(".widget-html").filter(has_text="estimated next step").first.wait_for(timeout=120_000)
+    _shot(page, name, panel)

@@ -50,6 +50,12 @@ def test_tiny_demo_keeps_its_settings_and_changes_apply():
     session = nt.Session.demo(device="cpu", lr=5e-4)
     assert session.techniques == DEMOS["tiny"].techniques.replace(lr=5e-4)
     assert session.match == "exact"
+    # a dict of a few fields adjusts the demo's settings too (its seq_len fits its model) ...
+    session = nt.Session.demo(device="cpu", techniques={"batch_size": 4}, lr=5e-4)
+    assert session.techniques == DEMOS["tiny"].techniques.replace(batch_size=4, lr=5e-4)
+    # ... while a whole Techniques replaces them
+    session = nt.Session.demo(device="cpu", techniques=nt.Techniques(seq_len=128))
+    assert session.techniques == nt.Techniques(seq_len=128)
 
 
 def test_missing_smollm2_package_says_how_to_install(monkeypatch):

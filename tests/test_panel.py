@@ -12,7 +12,11 @@ REQUIRED = ("method", "dtype", "activation_checkpointing", "batch_size", "lr")
 @pytest.fixture
 def session_and_panel():
     session = small_session()
-    return session, session.panel()
+    panel = session.panel()
+    yield session, panel
+    # an estimate still running in the fit check's thread when the interpreter exits aborts it
+    # ("terminate called without an active exception", exit code 134)
+    assert panel._fitcheck.wait(120)
 
 
 def test_required_controls_exist_with_tooltips(session_and_panel):
@@ -122,6 +126,11 @@ def test_run_in_the_background_stop_and_pending_changes_shown(session_and_panel)
     run.wait()
     assert run.stopped and "stopped" in panel.progress.value
     assert not panel.run_button.disabled and panel.stop_button.layout.display == "none"
+    # a stopped run has nothing left: no time left in its line; the reply names both counts
+    assert " left" not in panel.progress.value
+    done, total = len(run.reports), len(session.history)
+    assert f"stopped after {done} of the 10000 steps of this run" in panel.status.value
+    assert f"up to step {total}" in panel.status.value
 
 
 def test_run_status_line_counts_time_left_and_cost():
@@ -135,6 +144,8 @@ def test_run_status_line_counts_time_left_and_cost():
     assert line.startswith("step 4 of 10 · loss 1.600 · 2,000 tokens/s")
     assert "2 s elapsed, 4 s left" in line
     assert "$0.00 so far, $0.01 to finish at $3.6/h" in line
+    stopped = run_status(reports, 10, elapsed=2.4, price_per_hour=3.6, finished=True)
+    assert " left" not in stopped and "to finish" not in stopped and "$0.00 so far" in stopped
     assert run_status([], 5, 0.0) == "step 0 of 5 · 0 s elapsed"
     assert format_duration(3725) == "1 h 02 min" and format_duration(65) == "1 min 05 s"
 
@@ -202,6 +213,34 @@ def test_the_panel_shows_its_state_at_a_glance(session_and_panel):
     # changes nothing on this device: disabled, with the reason
     offload = panel.controls["activation_offloading"]
     assert offload.disabled and "already" in offload.tooltip and "CUDA" in offload.tooltip
+    # ... and looks it: struck through, unlike a toggle that is merely off
+    assert offload.style.text_decoration == "line-through"
+    assert packing.style.text_decoration == "none"
+    # the controls outside the tabs explain themselves too (the dropdown's on its label)
+    assert panel.steps.tooltip and "title=" in panel.budget.description
+
+
+def test_the_chart_redraws_within_its_budget_and_at_least_every_so_often(monkeypatch):
+    from nbtune.overhead import OverheadBudget
+    from nbtune.ui import live
+
+    now = [100.0]
+    monkeypatch.setattr(live.time, "perf_counter", lambda: now[0])
+    budget = OverheadBudget(share=0.02)
+    pacer = live.PacedRedraw(budget)
+    assert pacer.due()  # the first drawing always
+    now[0] += 0.1
+    pacer.drew(100.0)  # it cost 0.1 s, with no training time yet: the budget is spent
+    budget.work(2.0)
+    assert not pacer.due() and pacer.due(force=True)
+    now[0] += 9.0
+    assert not pacer.due()
+    now[0] += 1.5  # over 10 s since the last drawing: drawn anyway
+    assert pacer.due()
+    budget.work(1000.0)  # plenty of training time: the budget allows it at once
+    now[0] += 0.01
+    pacer.drew(now[0] - 0.1)
+    assert pacer.due()
 
 
 def test_hiding_lora_fields_hides_nothing_else(session_and_panel):

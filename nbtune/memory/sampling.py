@@ -1,9 +1,10 @@
 """Which steps to track: all of them on CUDA (allocator counters are nearly free), a
 budgeted sample on CPU (the dispatch-level tracker makes a tiny model's step ~1.6x slower).
 
-A CPU step is tracked when nothing has been measured since the techniques changed, else
-only when its extra cost fits the session's ``OverheadBudget``. Untracked steps report the
-last measurement, marked ``measured=False``.
+A CPU step is tracked when fewer than two steps have been measured since the techniques
+changed (a fresh optimizer makes its state during the first step, so only the second shows
+the peak every later step has), else only when its extra cost fits the session's
+``OverheadBudget``. Untracked steps report the last measurement, marked ``measured=False``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,17 @@ class MemorySampler:
         self.stale = True  # nothing measured under the current techniques
         self._tracked_s: float | None = None
         self._plain_s: float | None = None
+
+    STEADY_AFTER = 2  # tracked steps after a change before its measurement is the steady one
+
+    @property
+    def stale(self) -> bool:
+        """Whether the current techniques still lack a measurement of a steady step."""
+        return self._unmeasured > 0
+
+    @stale.setter
+    def stale(self, value: bool) -> None:
+        self._unmeasured = self.STEADY_AFTER if value else 0
 
     @property
     def mode(self) -> str:
@@ -48,7 +60,7 @@ class MemorySampler:
     def record(self, seconds: float, tracked: bool, device_type: str) -> None:
         """Charge a finished step to the budget: its tracking share as overhead."""
         if tracked:
-            self.stale = False
+            self._unmeasured = max(0, self._unmeasured - 1)
         if not tracked or device_type == "cuda":
             self._plain_s = _average(self._plain_s, seconds)
             self.budget.work(seconds)

@@ -25,18 +25,27 @@ class PacedRedraw:
 
     A drawing's cost is taken to be what the last one cost; the first is always allowed
     (nothing would show otherwise), and ``force`` draws regardless (the last step of a run).
+    A chart not redrawn for ``LONGEST_WAIT`` seconds (or 50 drawings' time, if longer) is
+    redrawn anyway: memory tracking can use the whole budget, and a chart that stays still
+    for minutes of training looks frozen. That floor costs at most 2 % more.
     """
+
+    LONGEST_WAIT = 10.0
 
     def __init__(self, budget: OverheadBudget) -> None:
         self.budget = budget
         self._cost: float | None = None
+        self._last = 0.0  # time.perf_counter() when the last drawing ended
 
     def due(self, force: bool = False) -> bool:
-        return force or self._cost is None or self.budget.allows(self._cost)
+        if force or self._cost is None or self.budget.allows(self._cost):
+            return True
+        return time.perf_counter() - self._last > max(self.LONGEST_WAIT, 50 * self._cost)
 
     def drew(self, started: float) -> None:
         """Charge a drawing that began at ``started`` (time.perf_counter())."""
-        self._cost = time.perf_counter() - started
+        self._last = time.perf_counter()
+        self._cost = self._last - started
         self.budget.charge(self._cost)
 
 

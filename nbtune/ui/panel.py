@@ -128,7 +128,8 @@ class Panel(w.VBox):
             control.value = _widget_value(name, getattr(session.techniques, name))
             control.observe(self._on_control, names="value")
         self.steps = w.BoundedIntText(value=20, min=1, max=100_000, description="steps",
-                                      layout=w.Layout(width="160px"))
+                                      layout=w.Layout(width="160px"),
+                                      tooltip="How many optimizer steps Run trains")
         self.step_button = w.Button(description="Step", icon="forward",
                                     tooltip="Run one optimizer step")
         self.run_button = w.Button(description="Run", icon="play", button_style="primary",
@@ -146,11 +147,13 @@ class Panel(w.VBox):
         self.run_button.on_click(lambda _: self._guarded(self.session.start, self.steps.value))
         self.stop_button.on_click(lambda _: self._guarded(self._stop))
         self.price.observe(self._on_price, names="value")
-        self.budget = w.Dropdown(options=_budgets(session), description="will it fit on",
-                                 style={"description_width": "100px"}, layout=w.Layout(width="330px"),
-                                 tooltip="The card to check the current toggles against: the "
-                                         "estimate of the next step's peak, recomputed as you move "
-                                         "a control")
+        budget_help = ("The card to check the current toggles against: the estimate of the next "
+                       "step's peak, recomputed as you move a control")
+        self.budget = w.Dropdown(options=_budgets(session), tooltip=budget_help,
+                                 # JupyterLab shows no hover text on a dropdown: put it on the label
+                                 description=f"<span title='{html.escape(budget_help, quote=True)}'>"
+                                             "will it fit on</span>", description_allow_html=True,
+                                 style={"description_width": "100px"}, layout=w.Layout(width="330px"))
         self.badge = w.HTML()
         self.fit_button = w.Button(description="Find the fastest fit", icon="search",
                                    layout=w.Layout(width="200px"),
@@ -255,8 +258,9 @@ class Panel(w.VBox):
                 return  # a synchronous run: its numbers are in the progress line already
             self._run_seen = None
             if run.stopped:
-                self._say(f"stopped after {len(run.reports)} of {run.steps} steps: the session is "
-                          f"as it was after step {len(self.session.history)}.")
+                self._say(f"stopped after {len(run.reports)} of the {run.steps} steps of this run; "
+                          f"the session keeps every step up to step {len(self.session.history)} "
+                          "(Run goes on from there).")
 
     # will it fit?
     def _check_fit(self) -> None:
@@ -288,7 +292,9 @@ class Panel(w.VBox):
                 self.fit_button.disabled = False
             self._fit_changes = result.changes if result.fits else None
             self.fit_apply.layout.display = "" if result.changes and result.fits else "none"
-            self._say(result.message, error=not result.fits)
+            message = result.message.replace("Apply with session.set(**result.changes).",
+                                             "Apply uses it.")
+            self._say(message, error=not result.fits)
 
         threading.Thread(target=search, name="nbtune-fit", daemon=True).start()
 
@@ -310,7 +316,8 @@ class Panel(w.VBox):
         if run is None:
             return
         end = run.finished or time.monotonic()
-        line = run_status(run.reports, run.steps, end - run.started, self.session.price_per_hour)
+        line = run_status(run.reports, run.steps, end - run.started, self.session.price_per_hour,
+                          finished=run.finished is not None)
         if run.finished is not None:
             line = ("stopped · " if run.stopped else "failed · " if run.error else "done · ") + line
         self.progress.value = _wrapped(html.escape(line))
@@ -341,7 +348,7 @@ class Panel(w.VBox):
                     control.description = (f"<span title='{html.escape(control.tooltip, quote=True)}'>"
                                            f"{self._labels[name]}</span>")
                 if isinstance(control, w.ToggleButton):
-                    _look(control, value)
+                    _look(control, value, disabled=reason is not None)
                 if name in LORA_FIELDS:
                     control.layout.display = "none" if techniques.method == "full" else None
             self.summary.value = _wrapped(f"<b>now:</b> {html.escape(techniques.summary())}", size="105%")
@@ -372,10 +379,13 @@ def _wrapped(body: str, color: str = "#333", size: str = "100%") -> str:
             f"color:{color};font-size:{size}'>{body}</div>")
 
 
-def _look(toggle: w.ToggleButton, on: bool) -> None:
-    """On and off look different: a check and a filled style only when on."""
+def _look(toggle: w.ToggleButton, on: bool, disabled: bool = False) -> None:
+    """On and off look different: a check and a filled style only when on; a toggle that
+    cannot move here is struck through, so it does not read as merely off."""
     toggle.icon = "check" if on else ""
     toggle.button_style = "info" if on else ""
+    toggle.style.text_decoration = "line-through" if disabled else "none"
+    toggle.style.font_style = "italic" if disabled else "normal"
 
 
 def _budgets(session) -> list[tuple[str, object]]:
@@ -426,7 +436,8 @@ class RunView(w.HBox):
         run = self.run
         self.bar.value = min(len(run.reports), run.steps)
         end = run.finished or time.monotonic()
-        text = run_status(run.reports, run.steps, end - run.started, self.session.price_per_hour)
+        text = run_status(run.reports, run.steps, end - run.started, self.session.price_per_hour,
+                          finished=run.finished is not None)
         if run.finished is not None:
             self.stop_button.layout.display = "none"
             self.bar.bar_style = "danger" if run.error else "warning" if run.stopped else "success"

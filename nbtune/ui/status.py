@@ -20,12 +20,13 @@ def format_duration(seconds: float) -> str:
 
 
 def run_status(reports: list, total: int, elapsed: float,
-               price_per_hour: float | None = None) -> str:
+               price_per_hour: float | None = None, finished: bool = False) -> str:
     """``step 12 of 100 · loss 1.234 · 2,345 tokens/s · 0 min 12 s elapsed, 1 min 28 s
     left · $0.01 so far, $0.02 to finish at $0.44/h`` for ``reports`` of one run.
 
     ``elapsed`` is the run's wall time so far (its steps plus what happened between them);
-    tokens/s is over the run's own steps.
+    tokens/s is over the run's own steps. A ``finished`` run (stopped early too) has nothing
+    left, so no time left or cost to finish is shown.
     """
     done = len(reports)
     parts = [f"step {done} of {total}"]
@@ -34,7 +35,7 @@ def run_status(reports: list, total: int, elapsed: float,
         seconds = sum(r.seconds for r in reports)
         if seconds > 0:
             parts.append(f"{sum(r.tokens for r in reports) / seconds:,.0f} tokens/s")
-    left = elapsed / done * (total - done) if done else None
+    left = elapsed / done * (total - done) if done and not finished else None
     timing = f"{format_duration(elapsed)} elapsed"
     if left is not None and done < total:
         timing += f", {format_duration(left)} left"

@@ -100,20 +100,10 @@ def skipped_on(device: str, config: dict, bf16_slow: float | None) -> str | None
 
 
 def bf16_slowdown() -> float:
-    """How many times slower a bf16 matmul is than fp32 here (probed once, ~0.1 s)."""
-    import torch
+    """How many times slower a bf16 matmul is than fp32 here (nbtune's own probe, ~0.1 s)."""
+    from nbtune.hardware import bf16_slowdown as probe
 
-    a32, b32 = torch.randn(256, 256), torch.randn(256, 256)
-    a16, b16 = a32.bfloat16(), b32.bfloat16()
-
-    def timed(a, b, n=5):
-        a @ b
-        start = time.perf_counter()
-        for _ in range(n):
-            a @ b
-        return (time.perf_counter() - start) / n
-
-    return timed(a16, b16) / timed(a32, b32)
+    return probe()
 
 
 # ---- shared inputs ---------------------------------------------------------------------------

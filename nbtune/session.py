@@ -194,6 +194,7 @@ class Session:
         self.price_per_hour: float | None = None  # the rented card's price: status shows cost
         self._eval_cache: dict = {}
         self._last_run: BackgroundRun | None = None
+        self._dtype_noted: str | None = None  # the dtype whose speed on this device was checked
         # What save_config writes: where the data came from, the demo, the run's settings.
         self.data_files: dict[str, str] = {}
         self.demo_name: str | None = None
@@ -484,6 +485,7 @@ class Session:
             return self._step(sampled=False)
 
     def _step(self, sampled: bool) -> StepReport:
+        self._note_slow_dtype()
         track = self._sampler.should_track(self.device.type, sampled)
         try:
             report = self.trainer.step(track)
@@ -496,6 +498,22 @@ class Session:
         self._sampler.record(report.seconds, track, self.device.type)
         self._notify("step", report)
         return report
+
+    def _note_slow_dtype(self) -> None:
+        """At the first step in a new dtype: say so if this CPU runs it far slower than fp32."""
+        from . import hardware
+
+        dtype = self.techniques.dtype
+        if dtype == self._dtype_noted:
+            return
+        self._dtype_noted = dtype
+        if dtype == "bf16" and self.device.type == "cpu":
+            slow = hardware.bf16_slowdown()
+            if slow > hardware.SLOW_BF16:
+                self._say(f"bf16 matmuls run {slow:.0f}x slower than fp32 on this CPU (no native "
+                          f"bf16; torch sees {torch.backends.cpu.get_cpu_capability()}), so these "
+                          "steps will be slow. bf16 still halves the memory shown; dtype='fp32' "
+                          "trains faster here.")
 
     def state_dict(self) -> dict:
         """The whole training state (model or adapters, optimizer, data position, RNG, history,

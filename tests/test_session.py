@@ -215,3 +215,30 @@ def test_chart_renders_png():
     buffer = io.BytesIO()
     session.chart().savefig(buffer, format="png")
     assert buffer.getvalue()[:4] == b"\x89PNG"
+
+
+def test_a_cpu_without_native_bf16_is_named_at_the_first_bf16_step(monkeypatch, capsys):
+    from nbtune import hardware
+
+    monkeypatch.setattr(hardware, "bf16_slowdown", lambda: 60.0)  # an AVX2-only processor
+    session = small_session(batch_size=2)  # bf16 steps stay tiny
+    session.step()
+    assert "slower" not in capsys.readouterr().out  # fp32: nothing to say
+    session.set(dtype="bf16")
+    session.step()
+    out = capsys.readouterr().out
+    assert "bf16 matmuls run 60x slower than fp32 on this CPU" in out and "dtype='fp32'" in out
+    session.step()
+    assert "slower" not in capsys.readouterr().out  # said once per change of dtype
+    monkeypatch.setattr(hardware, "bf16_slowdown", lambda: 0.5)  # a processor with native bf16
+    session.set(dtype="fp32")
+    session.set(dtype="bf16")
+    session.step()
+    assert "slower" not in capsys.readouterr().out
+
+
+def test_the_bf16_probe_times_this_processor():
+    from nbtune import hardware
+
+    slow = hardware.bf16_slowdown()
+    assert slow > 0 and hardware.bf16_slowdown() is slow  # measured once per process

@@ -93,3 +93,39 @@ def test_unknown_model_type_is_named(tmp_path):
 def test_uncached_repo_id_offline_says_so():
     with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache"):
         nt.load_model("nobody-here/no-such-model")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mlp_keeps_one_tensor_less_for_backward_with_the_same_gradients(dtype):
+    """SiluMul against plain autograd written here: equal outputs and gradients to the bit,
+    and one [tokens, intermediate] tensor fewer saved for backward (silu(gate) is recomputed)."""
+    from torch.nn import functional as F
+
+    from nbtune.models.decoder import MLP
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=96, num_layers=1,
+                         num_heads=4, num_kv_heads=2, head_dim=8)
+    mlp = MLP(config).to(dtype)
+    x = torch.randn(2, 16, 32, dtype=dtype, requires_grad=True)
+
+    def run(forward):
+        mlp.zero_grad(set_to_none=True)
+        x.grad = None
+        saved = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = forward(x)
+        (out.float() ** 2).mean().backward()
+        grads = [x.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]
+        return out.detach(), grads, sum(saved.values())
+
+    ours = run(mlp)
+    plain = run(lambda t: mlp.down_proj(F.silu(mlp.gate_proj(t)) * mlp.up_proj(t)))
+    assert torch.equal(ours[0], plain[0])
+    assert all(torch.equal(a, b) for a, b in zip(ours[1], plain[1]))
+    assert plain[2] - ours[2] == 2 * 16 * 96 * x.element_size()

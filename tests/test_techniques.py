@@ -58,7 +58,10 @@ def test_chunked_loss_lowers_the_peak_at_the_loss():
     chunked = small_session(batch_size=16, chunked_loss=8).step().memory
     logits_fp32 = 16 * 80 * 259 * 4  # batch x ~tokens x vocab x fp32, order of magnitude
     assert chunked.activations < plain.activations - logits_fp32 / 2
-    assert chunked.peak < plain.peak
+    # the logits live at the end of forward: that phase's peak drops; the step's peak may sit in
+    # a layer's backward instead (at this 259-token vocabulary), which chunking does not touch
+    assert chunked.phases["forward"]["peak"] < plain.phases["forward"]["peak"] - logits_fp32 / 2
+    assert chunked.peak <= plain.peak
 
 
 def test_chunked_loss_equals_plain_loss_and_gradient():

@@ -48,7 +48,8 @@ session.panel()"""),
 notebook the memory chart below it is updated in place after the steps: left, where the
 latest measured step's memory went; right, the loss falling and the peak of each measured
 step (measuring watches every operator, which slows a step, so by default nbtune measures
-the first step after a change and then only as many as fit 2 % of the training time)."""),
+the first two steps after a change, as the first one makes the optimizer's state, and then
+only as many as fit 2 % of the training time)."""),
     ("code", """# NBVAL_IGNORE_OUTPUT
 reports = session.run(200)"""),
     ("md", """Each step returns a `StepReport`. Its `memory` is a breakdown in bytes: each
@@ -138,8 +139,9 @@ ladder = session.compare([{}, {"activation_checkpointing": True}, {"dtype": "bf1
 ladder"""),
     ("md", """Every step's breakdown over a run: the bars split each step's peak into what held
 memory at that moment. Measuring a step watches every operator, which slows it down, so by
-default nbtune measures the first step after a change and then only as many as fit 2 % of
-the training time. Here every step is measured:"""),
+default nbtune measures the first two steps after a change (the first one makes the
+optimizer's state) and then only as many as fit 2 % of the training time. Here every step is
+measured:"""),
     ("code", """# NBVAL_IGNORE_OUTPUT
 session.memory_tracking = "every_step"
 session.run(30, progress=False, live=False)

@@ -37,6 +37,9 @@ def test_widget_changes_reach_the_session(session_and_panel):
     t = session.techniques
     assert (t.lr, t.batch_size, t.activation_checkpointing, t.method) == (5e-4, 3, 2, "lora")
     assert any("lora_A" in n for n, _ in session.model.named_parameters())
+    assert "applied: method=lora" in panel.status.value  # the reply names the change
+    panel.controls["packing"].value = True
+    assert "applied: +packing" in panel.status.value
 
 
 def test_session_changes_reach_the_widgets(session_and_panel):

@@ -189,6 +189,7 @@ class Panel(w.VBox):
             w.HBox([self.fit_button, self.fit_apply]),
             w.HBox([self.step_button, self.steps, self.run_button, self.stop_button, self.price]),
             self.status, self.progress, self.chart])
+        self._applied = session.techniques  # what "applied" compares the next change with
         self._sync_from(session.techniques)
         self._check_fit()
         session.subscribe(self._on_session)
@@ -237,8 +238,11 @@ class Panel(w.VBox):
             self._check_fit()
         if event in ("techniques", "refused"):
             self._sync_from(self.session._planned())
-            if event == "techniques":
-                self._say("applied")  # a "pending" event follows with what is left, if anything
+            if event == "techniques":  # a "pending" event follows with what is left, if anything
+                changed = sorted(payload.changed(self._applied))
+                self._applied = payload
+                self._say("applied: " + _labels([{k: getattr(payload, k) for k in changed}])
+                          if changed else "applied")
         elif event == "pending" and payload:
             self._sync_from(self.session._planned())
             self._say(f"pending until the next step: {_labels(payload)}")

@@ -76,6 +76,9 @@ CARDS: dict[str, int] = {
 CUDA_CONTEXT = 512 * MiB
 ALLOCATOR_MARGIN = 0.05
 
+# How a result is applied from code; the panel, which has an Apply button, says so instead.
+APPLY_IN_CODE = "Apply with session.set(**result.changes)."
+
 def format_bytes(nbytes: float) -> str:
     """As the charts write sizes (binary units, one decimal), without importing matplotlib."""
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -797,7 +800,7 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
                 maths = {k: v for k, v in c.changes.items() if k not in PLACEMENT_FIELDS}
                 message += (" No combination that keeps the maths fits, so this one changes it: "
                             + ", ".join(f"{k}={v!r}" for k, v in maths.items()) + ".")
-            message += f" Apply with session.set(**result.changes). ({tried_text}.)"
+            message += f" {APPLY_IN_CODE} ({tried_text}.)"
         return FitResult(c.techniques, dict(c.changes), need, limit, room, start, device, rows,
                          c.exact, c.cost, message, memory, counter[0], skipped, len(space))
     sized = [r for r in rows if r.peak is not None]

@@ -20,7 +20,7 @@ import ipywidgets as w
 
 from ..techniques import CHOICE_HELP, DTYPES, HELP, LORA_TARGETS, METHODS, NO_EFFECT, OPTIMIZERS
 from .charts import draw_memory, figure_png, format_bytes
-from ..fitting import CARDS
+from ..fitting import APPLY_IN_CODE, CARDS
 from .fitcheck import FitCheck
 from .live import PacedRedraw
 from .status import run_status
@@ -296,8 +296,7 @@ class Panel(w.VBox):
                 self.fit_button.disabled = False
             self._fit_changes = result.changes if result.fits else None
             self.fit_apply.layout.display = "" if result.changes and result.fits else "none"
-            message = result.message.replace("Apply with session.set(**result.changes).",
-                                             "Apply uses it.")
+            message = result.message.replace(APPLY_IN_CODE, "Apply uses it.")
             self._say(message, error=not result.fits)
 
         threading.Thread(target=search, name="nbtune-fit", daemon=True).start()

@@ -127,8 +127,11 @@ def make_inputs(shape: dict, folder: Path, steps: int) -> None:
     key = "-".join(str(shape[k]) for k in ("vocab", "hidden", "mlp", "layers", "heads", "kv"))
     key += f"-{max_positions(shape)}"
     model_dir = folder.parent / f"model-{key}{'-tied' if shape.get('tied') else ''}"
-    if not (folder / "model").exists():
-        (folder / "model").symlink_to(model_dir.resolve(), target_is_directory=True)
+    link = folder / "model"  # a folder of an older run is kept; a link elsewhere is redone
+    if link.is_symlink() and link.resolve() != model_dir.resolve():
+        link.unlink()
+    if not link.exists() and not link.is_symlink():
+        link.symlink_to(model_dir.resolve(), target_is_directory=True)
     if not (model_dir / "model.safetensors").exists():
         config = transformers.LlamaConfig(
             vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["mlp"],

@@ -15,6 +15,7 @@ import torch
 
 from .data import (BatchStream, DataError, Example, check_renderable, collate, examples_from, pack,
                    prompt_and_reference, prompt_ids, prompt_text, tokenize_all)
+from . import hardware
 from .generate import Reply, generate_ids
 from .hub import resolve_model_folder
 from .memory.sampling import MemorySampler
@@ -501,8 +502,6 @@ class Session:
 
     def _note_slow_dtype(self) -> None:
         """At the first step in a new dtype: say so if this CPU runs it far slower than fp32."""
-        from . import hardware
-
         dtype = self.techniques.dtype
         if dtype == self._dtype_noted:
             return

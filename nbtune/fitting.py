@@ -67,6 +67,17 @@ CARDS: dict[str, int] = {
     "L4": 23034 * MiB,  # 24 GiB, 22.5 with ECC
 }
 
+# Host memory the machines renting each card usually come with: a starting guess for the host
+# check of ``fit`` and the panel's badge (say yours with ``host=`` or "RTX 3090 + 64 GB RAM").
+HOST_RAM: dict[str, int] = {
+    "RTX 3090": 32 * GiB,  # rough: common on RunPod / vast.ai listings (32 GB and up)
+    "RTX 4090": 32 * GiB,  # rough: as for the 3090
+    "A100 40GB": 79 * GiB,  # Google Cloud a2-highgpu-1g: 85 GB
+    "A100 80GB": 158 * GiB,  # Google Cloud a2-ultragpu-1g: 170 GB
+    "T4": 12 * GiB,  # Google Colab's free T4: 12.7 GB
+    "L4": 15 * GiB,  # Google Cloud g2-standard-4: 16 GB
+}
+
 # Not all of a card holds tensors. The CUDA context (driver state, the module images of
 # torch's kernels, cuBLAS workspaces) takes about 0.3-0.5 GiB before the first tensor and
 # is outside what the estimate predicts: ``usable`` takes off the upper end of that. The
@@ -128,6 +139,35 @@ def parse_budget(value) -> int:
         f"budget={value!r} is not a memory size. Give bytes as an int (e.g. {24 * GiB}), a "
         "size with a unit ('24GiB', '16 GiB', '512MiB', '24 GB'; GiB/MiB/KiB and bare G/M/K "
         "are powers of 2, GB/MB/KB powers of 10) or a card: " + ", ".join(CARDS) + ".")
+
+
+_MACHINE = re.compile(r"(.+?)\s*\+\s*(.+?)\s*(?:of\s+)?(?:ram|host)?\s*", re.IGNORECASE)
+
+
+def parse_machine(value) -> tuple[int, int | None]:
+    """(device bytes, host bytes or None) from what ``parse_budget`` takes (a card name
+    brings its usual host memory, ``HOST_RAM``; a size alone leaves the host unknown), from
+    "<card or size> + <size> RAM" ("RTX 3090 + 64 GB RAM", "24GiB + 32GiB") or from a
+    (device, host) pair."""
+    if isinstance(value, tuple) and len(value) == 2:
+        device, machine_host = value
+        return parse_budget(device), None if machine_host is None else parse_budget(machine_host)
+    if isinstance(value, str):
+        both = _MACHINE.fullmatch(value)
+        if both:
+            return parse_budget(both.group(1)), parse_budget(both.group(2))
+        card = _CARD_KEYS.get(_card_key(value))
+        if card is not None:
+            return CARDS[card], HOST_RAM[card]
+    return parse_budget(value), None
+
+
+def host_usable(budget: int) -> int:
+    """Bytes of a host of ``budget`` that a run may hold: less the margin ``nbtune.host``
+    keeps free (the notebook server, the page cache weights stream through)."""
+    from .host import margin
+
+    return max(0, budget - margin(budget))
 
 
 def usable(budget: int, device: str = "cuda", reserve: int | None = None,
@@ -551,10 +591,11 @@ class FitRow:
     label: str
     changes: dict
     peak: int | None  # bytes the step needs (``required``); None when the estimate failed
-    fits: bool
+    fits: bool  # on the card and (where checked) on the host
     cost: float
     exact: bool
     error: str | None = None
+    host: int | None = None  # host bytes the run needs (``HostMemory.without_undo``)
 
 
 @dataclass(frozen=True)
@@ -579,6 +620,8 @@ class FitResult:
     estimates: int = 0  # estimator calls made (cache hits not counted)
     skipped: int = 0  # combinations ruled out without an estimate
     candidates: int = 0  # size of the search space
+    host_budget: int | None = None  # the host's memory checked against (None: not checked)
+    host_usable: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -586,16 +629,17 @@ class FitResult:
 
     def as_dicts(self) -> list[dict]:
         return [{"configuration": r.label, "changes": r.changes, "peak_bytes": r.peak,
-                 "fits": r.fits, "cost": r.cost, "exact": r.exact, "error": r.error}
-                for r in self.tried]
+                 "host_bytes": r.host, "fits": r.fits, "cost": r.cost, "exact": r.exact,
+                 "error": r.error} for r in self.tried]
 
-    HEADER = ["configuration", "predicted peak", "fits", "cost", "maths"]
+    HEADER = ["configuration", "predicted peak", "host", "fits", "cost", "maths"]
 
     def _cells(self) -> list[list[str]]:
         out = []
         for r in self.tried:
             peak = r.error[:60] if r.error else format_bytes(r.peak)
-            out.append([r.label, peak, "yes" if r.fits else "no", f"{r.cost:.2f}x",
+            held = format_bytes(r.host) if r.host is not None else "-"
+            out.append([r.label, peak, held, "yes" if r.fits else "no", f"{r.cost:.2f}x",
                         "same" if r.exact else "changed"])
         return out
 
@@ -642,15 +686,20 @@ def _describe(budget: int, room: int, device: str) -> str:
 
 def fit(model, budget, techniques: Techniques | None = None, *, device: str = "cuda",
         max_tries: int = 16, toggles=None, reserve: int | None = None,
-        margin: float | None = None) -> FitResult:
+        margin: float | None = None, host=None) -> FitResult:
     """The fastest combination of memory toggles predicted to fit ``budget``.
 
     ``model``: what ``estimate`` accepts (preset name, ModelConfig, config.json or model
     folder, Hub id) or an nn.Module with a ``ModelConfig`` as ``.config``. ``budget``: see
-    ``parse_budget``. ``techniques``: the start (default ``Techniques()``); its method,
-    dtype, optimizer, LoRA settings, seq_len and effective batch are kept unless nothing
-    else fits. ``max_tries``: most estimator calls (cached ones are free). ``toggles``:
-    limit the axes searched (``AXES``). ``reserve``/``margin``: see ``usable``.
+    ``parse_machine`` (a card, a size, or "RTX 3090 + 64 GB RAM"). ``techniques``: the start
+    (default ``Techniques()``); its method, dtype, optimizer, LoRA settings, seq_len and
+    effective batch are kept unless nothing else fits. ``max_tries``: most estimator calls
+    (cached ones are free). ``toggles``: limit the axes searched (``AXES``).
+    ``reserve``/``margin``: see ``usable``. ``host``: the host's memory (a size; default: the
+    card's usual ``HOST_RAM``, or unchecked for a bare size): on CUDA a combination must fit
+    there too (``HostMemory.without_undo``: offloaded activations, paged and CPU-offloaded
+    optimizer state, a checkpoint being saved; the undo copy is dropped where it does not
+    fit, and the result says so).
     """
     config = resolve_config(model)
     start = techniques if techniques is not None else Techniques()
@@ -664,7 +713,11 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
                          f"{device}: " + " ".join(r.reason for r in refused))
     if not isinstance(max_tries, int) or max_tries < 1:
         raise ValueError(f"max_tries must be a positive int, got {max_tries!r}.")
-    limit = parse_budget(budget)
+    limit, card_host = parse_machine(budget)
+    host_limit = parse_budget(host) if host is not None else card_host
+    if target != "cuda":
+        host_limit = None  # on a CPU the budget is the host
+    host_room = host_usable(host_limit) if host_limit is not None else None
     room = usable(limit, target, reserve, margin)
     layers = config.num_layers
     space = search_space(start, target, num_layers=layers, toggles=toggles)
@@ -700,10 +753,13 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
             broken.add(c.techniques)
         else:
             need = required(memory)
-            row = FitRow(c.label, c.changes, need, need <= room, c.cost, c.exact)
+            held = memory.host.without_undo if host_room is not None and memory.host else None
+            on_host = held is None or held <= host_room
+            row = FitRow(c.label, c.changes, need, need <= room and on_host, c.cost, c.exact,
+                         host=held)
             memories[c.techniques] = memory
             broken.runs(c.techniques)
-            if not row.fits:
+            if need > room:  # (host memory does not fall along the toggles: no pruning by it)
                 failed.append(c.saving)
         rows.append(row)
         estimated[c.techniques] = row
@@ -721,7 +777,9 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
                 row = predict(c)
                 if row is None:
                     raise _OutOfTries
-                if row.fits:
+                if row.peak is not None and row.peak <= room:
+                    # fits the card: something may fit (the host's need does not fall along
+                    # the toggles, so a host refusal proves nothing about weaker ones)
                     return True
                 if row.error:
                     break  # the most-saving of the rest, again
@@ -779,6 +837,8 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
                   f"{len(rows) - counter[0]} from the cache, {skipped} combination"
                   f"{'s' if skipped != 1 else ''} ruled out without one, of {len(space)}")
     where = _describe(limit, room, target)
+    if host_limit is not None:
+        where += f" and {format_bytes(host_room)} usable of {format_bytes(host_limit)} host memory"
     errors = [r for r in rows if r.error]
     if errors:
         tried_text += (f"; {len(errors)} could not be estimated, and combinations including "
@@ -786,13 +846,20 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
     if chosen is not None:
         c, memory = chosen, memories[chosen.techniques]
         need = required(memory)
+        on_host = ""
+        if host_room is not None and memory.host is not None:
+            on_host = f" and {format_bytes(memory.host.without_undo)} of host memory"
+            if memory.host.undo and memory.host.peak > host_room:
+                on_host += (f" (no undo copy: it would need {format_bytes(memory.host.undo)} more; "
+                            "a failure half-way through an update is then recovered with "
+                            "session.recover())")
         if not c.changes:
-            message = (f"The start fits: predicted peak {format_bytes(need)} of {where}. "
+            message = (f"The start fits: predicted peak {format_bytes(need)}{on_host} of {where}. "
                        f"({tried_text}.)")
         else:
             what = ("The cheapest predicted to fit before max_tries ran out (raise it to look "
                     "for a faster one)" if out_of_tries else "Fastest predicted to fit")
-            message = (f"{what}: {c.label}; predicted peak {format_bytes(need)} of "
+            message = (f"{what}: {c.label}; predicted peak {format_bytes(need)}{on_host} of "
                        f"{where}; step time about {c.cost:.2f}x a plain step.")
             if c.exact:
                 message += " Same maths as the start."
@@ -802,12 +869,18 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
                             + ", ".join(f"{k}={v!r}" for k, v in maths.items()) + ".")
             message += f" {APPLY_IN_CODE} ({tried_text}.)"
         return FitResult(c.techniques, dict(c.changes), need, limit, room, start, device, rows,
-                         c.exact, c.cost, message, memory, counter[0], skipped, len(space))
+                         c.exact, c.cost, message, memory, counter[0], skipped, len(space),
+                         host_limit, host_room)
     sized = [r for r in rows if r.peak is not None]
     message = f"Nothing tried fits in {where}."
     if sized:
         best = min(sized, key=lambda r: r.peak)
         message += f" The smallest predicted peak was {format_bytes(best.peak)} ({best.label})."
+        on_card = [r for r in sized if r.peak <= room]
+        if on_card:
+            lightest = min(on_card, key=lambda r: r.host)
+            message += (f" {len(on_card)} fit on the card but not on the host: the lightest needs "
+                        f"{format_bytes(lightest.host)} of host memory ({lightest.label}).")
     if out_of_tries:
         message += (f" The search stopped after max_tries={max_tries} estimates with combinations "
                     "left: raise max_tries to go on.")
@@ -816,29 +889,52 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
                     "train fewer weights, or use a card with more memory.")
     message += f" ({tried_text}.)"
     return FitResult(None, {}, None, limit, room, start, device, rows, None, None, message,
-                     None, counter[0], skipped, len(space))
+                     None, counter[0], skipped, len(space), host_limit, host_room)
 
 
 # ---- a badge for the panel ---------------------------------------------------------------
 
 @dataclass(frozen=True)
 class FitBadge:
-    """Whether a step's memory fits a budget: for the panel's badge (no widgets here)."""
+    """Whether a step's memory fits a budget, on the card and (where known) on the host: for
+    the panel's badge (no widgets here)."""
 
     need: int  # bytes the step needs
     budget: int
     usable: int
     largest: str | None = None  # the category holding most at the peak
     at_peak: dict = field(default_factory=dict)
+    host_need: int | None = None  # host bytes the run needs without the undo copy
+    host_budget: int | None = None
+    host_usable: int | None = None
+    undo: int = 0  # host bytes of the undo copy "auto" would keep (dropped where it does not fit)
 
     @property
-    def fits(self) -> bool:
+    def fits_card(self) -> bool:
         return self.need <= self.usable
 
     @property
+    def fits_host(self) -> bool:
+        return self.host_need is None or self.host_usable is None or self.host_need <= self.host_usable
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_card and self.fits_host
+
+    @property
     def headroom(self) -> int:
-        """Bytes to spare (negative: bytes over)."""
+        """Bytes to spare on the card (negative: bytes over)."""
         return self.usable - self.need
+
+    @property
+    def binds(self) -> str:
+        """"card" or "host": which of the two has the smaller share left (the card alone
+        where the host is not checked)."""
+        if self.host_need is None or self.host_usable is None:
+            return "card"
+        card = self.headroom / max(self.usable, 1)
+        machine = (self.host_usable - self.host_need) / max(self.host_usable, 1)
+        return "host" if machine < card else "card"
 
     @property
     def text(self) -> str:
@@ -846,24 +942,41 @@ class FitBadge:
         if self.usable != self.budget:
             room += f" usable of {format_bytes(self.budget)}"
         most = f"; most held by {self.largest.replace('_', ' ')}" if self.largest else ""
-        if self.fits:
-            return f"fits: {format_bytes(self.headroom)} to spare of {room}{most}"
-        return f"does not fit: {format_bytes(-self.headroom)} over {room}{most}"
+        if self.fits_card:
+            text = f"fits: {format_bytes(self.headroom)} to spare of {room}{most}"
+        else:
+            text = f"does not fit: {format_bytes(-self.headroom)} over {room}{most}"
+        if self.host_need is None or self.host_usable is None:
+            return text
+        spare = self.host_usable - self.host_need
+        host = (f"host {format_bytes(self.host_need)} of {format_bytes(self.host_usable)} usable"
+                if spare >= 0 else
+                f"host {format_bytes(-spare)} over its {format_bytes(self.host_usable)} usable")
+        if spare >= 0 and self.undo and self.undo > spare:
+            host += f", no undo copy ({format_bytes(self.undo)} would not fit)"
+        if self.fits_card and not self.fits_host:
+            text = f"does not fit on the host: {host} (the card has {format_bytes(self.headroom)} to spare)"
+            return text + most
+        binding = f"; the {self.binds} is the limit" if self.fits else ""
+        return f"{text}; {host}{binding}"
 
     def __str__(self) -> str:
         return self.text
 
 
 def fit_badge(memory, budget, *, device: str | None = None, reserve: int | None = None,
-              margin: float | None = None) -> FitBadge:
+              margin: float | None = None, host=None) -> FitBadge:
     """Fits or not, headroom and the dominating category, for a ``MemoryBreakdown`` (measured
-    or estimated) or a peak in bytes, against ``budget`` (anything ``parse_budget`` takes).
+    or estimated) or a peak in bytes, against ``budget`` (anything ``parse_machine`` takes).
 
     An estimate (or a bare peak) on CUDA is held against ``usable`` (context and allocator
     margin kept back). A measured CUDA step already shows both: what its allocator reserved
     and what is in use outside it (context included), so nothing is kept back for them.
+    An estimate carries its host memory (``HostMemory``): on CUDA it is held against ``host``
+    (a size; default: the card's usual ``HOST_RAM``) where that is known.
     """
-    limit = parse_budget(budget)
+    limit, card_host = parse_machine(budget)
+    host_limit = parse_budget(host) if host is not None else card_host
     if isinstance(memory, MemoryBreakdown):
         target = device or memory.device
         measured_cuda = memory.measured and str(memory.device).startswith("cuda")
@@ -874,8 +987,12 @@ def fit_badge(memory, budget, *, device: str | None = None, reserve: int | None 
         else:
             need = required(memory)
         largest = memory.largest_at_peak if (memory.at_peak or memory.peak) else None
+        on_host = {}
+        if memory.host is not None and host_limit is not None and str(target).startswith("cuda"):
+            on_host = dict(host_need=memory.host.without_undo, host_budget=host_limit,
+                           host_usable=host_usable(host_limit), undo=memory.host.undo)
         return FitBadge(need, limit, usable(limit, target, reserve, margin), largest,
-                        dict(memory.at_peak))
+                        dict(memory.at_peak), **on_host)
     if isinstance(memory, bool) or not isinstance(memory, numbers.Integral) or memory < 0:
         raise TypeError(f"fit_badge: give a MemoryBreakdown or a peak in bytes, got {memory!r}.")
     return FitBadge(int(memory), limit, usable(limit, device or "cuda", reserve, margin))

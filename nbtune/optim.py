@@ -204,6 +204,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def __init__(self, params: list[nn.Parameter], make: Callable[[list], torch.optim.Optimizer]):
         self.optimizers = [make([p]) for p in params]
         self.defaults = self.optimizers[0].defaults if self.optimizers else {}
+        # Called with a weight right before its update (the undo copy takes it then); the
+        # count of updates made tells a failed step whether any weight was written.
+        self.before_step: Callable[[nn.Parameter], None] | None = None
+        self.stepped = 0
         owner = weakref.ref(self)
         self._hooks = [p.register_post_accumulate_grad_hook(partial(_step_in_backward, owner, i))
                        for i, p in enumerate(params)]
@@ -259,6 +263,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
 def _step_in_backward(owner: weakref.ref, index: int, param: nn.Parameter) -> None:
     wrapper = owner()
     if wrapper is not None and wrapper.optimizers:
+        if wrapper.before_step is not None:
+            wrapper.before_step(param)
+        wrapper.stepped += 1
         wrapper.optimizers[index].step()
         param.grad = None
 

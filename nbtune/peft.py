@@ -17,6 +17,7 @@ import sys
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 NF4_BLOCK = 64  # weights per absmax scale (torchao's and torchtune's default)
 NF4_SCALER_BLOCK = 256  # scales per fp scale of the double quantization (ditto)
@@ -46,7 +47,32 @@ def to_nf4(weight: torch.Tensor, name: str = "weight"):
         raise ValueError(f"{name} {tuple(weight.shape)} cannot be stored as NF4: it needs a 2-D "
                          f"weight whose size is a multiple of {NF4_BLOCK}.")
     scaler_block = math.gcd(weight.numel() // NF4_BLOCK, NF4_SCALER_BLOCK)
+    if is_fake(weight):
+        return _nf4_layout(weight, scaler_block)
     return _nf4().to_nf4(weight.detach().contiguous(), NF4_BLOCK, scaler_block)
+
+
+def _nf4_layout(weight: torch.Tensor, scaler_block: int):
+    """The estimator's NF4 weight: torchao's NF4Tensor made of empty parts of the shapes and
+    dtypes ``to_nf4`` gives (the tests compare them), without quantizing a fake weight, which
+    costs as much as the rest of an estimate. Made under the estimator's FakeTensorMode."""
+    nf4 = _nf4()
+    n = weight.numel()
+    blocks = n // NF4_BLOCK
+    meta = nf4.SubclassTensorArgs(weight.size(), weight.stride(), weight.storage_offset(),
+                                  weight.dtype, weight.device, False)
+
+    def empty(size, dtype):
+        return torch.empty(size, dtype=dtype, device=weight.device)
+
+    scalers = blocks // scaler_block
+    # As torchao makes it: one scale per scaler block cut from a [scalers, scaler_block] tensor,
+    # which keeps that whole tensor's storage when there is a single scaler block.
+    factor = empty((scalers, scaler_block), weight.dtype)[:, 0].view(scalers).contiguous()
+    return nf4.NF4Tensor(meta, NF4_BLOCK, blocks, scaler_block,
+                         quantized_scalers=empty(blocks, torch.int8), quantization_factor=factor,
+                         scaler_mean=empty((), weight.dtype), quantized_data=empty(n // 2, torch.uint8),
+                         nf4=empty(16, weight.dtype))
 
 
 def dequantize(tensor: torch.Tensor) -> torch.Tensor:

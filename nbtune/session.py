@@ -25,7 +25,7 @@ from .models.decoder import CausalLM
 from .overhead import OverheadBudget
 from .step import StepReport
 from .techniques import Techniques
-from .trainer import Trainer
+from .trainer import RestorePoint, Trainer
 
 
 class BusyError(RuntimeError):
@@ -206,6 +206,10 @@ class Session:
         self.trainer = Trainer(model, self._build_stream, as_techniques(techniques), self.device,
                                tokenizer.pad_id, say=lambda message: self._say(message),
                                make_eval_batches=self._eval_batches, parallel=parallel)
+        self._checkpoint: RestorePoint | None = None  # the last checkpoint saved or loaded
+        self.trainer.find_restore_point = self._restore_point
+        self.trainer.host_reserve = self._host_reserve
+        self._reserves: dict = {}  # techniques -> host bytes their steps put on the host
 
     # The training state belongs to the trainer; these names are the notebook's view of it.
     model = property(lambda self: self.trainer.model, doc="The nn.Module being trained.")
@@ -235,12 +239,17 @@ class Session:
 
     @property
     def rollback(self) -> str:
-        """How a failed step is undone. "auto" (default): a host copy of the trainable weights
-        and optimizer state is kept before each update when the optimizer steps in backward,
-        on the first step after a rebuild, or when the copy is at most 256 MiB (any LoRA run);
-        otherwise only Ctrl-C is held off during the in-place update, and an update that still
-        fails half-way marks the session damaged until a state is loaded. "copy": always keep
-        the copy. "none": never."""
+        """How an update that fails half-way is undone (``nbtune.undo``): a host copy of each
+        trainable weight and its optimizer state, taken just before that weight's update.
+
+        "auto" (default): on CUDA the copy is kept when it is at most 256 MiB (any LoRA run),
+        when the optimizer steps in backward, and on the first step after a rebuild, each
+        time only if it fits in the host's free memory (else said once); on CPU only on that
+        first step, since a CPU out-of-memory kills the process rather than raising. Without
+        a copy, Ctrl-C waits until the update is written, and an update that still fails
+        half-way marks the session damaged: ``recover()`` then returns to the newest
+        checkpoint or to the base weights. "copy": always keep it (refused, changing
+        nothing, where the host cannot hold it). "none": never."""
         return self.trainer.rollback
 
     @rollback.setter
@@ -526,6 +535,59 @@ class Session:
             self.trainer.load_state_dict(state)
         self._sampler.stale = True
         self._notify("techniques", self.techniques)
+
+    @_exclusive
+    def recover(self) -> str:
+        """Return to the newest state reachable without a copy in memory, after an update
+        failed half-way with no undo copy (or at any time): the last checkpoint this session
+        saved or loaded, else step 0 (the base weights read again from the model's files in
+        place, a fresh optimizer, the data from its start). Returns what it returned to."""
+        point = self.trainer.restore_point
+        if point is None:
+            raise ValueError(
+                "There is no state to recover to: no checkpoint was saved or loaded, and the "
+                "base weights cannot be read again (a LoRA session, or a model built in code). "
+                "Load a state you kept (load_state_dict / load_checkpoint).")
+        if point.folder is not None:
+            if not Path(point.folder).is_dir():
+                raise FileNotFoundError(f"The checkpoint {point.folder} is gone: load another one "
+                                        "(load_checkpoint) or a state you kept (load_state_dict).")
+            self.load_checkpoint(point.folder)
+        else:
+            from .models.hf import reload_weights_
+
+            self.trainer.reset(lambda model: reload_weights_(model, self._base))
+            self._sampler.stale = True
+            self._notify("techniques", self.techniques)
+        self._say(f"recovered: the session is at {point}.")
+        return str(point)
+
+    def _restore_point(self):
+        if self._checkpoint is not None:
+            return self._checkpoint
+        if self._base is not None and self.parallel is None and self.techniques.method == "full":
+            from .trainer import RestorePoint
+
+            return RestorePoint(0, f"the base weights read again from {self.source}, a fresh "
+                                   "optimizer and the data from its start")
+        return None
+
+    def _host_reserve(self, t: Techniques) -> int:
+        """Host bytes a step of ``t`` takes by itself (CUDA): activations offloaded to pinned
+        memory (estimated once per configuration) and paged optimizer state, which the driver
+        moves to the host when the card runs short."""
+        if self.device.type != "cuda":
+            return 0
+        from .memory.accounting import paged_state_bytes
+
+        reserve = paged_state_bytes(self.optimizer)
+        if t.activation_offloading:
+            if t not in self._reserves:
+                from .memory.estimate import estimate
+
+                self._reserves = {t: estimate(self.model.config, t, device="cuda").host.offloaded}
+            reserve += self._reserves[t]
+        return reserve
 
     def run(self, steps: int, *, progress: bool = True, live: bool | None = None,
             on_oom: str = "raise") -> list[StepReport]:
@@ -934,7 +996,14 @@ class Session:
             from .distributed import save_sharded
 
             return save_sharded(self.trainer, folder, self.parallel, {"source": self.source})
-        return save_training_checkpoint(self, folder)
+        path = save_training_checkpoint(self, folder)
+        self._note_checkpoint(path)
+        return path
+
+    def _note_checkpoint(self, folder) -> None:
+        from .trainer import RestorePoint
+
+        self._checkpoint = RestorePoint(len(self.history), f"the checkpoint in {folder}", str(folder))
 
     @_exclusive
     def load_checkpoint(self, folder: str | os.PathLike) -> None:
@@ -947,6 +1016,7 @@ class Session:
             load_sharded(self.trainer, folder, self.parallel)
         else:
             load_training_checkpoint(self, folder)
+            self._note_checkpoint(folder)
         self._sampler.stale = True
         self._notify("techniques", self.techniques)
 

@@ -13,6 +13,7 @@ from .activations import OffloadActivations
 from .data import IGNORE
 from .loss import cross_entropy_sum
 from .memory import MemoryBreakdown, track_step
+from .optim import OptimizerInBackward
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                loss_chunks: int = 0, offload_activations: bool = False,
                max_grad_norm: float = 0.0, compiled_loss: bool = False,
                track: bool = True, phase: list | None = None, critical=None,
-               parallel=None) -> StepReport:
+               parallel=None, undo=None) -> StepReport:
     """Forward and backward over the micro-batches, then one optimizer step.
 
     The loss of every micro-batch is divided by the number of trained tokens in *all*
@@ -119,7 +120,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     Without ``track`` the report's memory is None (the caller says what to show instead).
     A non-finite loss or gradient raises ``NonFiniteError`` before the optimizer runs.
     ``phase`` (a one-item list) is kept at the phase running, for errors to name it;
-    ``critical()`` (a context manager) wraps the optimizer's in-place update.
+    ``critical()`` (a context manager) wraps the in-place update; ``undo`` (an
+    ``undo.UndoCopy``) copies what the update writes just before it is written.
     ``parallel`` (a ``distributed.Parallel``): the micro-batches are this rank's rows; token
     counts and the loss are summed over ranks, so the report is the global step's.
     """
@@ -136,7 +138,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         total = update(model, optimizer, micro_batches, trained, memory, loss_chunks=loss_chunks,
                        offload_activations=offload_activations, max_grad_norm=max_grad_norm,
                        compiled_loss=compiled_loss, guard=finite_guard(step, lr),
-                       critical=critical, parallel=parallel)
+                       critical=critical, parallel=parallel, undo=undo)
     shape = max((tuple(b["input_ids"].shape) for b in micro_batches), key=lambda s: s[0] * s[1])
     return StepReport(step=step, loss=float(total), tokens=read, trained_tokens=trained, shape=shape,
                       seconds=time.perf_counter() - started,
@@ -195,14 +197,17 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
            micro_batches: list[dict[str, torch.Tensor]], trained: int, memory, *,
            loss_chunks: int = 0, offload_activations: bool = False, max_grad_norm: float = 0.0,
            compiled_loss: bool = False, offload_to: str | None = None,
-           guard=None, critical=None, parallel=None) -> torch.Tensor:
+           guard=None, critical=None, parallel=None, undo=None) -> torch.Tensor:
     """The step's tensor work, telling ``memory`` its phases; returns the loss (a tensor).
 
-    ``guard(loss, grad_norm)`` runs after backward and before the optimizer changes
-    anything; it may raise to refuse the update. Without it the function reads no Python
-    number back from a tensor, so the estimator runs it on fake ones (with
-    ``offload_to="meta"``: offloaded activations leave the device it counts).
+    ``guard(loss, grad_norm)`` runs before the optimizer changes anything (after backward;
+    with the optimizer stepped in backward, on the loss alone before backward); it may raise
+    to refuse the update. Without it the function reads no Python number back from a tensor,
+    so the estimator runs it on fake ones (with ``offload_to="meta"``: offloaded activations
+    leave the device it counts). The update is what ``critical()`` wraps (backward itself,
+    when the optimizer steps in it) and what ``undo`` copies, weight by weight, first.
     """
+    in_backward = isinstance(optimizer, OptimizerInBackward)
     total = torch.zeros((), dtype=torch.float32)
     for batch in micro_batches:
         memory.before_forward()
@@ -220,8 +225,13 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
             loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"], loss_chunks,
                                      compiled_loss) / trained
         memory.after_forward()
-        # FSDP averages gradients over ranks; scaled by N, the average is the ranks' sum.
-        (loss if parallel is None else loss * parallel.world).backward()
+        if undo is not None:
+            undo.stage()
+        if in_backward and guard is not None:  # backward writes the weights: check first
+            guard(total + loss.detach().float().cpu(), None)
+        with _writing(optimizer, critical, undo) if in_backward else contextlib.nullcontext():
+            # FSDP averages gradients over ranks; scaled by N, the average is the ranks' sum.
+            (loss if parallel is None else loss * parallel.world).backward()
         memory.after_backward()
         total += loss.detach().cpu()
         del hidden, loss
@@ -233,12 +243,27 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
         norm = torch.nn.utils.clip_grad_norm_(grads, max_grad_norm)
     elif guard is not None and grads:
         norm = torch.nn.utils.get_total_norm([p.grad for p in grads])
-    if guard is not None:
-        # With the optimizer stepped in backward no gradient is left: the loss alone is
-        # checked, and the weights it already changed are the caller's to restore.
+    if guard is not None and not in_backward:
         guard(total, norm)
     memory.before_optimizer()
-    with critical() if critical is not None else contextlib.nullcontext():
+    if undo is not None and not in_backward:
+        undo.before_update()
+    with critical() if critical is not None and not in_backward else contextlib.nullcontext():
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total
+
+
+@contextlib.contextmanager
+def _writing(optimizer: OptimizerInBackward, critical, undo):
+    """Backward while the optimizer steps in it: each weight's update is copied first by
+    ``undo``, or (without one) Ctrl-C waits until backward is over."""
+    if undo is not None:
+        optimizer.before_step = undo.before_update
+        try:
+            yield
+        finally:
+            optimizer.before_step = None
+    else:
+        with critical() if critical is not None else contextlib.nullcontext():
+            yield

@@ -5,11 +5,15 @@ Model, optimizer, data position, RNG, step count and history live here, each wit
 either complete or leave the state exactly as it was.
 
 * A step notes what it will change before it starts (data position, RNG, learning rates,
-  history length) and, when the update may write weights in place before it can fail
-  (optimizer stepped in backward, an optimizer failing half-way), a host copy of the
-  trainable weights and optimizer state (``rollback``). On any exception it drops the
-  gradients, restores what it noted, clears the traceback's frames (they hold the step's
-  activations, and IPython keeps the last traceback alive) and re-raises.
+  history length) and, where the update may write weights in place before it can fail
+  (optimizer stepped in backward, an optimizer failing half-way), keeps a host copy of
+  each weight and its optimizer state taken just before that weight's update
+  (``undo.UndoCopy``; when, by ``rollback`` and the host's free memory: ``_undo_for``).
+  On any exception it drops the gradients, restores what it noted and what the update had
+  written, clears the traceback's frames (they hold the step's activations, and IPython
+  keeps the last traceback alive) and re-raises. Without a copy, Ctrl-C waits for the end
+  of the update, and an update that still fails half-way marks the state damaged, naming
+  the restore point ``session.recover()`` returns to.
 * A non-finite loss or gradient stops the step before the optimizer runs
   (``NonFiniteError``).
 * ``set`` checks everything it can first (``plan.check``), builds the new components beside
@@ -34,22 +38,52 @@ from torch import nn
 
 from .data import BatchStream
 from .memory import MemoryBreakdown
-from .memory.accounting import optimizer_state_bytes, storage_bytes
+from .fitting import format_bytes
 from .oom import OutOfMemory, explain, held_now
-from .optim import build_optimizer, release_optimizer, trainable_parameters
+from . import host
+from .optim import OptimizerInBackward, build_optimizer, release_optimizer
 from .peft import adapter_state_dict, has_lora, is_nf4
 from .plan import (REBUILDS_DATA, REBUILDS_MODEL, REBUILDS_OPTIMIZER, RETUNES_MODEL, ModelJournal,
                    check, transform_model)
 from .step import StepReport, held_out_loss, train_step
 from .techniques import Techniques
+from .undo import UndoCopy, copy_bytes, undo_units
 
 ROLLBACK_MODES = ("auto", "copy", "none")
-# "auto" keeps the undo copy whenever it is at most this big (any LoRA run, small models).
+# On CUDA "auto" keeps the undo copy whenever it is at most this big (any LoRA run, small
+# models), and beyond it where the update spans backward or a new optimizer makes its state.
 UNDO_AUTO_BYTES = 256 << 20
+
+
+def undo_wanted(mode: str, device: str, *, in_backward: bool, first: bool, size: int) -> bool:
+    """Whether ``rollback=mode`` keeps an undo copy of the next update (the host's room is
+    checked after): see ``Trainer._undo_for``. ``first``: the optimizer's first update (it
+    makes its state then, and a new optimizer can fail on its own: torchao compiles)."""
+    if mode != "auto":
+        return mode == "copy"
+    return first or (device == "cuda" and (in_backward or size <= UNDO_AUTO_BYTES))
 
 
 class DamagedStateError(RuntimeError):
     """An update failed half-way with no copy to undo it: the weights are not trustworthy."""
+
+
+class HostMemoryError(MemoryError):
+    """rollback='copy' asks for an undo copy the host's free memory cannot hold."""
+
+
+@dataclass(frozen=True)
+class RestorePoint:
+    """A state the run can return to without a copy in memory (``Session.recover``): a
+    training checkpoint saved or loaded (``folder``), or step 0, the base model's weights
+    as loaded from its files (``folder`` None)."""
+
+    step: int
+    description: str
+    folder: str | None = None
+
+    def __str__(self) -> str:
+        return f"step {self.step} ({self.description})"
 
 
 @dataclass
@@ -107,9 +141,20 @@ class Trainer:
         # no undo copy is kept there.
         self.rollback = "auto" if parallel is None else "none"
         self.damaged: str | None = None  # why the state cannot be trusted, after a failed update
+        # The newest state the run can return to without a copy (the session knows the files)
+        self.find_restore_point: Callable[[], RestorePoint | None] = lambda: None
         self.last_memory: MemoryBreakdown | None = None
         self.last_undo_bytes = 0  # host bytes the last step's undo copy held
+        self.host_reserve: Callable[[Techniques], int] = lambda t: 0  # host bytes a step takes
+        self._undo = UndoCopy(device)
+        self._undo_said: tuple | None = None  # the last "no copy kept" said, not to repeat it
+        self._new_optimizer = True  # no update made by this optimizer yet
         self._interrupted = False
+        self._start_rng = rng_state()  # step 0's, for ``reset``
+
+    @property
+    def restore_point(self) -> RestorePoint | None:
+        return self.find_restore_point()
 
     # ---- commands ------------------------------------------------------------------------
 
@@ -130,7 +175,9 @@ class Trainer:
         self._usable()
         t = self.techniques
         mark = self._mark()
-        undo = self._undo_copy(t)
+        undo = self._undo_for(t)
+        if isinstance(self.optimizer, OptimizerInBackward):
+            self.optimizer.stepped = 0
         phase: list = [None]
         number, shape = len(self.history) + 1, None
         try:
@@ -145,12 +192,11 @@ class Trainer:
                                 loss_chunks=t.chunked_loss, offload_activations=t.activation_offloading,
                                 max_grad_norm=t.max_grad_norm, compiled_loss=t.compile, track=track,
                                 phase=phase, critical=self._critical if undo is None else None,
-                                parallel=self.parallel)
+                                parallel=self.parallel, undo=undo)
         except BaseException as err:
             oom = isinstance(err, torch.OutOfMemoryError) and not isinstance(err, OutOfMemory)
             held = held_now(self.model, self.optimizer, self.device) if oom else None
             self._roll_back(mark, undo, phase[0], t)
-            del undo
             _drop_frames(err)
             if not oom:
                 raise
@@ -160,6 +206,9 @@ class Trainer:
             except Exception:  # noqa: BLE001 - never hide the out-of-memory error itself
                 raise err from None
             raise explained from err
+        if undo is not None:
+            undo.done()
+        self._new_optimizer = False
         if report.memory is not None:
             self.last_memory = report.memory
         else:
@@ -274,6 +323,32 @@ class Trainer:
             self._interrupted = False
             raise KeyboardInterrupt
 
+    def reset(self, refill: Callable[[nn.Module], None]) -> None:
+        """Back to step 0: ``refill(model)`` writes the base weights into the model in place
+        (a full-finetuning model, reloaded from its files); then a fresh optimizer, the data
+        from its start, the RNG as at step 0 and no history. Used to recover a damaged state
+        where no checkpoint exists; if ``refill`` fails the state stays damaged."""
+        if has_lora(self.model):
+            raise ValueError("Only a full-finetuning model is reset to its base weights; LoRA "
+                             "adapters have no state to return to but a checkpoint.")
+        with self._critical():
+            try:
+                refill(self.model)
+            except BaseException:
+                self.damaged = self.damaged or ("Reloading the base weights failed part-way: the "
+                                                "weights are part old, part new.")
+                raise
+            optimizer, stream = build_optimizer(self.model, self.techniques), self._make_stream(self.techniques)
+            release_optimizer(self.optimizer)
+            self.optimizer, self.stream, self._new_optimizer = optimizer, stream, True
+            self.history, self.base_changed, self.damaged = [], False, None
+            self.last_memory, self._eval_peak = None, None
+            set_rng_state(self._start_rng)
+        self._undo.release()
+        if self._interrupted:
+            self._interrupted = False
+            raise KeyboardInterrupt
+
     # ---- transactions --------------------------------------------------------------------
 
     def _prepare(self, new: Techniques, fresh_optimizer: bool = False) -> _Prepared:
@@ -321,6 +396,8 @@ class Trainer:
         if not quiet:
             for group in prepared.optimizer.param_groups:
                 group["lr"], group["weight_decay"] = new.lr, new.weight_decay
+        if prepared.optimizer is not self.optimizer:
+            self._new_optimizer = True
         self.optimizer, self.stream, self.techniques = prepared.optimizer, prepared.stream, new
         self._eval_peak = None  # the next evaluation is measured: it shows what changed
         self.base_changed = prepared.base_changed
@@ -340,21 +417,57 @@ class Trainer:
         return {"data": self.stream.state_dict(), "rng": rng_state(),
                 "lrs": [g["lr"] for g in self.optimizer.param_groups]}
 
-    def _undo_copy(self, t: Techniques) -> "_UndoCopy | None":
-        """A host copy of what the update writes in place, when the rollback mode asks for it."""
+    def _undo_for(self, t: Techniques) -> UndoCopy | None:
+        """The undo copy for the next update, or None (then Ctrl-C waits for the update's end
+        and a failure half-way is damage).
+
+        "copy": always (refused, changing nothing, where the host cannot hold it). "none":
+        never. "auto": on CUDA where the copy is small (``UNDO_AUTO_BYTES``), where the update
+        spans backward (optimizer in backward) or a new optimizer makes its state (the first
+        step after a rebuild), in each case only if it fits in the host's free memory (else
+        said once, in words); on CPU only on that first step (weights only, no state yet),
+        since a CPU out of memory kills the process rather than raising.
+        """
         if self.rollback not in ROLLBACK_MODES:
             raise ValueError(f"rollback={self.rollback!r} is not one of {', '.join(ROLLBACK_MODES)}.")
-        if self.rollback == "none":
+        # (a CPU's later steps under "auto" or "none" keep no copy: nothing to count there)
+        sized = self.rollback == "copy" or (self.rollback == "auto" and (
+            self._new_optimizer or self.device.type == "cuda"))
+        units = undo_units(self.model, self.optimizer) if sized else []
+        size = copy_bytes(units)
+        wanted = undo_wanted(self.rollback, self.device.type, in_backward=t.optimizer_in_backward,
+                             first=self._new_optimizer, size=size)
+        room = host.room(held=self._undo.nbytes, reserve=self.host_reserve(t)) if wanted else None
+        if not wanted or (room is not None and size > room):
+            self._undo.release()
+            self.last_undo_bytes = 0
+            if wanted and self.rollback == "copy":
+                raise HostMemoryError(
+                    f"rollback='copy' needs a host copy of {format_bytes(size)} (the trainable "
+                    f"weights and their optimizer state) and the host has {format_bytes(max(room, 0))} "
+                    "free for it (less a margin for the notebook and what the step itself puts on "
+                    "the host). Nothing was changed. Set session.rollback = 'auto' (no copy where it "
+                    "does not fit: Ctrl-C waits for the update, a failure half-way is recovered "
+                    "with session.recover()), free host memory, or train fewer weights (LoRA).")
+            if wanted:
+                self._say_no_copy(t, size, room)
             return None
-        if self.rollback == "auto" and not t.optimizer_in_backward and self.optimizer.state:
-            size = (storage_bytes(trainable_parameters(self.model))
-                    + optimizer_state_bytes(self.optimizer))
-            if size > UNDO_AUTO_BYTES:
-                self.last_undo_bytes = 0
-                return None
-        undo = _UndoCopy(self.model, self.optimizer)
-        self.last_undo_bytes = undo.nbytes
-        return undo
+        self._undo.begin(units)
+        self.last_undo_bytes = size
+        return self._undo
+
+    def _say_no_copy(self, t: Techniques, size: int, room: int) -> None:
+        """Say once per configuration that the update runs without a copy, and what holds."""
+        key = (t, self.rollback)
+        if self._undo_said == key:
+            return
+        self._undo_said = key
+        back = (f"session.recover() returns to {self.restore_point}" if self.restore_point
+                else "save a checkpoint (session.save_checkpoint) to have a state to return to")
+        self.say(f"no undo copy is kept for this update: it needs {format_bytes(size)} of host memory "
+                 f"(trainable weights and optimizer state) and {format_bytes(max(room, 0))} is free "
+                 "for it. Ctrl-C waits until the update is written; if the update itself fails "
+                 f"half-way the session is marked damaged and {back}.")
 
     @contextlib.contextmanager
     def _critical(self):
@@ -372,7 +485,7 @@ class Trainer:
         finally:
             signal.signal(signal.SIGINT, previous)
 
-    def _roll_back(self, mark: dict, undo: "_UndoCopy | None", phase: str | None,
+    def _roll_back(self, mark: dict, undo: UndoCopy | None, phase: str | None,
                    t: Techniques) -> None:
         for p in self.model.parameters():
             p.grad = None
@@ -380,56 +493,21 @@ class Trainer:
             group["lr"] = lr
         self.stream.load_state_dict(mark["data"])
         set_rng_state(mark["rng"])
-        wrote = t.optimizer_in_backward or phase == "optimizer"  # weights may be half-updated
-        if wrote:
-            if undo is not None:
-                undo.restore(self.model, self.optimizer)
-            else:
-                self.damaged = (
-                    f"An update failed in the {phase} phase after it had begun writing weights and "
-                    "optimizer state, and no copy was kept to undo it (rollback="
-                    f"{self.rollback!r}). Load a checkpoint or a saved state_dict "
-                    "(session.load_checkpoint / session.load_state_dict) to continue, and set "
-                    "session.rollback = 'copy' to make such failures undoable.")
+        if undo is not None:
+            undo.restore()  # the weights whose update had begun, and their state
+            undo.done()
+        elif phase == "optimizer" or getattr(self.optimizer, "stepped", 0):  # half-written
+            back = (f"session.recover() returns to {self.restore_point}" if self.restore_point else
+                    "load a checkpoint or a saved state_dict (session.load_checkpoint / "
+                    "session.load_state_dict)")
+            self.damaged = (
+                f"An update failed in the {phase} phase after it had begun writing weights and "
+                f"optimizer state, and no copy was kept to undo it (rollback={self.rollback!r}). "
+                f"To go on, {back}. session.rollback = 'copy' keeps a copy (host memory "
+                "permitting) to make such failures undoable.")
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-class _UndoCopy:
-    """Trainable weights and optimizer state, copied to host memory before an update."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        host = torch.device("cpu")
-        with torch.no_grad():
-            self.params = [(p, p.detach().to(host, copy=True)) for p in trainable_parameters(model)]
-        self.optimizer = _to_host(optimizer.state_dict())
-        self.nbytes = storage_bytes([c for _, c in self.params]) + storage_bytes(
-            _tensors(self.optimizer["state"]))
-
-    @torch.no_grad()
-    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        for param, copy in self.params:
-            param.copy_(copy)
-        optimizer.load_state_dict(self.optimizer)
-
-
-def _to_host(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _to_host(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_host(v) for v in value]
-    return value
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
 
 
 def _drop_frames(err: BaseException) -> None:

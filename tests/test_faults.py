@@ -46,7 +46,7 @@ from nbtune.peft import is_nf4
 from nbtune.demos import DEMOS
 from nbtune.session import demo_data_file
 from nbtune.step import NonFiniteError
-from nbtune.trainer import DamagedStateError
+from nbtune.trainer import DamagedStateError, HostMemoryError
 
 from helpers import small_session
 
@@ -427,20 +427,29 @@ def test_small_is_small_session():
 
 # ---- 1. one failing step: every point x every error, before and after optimizer state ------
 
+@pytest.mark.parametrize("rollback", ["auto", "copy"])
 @pytest.mark.parametrize("number", [1, 3], ids=["step1", "step3"])
 @pytest.mark.parametrize("error", list(ERRORS))
 @pytest.mark.parametrize("point", list(POINTS))
-def test_failed_step_equals_twin(twins, point, error, number):
+def test_failed_step_equals_twin(twins, point, error, number, rollback):
     changes, phase = POINTS[point][1], POINTS[point][2]
     twin = twins.get(number - 1, **changes)
     session = prepared(number - 1, **changes)
+    session.rollback = rollback
     err, rng_before, fault = failing_step(session, point, error)
     if point == "optimizer":
         assert fault.note["wrote"], "the optimizer fault must come after a real partial update"
+        if rollback == "auto" and number > 1:
+            # On a CPU "auto" keeps no copy once optimizer state exists (a CPU out of memory
+            # kills the process): a half-written update is damage, said as such.
+            assert session.trainer.last_undo_bytes == 0
+            assert session.trainer.damaged and "rollback='auto'" in session.trainer.damaged
+            assert _tree_diff(snapshot(session)["values"], twin.before["values"])
+            return
     if error == "oom":
         assert isinstance(err, nbtune.oom.OutOfMemory) and err.phase == phase
         assert f"step {number}" in str(err) and "rolled back" in str(err)
-    assert_like_twin(session, twin, rng_before, f"{point}/{error}/step {number}")
+    assert_like_twin(session, twin, rng_before, f"{point}/{error}/step {number}/{rollback}")
 
 
 # ---- 2. rollback modes for a fault half-way through the optimizer --------------------------
@@ -478,17 +487,17 @@ def test_rollback_none_marks_damage_and_a_saved_state_recovers(twins, number):
 
 
 @pytest.mark.parametrize("number", [1, 3], ids=["step1", "step3"])
-def test_rollback_auto_over_its_size_limit(twins, monkeypatch, number):
-    """"auto" skips the copy once optimizer state exists and the copy would exceed
-    UNDO_AUTO_BYTES (here 0): a half-written update is then damage. Before any state
-    exists (step 1, or after a rebuild) the copy is always kept: exact restore."""
-    monkeypatch.setattr(nbtune.trainer, "UNDO_AUTO_BYTES", 0)
+def test_rollback_auto_on_cpu_copies_the_first_update_only(twins, number):
+    """On a CPU "auto" keeps the copy only before any optimizer state exists (step 1, or the
+    first step after a rebuild: a new optimizer's first update can fail on its own); from then
+    on a half-written update is damage, and a saved state recovers it exactly."""
     twin = twins.get(number - 1)
     session = prepared(number - 1)
     saved = copy.deepcopy(session.state_dict())
     _, rng_before, fault = failing_step(session, "optimizer", "interrupt")
     assert fault.note["wrote"]
     if number == 1:
+        assert session.trainer.last_undo_bytes > 0
         assert_like_twin(session, twin, rng_before, "auto, first step: copy kept")
         return
     assert session.trainer.last_undo_bytes == 0
@@ -496,7 +505,22 @@ def test_rollback_auto_over_its_size_limit(twins, monkeypatch, number):
     with pytest.raises(DamagedStateError):
         session.step()
     session.load_state_dict(saved)
-    assert_like_twin(session, twin, rng_before, "auto over the limit, recovered")
+    assert_like_twin(session, twin, rng_before, "auto, no copy, recovered")
+
+
+@pytest.mark.parametrize("mode,device,in_backward,first,size,wanted", [
+    ("copy", "cpu", False, False, 1 << 40, True),
+    ("none", "cuda", True, True, 0, False),
+    ("auto", "cpu", True, False, 0, False),  # CPU: no copy once state exists, even small
+    ("auto", "cpu", False, True, 1 << 40, True),  # ... but before a new optimizer's first update
+    ("auto", "cuda", False, False, 256 << 20, True),  # small: any LoRA run
+    ("auto", "cuda", False, False, (256 << 20) + 1, False),  # large, update in optimizer.step
+    ("auto", "cuda", True, False, 1 << 40, True),  # the update spans backward (host permitting)
+    ("auto", "cuda", False, True, 1 << 40, True),
+])
+def test_when_auto_keeps_the_undo_copy(mode, device, in_backward, first, size, wanted):
+    assert nbtune.trainer.undo_wanted(mode, device, in_backward=in_backward, first=first,
+                                      size=size) is wanted
 
 
 def test_rollback_none_fault_before_the_update_is_not_damage(twins):
@@ -515,6 +539,8 @@ def test_rollback_none_fault_before_the_update_is_not_damage(twins):
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_optimizer_in_backward_fault_after_some_updates(twins, monkeypatch, optimizer, error,
                                                         number):
+    """rollback="copy": each weight is copied just before its update in backward; the five
+    weights updated before the error are put back, bit for bit."""
     changes = dict(optimizer_in_backward=True, optimizer=optimizer)
     armed, done = [None], [0]
     real = nbtune.optim._step_in_backward
@@ -529,6 +555,7 @@ def test_optimizer_in_backward_fault_after_some_updates(twins, monkeypatch, opti
     monkeypatch.setattr(nbtune.optim, "_step_in_backward", stepping)
     twin = twins.get(number - 1, **changes)
     session = prepared(number - 1, **changes)
+    session.rollback = "copy"
     fault = Fault(error)
     rng_before = torch.get_rng_state()
     armed[0] = fault
@@ -571,6 +598,7 @@ def test_adapter_fault_restores_exactly(twins, method, point):
     changes = dict(method=method, lora_dropout=0.1)  # dropout: the step draws from the RNG
     twin = twins.get(2, **changes)
     session = prepared(2, **changes)
+    session.rollback = "copy"  # (on CUDA "auto" keeps it: an adapter copy is small)
     _, rng_before, _ = failing_step(session, point, "runtime")
     assert_like_twin(session, twin, rng_before, f"{method}, {point}")
 
@@ -625,7 +653,10 @@ def _nan_grad(m, session, fault, handles):
 @pytest.mark.parametrize("case", [
     ("loss", 1, {}), ("loss", 3, {}), ("gradient norm", 3, {}),
     ("gradient norm", 3, {"max_grad_norm": 1.0}),
-], ids=["nan-loss-step1", "nan-loss-step3", "nan-grad", "nan-grad-clipped"])
+    # the optimizer steps in backward and "auto" keeps no copy on a CPU: the loss is checked
+    # before backward writes anything
+    ("loss", 3, {"optimizer_in_backward": True}),
+], ids=["nan-loss-step1", "nan-loss-step3", "nan-grad", "nan-grad-clipped", "nan-loss-in-backward"])
 def test_non_finite_step_equals_twin(twins, case):
     what, number, changes = case
     twin = twins.get(number - 1, **changes)
@@ -1064,6 +1095,7 @@ def test_real_oom_explained_and_rolled_back(twins, monkeypatch):
     changes = dict(activation_checkpointing=True, chunked_loss=8, optimizer_in_backward=True)
     twin = twins.get(2, **changes)
     session = prepared(2, **changes)
+    session.rollback = "copy"  # what "auto" keeps on CUDA, where a real OOM is raised
     before = live_tensor_bytes()
     err, rng_before, _ = failing_step(session, "backward_hook", "oom")
     assert isinstance(err, nbtune.oom.OutOfMemory) and err.phase == "backward"
@@ -1092,3 +1124,161 @@ def test_twenty_toggle_round_trips_leak_nothing(twins):
     end = live_tensor_bytes()
     assert abs(end - start) <= 0.01 * start, f"{start} -> {end} bytes"
     assert_clean(session)
+
+
+# ---- 12. the bounded undo: host budget, no copy where it does not fit, recover() -------------
+
+def _in_backward_fault(monkeypatch, after: int):
+    """Arm a fault that fires after ``after`` weights were updated in backward (patched
+    before the session is built: the hooks bind ``_step_in_backward`` then)."""
+    armed, done = [None], [0]
+    real = nbtune.optim._step_in_backward
+
+    def stepping(owner, index, param):
+        real(owner, index, param)
+        if armed[0] is not None:
+            done[0] += 1
+            if done[0] == after:
+                armed[0]()
+
+    monkeypatch.setattr(nbtune.optim, "_step_in_backward", stepping)
+    return armed, done
+
+
+def test_copy_is_refused_when_the_host_cannot_hold_it(twins, monkeypatch):
+    twin = twins.get(2)
+    session = prepared(2)
+    session.rollback = "copy"
+    monkeypatch.setattr(nbtune.host, "room", lambda held=0, reserve=0: 1000)
+    rng_before = torch.get_rng_state()
+    with pytest.raises(HostMemoryError, match=r"rollback='copy' needs a host copy of .*Nothing was"):
+        session.step()
+    monkeypatch.undo()
+    assert_like_twin(session, twin, rng_before, "copy refused for want of host memory")
+
+
+def test_auto_without_host_room_says_so_once_and_a_failure_is_damage(twins, monkeypatch):
+    twin = twins.get(0)
+    session = prepared(0)  # the first update: "auto" wants its copy
+    said = []
+    session._say = said.append
+    saved = copy.deepcopy(session.state_dict())
+    monkeypatch.setattr(nbtune.host, "room", lambda held=0, reserve=0: 1000)
+    _, rng_before, _ = failing_step(session, "optimizer", "runtime")
+    assert session.trainer.last_undo_bytes == 0
+    assert session.trainer.damaged and "no copy was kept" in session.trainer.damaged
+    notes = [m for m in said if m.startswith("no undo copy is kept")]
+    assert len(notes) == 1 and "of host memory" in notes[0] and "save a checkpoint" in notes[0]
+    session.load_state_dict(saved)
+    with pytest.raises(RuntimeError):  # the same update again: nothing said twice
+        with injected("optimizer", session, Fault("runtime")):
+            session.step()
+    assert len([m for m in said if m.startswith("no undo copy is kept")]) == 1
+    session.load_state_dict(saved)
+    monkeypatch.undo()
+    assert_like_twin(session, twin, rng_before, "auto without room, recovered")
+
+
+def test_copy_is_made_per_update_and_freed_after_the_step(twins):
+    session = prepared(2)
+    session.rollback = "copy"
+    session.step()
+    undo = session.trainer._undo
+    weights = sum(p.numel() * p.element_size() for p in session.model.parameters())
+    assert session.trainer.last_undo_bytes >= 3 * weights  # weights + two AdamW states
+    assert undo.nbytes == 0  # on a CPU the copies sit beside nothing between steps
+
+
+def test_copy_in_backward_restores_only_the_weights_already_updated(twins, monkeypatch):
+    changes = dict(optimizer_in_backward=True, optimizer="sgd")
+    armed, done = _in_backward_fault(monkeypatch, after=3)
+    twin = twins.get(2, **changes)
+    session = prepared(2, **changes)
+    session.rollback = "copy"
+    restored = []
+    real = session.trainer._undo.restore
+    monkeypatch.setattr(session.trainer._undo, "restore",
+                        lambda: (restored.append(session.trainer._undo.updated), real())[1])
+    armed[0] = Fault("runtime")
+    rng_before = torch.get_rng_state()
+    with pytest.raises(RuntimeError):
+        session.step()
+    armed[0] = None
+    trainable = len([p for p in session.model.parameters() if p.requires_grad])
+    assert restored == [3] and trainable > 3  # three weights written, three put back
+    assert_like_twin(session, twin, rng_before, "in-backward copy, three updated")
+
+
+def test_sigint_in_backward_without_a_copy_completes_the_step(twins):
+    """The optimizer steps in backward and "auto" keeps no copy on a CPU: Ctrl-C waits until
+    backward (the update) is over; the step counts, then the interrupt is raised."""
+    changes = dict(optimizer_in_backward=True, optimizer="sgd")
+    twin = twins.get(2, **changes)
+    session = prepared(2, **changes)
+
+    def interrupt(out):
+        out.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGINT))
+        return out
+
+    torch.manual_seed(NEXT_SEED)
+    with pytest.MonkeyPatch.context() as m:
+        _layer_output_wrapper(m, session, 1, 2, interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            session.step()
+    assert session.trainer.last_undo_bytes == 0
+    assert_clean(session)
+    assert_same(snapshot(session), twin.after, "interrupted in-backward step completed")
+
+
+def test_recover_returns_to_the_last_checkpoint(twins, monkeypatch, tmp_path):
+    changes = dict(optimizer_in_backward=True, optimizer="adamw")
+    armed, _ = _in_backward_fault(monkeypatch, after=5)
+    twin = twins.get(2, **changes)
+    session = prepared(2, **changes)
+    with pytest.raises(ValueError, match="no state to recover to"):
+        session.recover()  # built in code, nothing saved: there is nowhere to go
+    session.save_checkpoint(tmp_path / "ckpt")
+    armed[0] = Fault("runtime")
+    with pytest.raises(RuntimeError):
+        session.step()
+    armed[0] = None
+    damage = session.trainer.damaged
+    assert damage and f"session.recover() returns to step 2 (the checkpoint in {tmp_path / 'ckpt'})" in damage
+    assert session.recover() == f"step 2 (the checkpoint in {tmp_path / 'ckpt'})"
+    assert_like_twin(session, twin, None, "recovered from the checkpoint")
+
+
+def _from_files(**changes):
+    """A session as a user builds one, from the model's files (so its base can be read again)."""
+    folder, _, rows = _demo()
+    techniques = DEMOS["tiny"].techniques.replace(batch_size=4, seq_len=96, lr=1e-3).replace(**changes)
+    torch.manual_seed(0)
+    session = nt.Session.from_pretrained(folder, rows, techniques=techniques, device="cpu")
+    session._say = lambda message: None
+    return session
+
+
+def test_recover_without_a_checkpoint_reads_the_base_weights_again(monkeypatch):
+    changes = dict(optimizer_in_backward=True, optimizer="adamw")
+    armed, _ = _in_backward_fault(monkeypatch, after=5)
+    fresh = _from_files(**changes)  # the never-failed twin, at step 0
+    want, want_next = snapshot(fresh), next_step(fresh)
+    session = _from_files(**changes)
+    session.memory_tracking = "off"
+    for _ in range(2):
+        session.step()
+    armed[0] = Fault("runtime")
+    with pytest.raises(RuntimeError):
+        session.step()
+    armed[0] = None
+    assert "session.recover() returns to step 0 (the base weights read again" in session.trainer.damaged
+    assert session.recover().startswith("step 0")
+    assert_clean(session)
+    assert_same(snapshot(session), want, "recovered to the base weights")
+    assert_same(next_step(session), want_next, "recovered to the base weights (next step)")
+
+
+def test_recover_refuses_lora_without_a_checkpoint():
+    session = _from_files(method="lora")
+    with pytest.raises(ValueError, match="no state to recover to.*LoRA"):
+        session.recover()

@@ -373,3 +373,101 @@ def test_fit_reads_a_preset_name():
     assert result.fits and result.techniques == t and result.estimates == 1
     assert GiB < result.peak < result.usable
     fitmod.cache_clear()
+
+
+# ---- the host: cards come with host memory, fit and the badge check both -------------------
+
+@pytest.mark.parametrize("value,expected", [
+    ("RTX 3090", (24 * GiB, fitmod.HOST_RAM["RTX 3090"])),
+    ("rtx 4090 + 64 GB RAM", (24564 * MiB, 64 * 10**9)),
+    ("RTX 3090 + 48GiB", (24 * GiB, 48 * GiB)),
+    ("24GiB + 32GiB RAM", (24 * GiB, 32 * GiB)),
+    ("24GiB", (24 * GiB, None)),
+    (24 * GiB, (24 * GiB, None)),
+    (("T4", "16GiB"), (15 * GiB, 16 * GiB)),
+])
+def test_parse_machine_forms(value, expected):
+    assert fitmod.parse_machine(value) == expected
+
+
+def test_every_card_has_its_usual_host_memory():
+    assert set(fitmod.HOST_RAM) == set(CARDS)
+    assert all(8 * GiB <= ram <= 256 * GiB for ram in fitmod.HOST_RAM.values())
+
+
+def _host_of(t: nt.Techniques):
+    """Host memory that rises with the toggles that move memory to the host."""
+    from nbtune.memory.breakdown import HostMemory
+
+    return HostMemory(runtime=GiB, offloaded=(6 * GiB if t.activation_offloading else 0),
+                      cpu_optimizer=(20 * GiB if t.cpu_offload_optimizer else 0),
+                      undo=(8 * GiB if t.optimizer_in_backward else 0), checkpoint=2 * GiB)
+
+
+@pytest.fixture
+def stand_in_with_host(monkeypatch):
+    fitmod.cache_clear()
+
+    def fake(model, t, device="cpu", **kwargs):
+        return MemoryBreakdown(peak=_stand_in_need(t), device=device, measured=False,
+                               at_peak={"parameters": 1}, host=_host_of(t))
+
+    monkeypatch.setattr(fitmod, "estimate", fake)
+    yield
+    fitmod.cache_clear()
+
+
+def test_fit_refuses_what_the_host_cannot_hold(stand_in_with_host):
+    start = T(batch_size=8, seq_len=256)
+    space = search_space(start, "cuda", num_layers=8)
+    needs = sorted({_stand_in_need(c.techniques) for c in space})
+    budget = needs[len(needs) // 3]
+    config = TINY.replace(num_layers=8)
+    for host in (4 * GiB, 9 * GiB, 64 * GiB):
+        fitmod.cache_clear()
+        result = fitmod.fit(config, budget, start, reserve=0, margin=0, max_tries=len(space),
+                            host=host)
+        room = fitmod.host_usable(host)
+        both = [c for c in space if _stand_in_need(c.techniques) <= budget
+                and _host_of(c.techniques).without_undo <= room]
+        assert result.host_budget == host and result.host_usable == room
+        if not both:
+            assert not result.fits
+            assert "fit on the card but not on the host" in result.message
+            continue
+        assert result.techniques == both[0].techniques, (host, result.changes, both[0].changes)
+        assert result.tried[-1].host == _host_of(result.techniques).without_undo
+    # no host given and a bare size: the host is not checked
+    fitmod.cache_clear()
+    free = fitmod.fit(config, budget, start, reserve=0, margin=0, max_tries=len(space))
+    assert free.host_budget is None and all(r.host is None for r in free.tried)
+
+
+def test_fit_says_when_the_undo_copy_is_dropped_for_the_host(stand_in_with_host):
+    start = T(batch_size=1, seq_len=256, optimizer_in_backward=True)
+    result = fitmod.fit(TINY.replace(num_layers=8), 10**12, start, reserve=0, margin=0,
+                        host=12 * GiB, toggles=())
+    assert result.fits  # 1 + 2 GiB without the copy; 11 GiB with it: over the 10.8 usable
+    assert "no undo copy: it would need 8.0 GiB more" in result.message
+
+
+def test_fit_badge_checks_the_host_and_says_which_binds():
+    from nbtune.memory.breakdown import HostMemory
+
+    estimated = MemoryBreakdown(parameters=4 * GiB, activations=10 * GiB, peak=15 * GiB,
+                                device="cuda", measured=False,
+                                at_peak={"parameters": 4 * GiB, "activations": 10 * GiB},
+                                host=HostMemory(runtime=3 * GiB, paged=12 * GiB, undo=20 * GiB,
+                                                checkpoint=10 * GiB))
+    badge = fit_badge(estimated, "RTX 4090")  # its usual host: 32 GiB, 28.8 usable
+    assert badge.host_budget == 32 * GiB and badge.host_need == 25 * GiB
+    assert badge.fits_card and badge.fits and badge.binds == "host"
+    assert "host 25.0 GiB of 28.8 GiB usable, no undo copy (20.0 GiB would not fit)" in badge.text
+    assert badge.text.endswith("the host is the limit")
+    small = fit_badge(estimated, "RTX 4090 + 16GiB RAM")
+    assert small.fits_card and not small.fits and not small.fits_host
+    assert small.text.startswith("does not fit on the host: host 10.6 GiB over its 14.4 GiB usable")
+    big = fit_badge(estimated, ("RTX 4090", "256GiB"))
+    assert big.fits and big.binds == "card" and "no undo copy" not in big.text
+    bare = fit_badge(estimated, "24GiB")  # a size alone: the host is not known
+    assert bare.host_need is None and "host" not in bare.text

@@ -10,6 +10,55 @@ PHASES = ("forward", "backward", "optimizer")
 
 
 @dataclass(frozen=True)
+class HostMemory:
+    """Host (CPU) memory a configuration needs, predicted by ``estimate``, in bytes.
+
+    Held while it trains (``training``): ``runtime`` (the Python process with torch and, on
+    CUDA, its libraries and the Jupyter kernel: rough), ``step`` (on a CPU the step's own
+    peak: the device is the host), ``offloaded`` (activations moved to pinned host memory),
+    ``paged`` (paged optimizer state: CUDA managed memory the driver moves to the host when
+    the card runs short), ``cpu_optimizer`` (CPU optimizer offload: host copies of the
+    trainable weights with their gradients and state) and ``undo`` (the undo copy of the
+    trainable weights and optimizer state, where ``rollback="auto"`` keeps it).
+
+    Once in a while, on top of that: ``loading`` (reading the weights, instead of the
+    training part), ``checkpoint`` (``save_checkpoint``), ``merged`` (``save(merge=True)`` or
+    a full save) and ``gguf`` (``save(format="gguf")``, f16).
+    """
+
+    runtime: int = 0
+    step: int = 0
+    offloaded: int = 0
+    paged: int = 0
+    cpu_optimizer: int = 0
+    undo: int = 0
+    loading: int = 0
+    checkpoint: int = 0
+    merged: int = 0
+    gguf: int = 0
+
+    @property
+    def training(self) -> int:
+        """Held while steps run."""
+        return self.runtime + self.step + self.offloaded + self.paged + self.cpu_optimizer + self.undo
+
+    @property
+    def peak(self) -> int:
+        """The most the run holds: loading, or training with a checkpoint being saved."""
+        return max(self.runtime + self.loading, self.training + self.checkpoint)
+
+    @property
+    def without_undo(self) -> int:
+        """``peak`` when no undo copy is kept (what "auto" falls back to on a small host)."""
+        return max(self.runtime + self.loading, self.training - self.undo + self.checkpoint)
+
+    @property
+    def export(self) -> int:
+        """The most held while saving the merged weights or a GGUF file after training."""
+        return self.training + max(self.merged, self.gguf)
+
+
+@dataclass(frozen=True)
 class MemoryBreakdown:
     """Memory of one step by category, in bytes.
 
@@ -27,6 +76,8 @@ class MemoryBreakdown:
     the last measured step (sampled tracking) or predicted (``estimate``).
     ``eval_peak`` is the peak of the held-out evaluation that follows the step when
     ``eval_every`` is set (the last one measured), else 0; ``highest`` is what must fit.
+    ``host`` is the host memory the configuration needs beside it (``HostMemory``), where
+    predicted (``estimate``), else None.
     """
 
     parameters: int = 0
@@ -45,6 +96,7 @@ class MemoryBreakdown:
     eval_peak: int = 0
     at_peak: dict = field(default_factory=dict, compare=False)
     phases: dict = field(default_factory=dict, compare=False)  # phase -> {"peak", "largest"}
+    host: HostMemory | None = field(default=None, compare=False)
 
     @property
     def categories(self) -> dict[str, int]:

@@ -23,7 +23,7 @@ fragmentation and the CUDA context are not predicted: ``peak`` is what tensors h
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,8 +32,9 @@ from torch import nn
 from ..models.config import ModelConfig
 from ..models.decoder import CausalLM
 from ..techniques import PAGED_OPTIMIZERS, Techniques
-from .accounting import optimizer_state_bytes
-from .breakdown import MemoryBreakdown
+from .accounting import optimizer_state_bytes, parameter_bytes
+from .breakdown import HostMemory, MemoryBreakdown
+from .tracker import _ACT, Segment, breakdown_of
 
 _QUANTIZED_OPTIMIZERS = {"adamw8bit", "paged_adamw8bit", "paged_adamw", "ao_adamw8bit",
                          "ao_adamw4bit"}
@@ -110,9 +111,11 @@ class _StateStandIn(torch.optim.Optimizer):
                 layout = quantized_state_layout(self.name, p)
                 self.state[p] = {f"state{i}": torch.empty(n, dtype=dtype, device=device or p.device)
                                  for i, (n, dtype) in enumerate(layout)}
-        shared_tables = self.name in ("adamw8bit", "paged_adamw8bit")
-        if shared_tables and self.state and not any("tables" in s for s in self.state.values()):
-            first = next(iter(self.state))  # bitsandbytes' two 256-entry tables, held once
+        shared_tables = self.name in ("adamw8bit", "paged_adamw8bit") and any(
+            t.dtype == torch.uint8 for s in self.state.values() for t in s.values())
+        if shared_tables and not any("tables" in s for s in self.state.values()):
+            # bitsandbytes' two 256-entry tables, held once per optimizer with 8-bit state
+            first = next(iter(self.state))
             self.state[first]["tables"] = torch.empty(512, dtype=torch.float32,
                                                       device=device or first.device)
 
@@ -161,7 +164,8 @@ def _fake_batch(config: ModelConfig, t: Techniques, batch_size: int, seq_len: in
 
 
 def estimate(model, techniques: Techniques | None = None, *, batch_size: int | None = None,
-             seq_len: int | None = None, device: str | torch.device = "cpu") -> MemoryBreakdown:
+             seq_len: int | None = None, device: str | torch.device = "cpu",
+             extrapolate: bool = True) -> MemoryBreakdown:
     """Predict one training step's memory without allocating the model.
 
     ``model``: a preset name (``nbtune.models.presets.PRESETS``), a Hub repo id (only its
@@ -169,29 +173,143 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     ``techniques`` default to ``Techniques()``; ``batch_size`` and ``seq_len`` override
     theirs. Rows are taken full length (no padding): the worst case of that shape.
     ``device`` is the device the step will run on ("cpu" or "cuda").
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..models.hf import DTYPES
-    from ..peft import cast_model
-    from ..plan import check, transform_model
-    from ..step import evaluate_sum, update
-    from .tracker import CpuStepMemory
+    A deep model's step is extrapolated from two shallow ones (``layer_period``): equal to
+    the byte to running all of its layers, which ``extrapolate=False`` does.
+    """
+    from ..plan import check
 
     config = resolve_config(model)
     t = techniques or Techniques()
     target = torch.device(device).type
     if target not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: nbtune estimates for 'cpu' or 'cuda'.")
-    real = _fake_batch(config, t, batch_size or t.batch_size, seq_len or t.seq_len)
-    micro_batches = [real] * t.grad_accum
-    trained = real["labels"].numel() * t.grad_accum
-
+    shape = (batch_size or t.batch_size, seq_len or t.seq_len)
     with torch.device("meta"):
-        built = CausalLM(config)
+        built = CausalLM(config.replace(num_layers=min(config.num_layers, 1)))
     problems = check(t.replace(seq_len=min(t.seq_len, config.max_position_embeddings)), built, target)
     if problems:  # (an explicit seq_len may go beyond the context: the estimate says what it costs)
         raise ValueError(" ".join(problems))
+    period = layer_period(config, t) if extrapolate else None
+    step = None
+    if period is not None:
+        shallow, deeper = 2 * period, 3 * period
+        step = _extrapolated(_fake_step(config.replace(num_layers=shallow), t, target, shape, True),
+                             _fake_step(config.replace(num_layers=deeper), t, target, shape, True),
+                             shallow, deeper, config.num_layers, period)
+    if step is None:
+        step = _fake_step(config, t, target, shape, False)
+    result = breakdown_of(step.segments.items(), step.state, step.weights)
+    result = replace(result, device=target, measured=False, outside=step.paged,
+                     eval_peak=step.eval_peak)
+    return replace(result, host=host_memory(config, t, target, result, step))
+
+
+# The process itself: Python, torch and (CUDA) its kernel libraries mapped in, the CUDA
+# context's host side and a Jupyter kernel. Rough: not measured on a CUDA machine yet.
+HOST_RUNTIME = {"cuda": 3 << 30, "cpu": 1 << 30}
+_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBreakdown,
+                fake: "_FakeStep") -> HostMemory:
+    """What the run of ``t`` holds on the host beside ``step`` (the device's side), by what
+    nbtune's code does: see ``HostMemory``. The undo copy counts where "auto" keeps it on
+    every step (CUDA: at most 256 MiB, or the optimizer in backward)."""
+    from ..trainer import UNDO_AUTO_BYTES
+
+    cuda = target == "cuda"
+    dtype = _BYTES[t.dtype]
+    trainable, state = step.trainable, step.optimizer_state
+    dense = config.num_parameters * dtype  # every weight in the model's dtype
+    largest = config.vocab_size * config.hidden_size * dtype  # embedding or head
+    copy = trainable + state
+    undo = copy if cuda and (t.optimizer_in_backward or copy <= UNDO_AUTO_BYTES) else 0
+    offloaded = max((s.highs.get(("meta", _ACT), 0) for s in fake.segments.values()), default=0)
+    cpu_optimizer = 0
+    if t.cpu_offload_optimizer:  # torchao: pinned host copies and gradients, state beside them
+        cpu_optimizer = trainable * (4 if t.optimizer == "adamw" else 2)
+    full = t.method == "full"
+    weights_file = step.parameters if full else trainable
+    return HostMemory(
+        runtime=HOST_RUNTIME[target],
+        step=0 if cuda else step.highest,
+        offloaded=offloaded if cuda else 0,
+        paged=step.outside if cuda else 0,
+        cpu_optimizer=cpu_optimizer,
+        undo=undo,
+        # one tensor at a time, in the training dtype (plus the cast's 16 MiB chunk); on a CPU
+        # the loaded weights stay (they are the step's parameters, counted in ``step``)
+        loading=largest + (16 << 20),
+        # safetensors moves a file's CUDA tensors to the host together: the larger file
+        checkpoint=max(weights_file, state - step.outside) if cuda else 0,
+        # on CUDA every weight is moved to the host to be written; on a CPU only the
+        # adapted projections are new tensors (base + adapter folded in)
+        merged=dense if cuda else (0 if full else _adapted_weights(config, t) * dtype),
+        # the writer holds every converted tensor until the file is written (f16; norms and
+        # biases stay float32, as llama.cpp keeps them), plus one in float32 while converted
+        gguf=(config.num_parameters - _vectors(config)) * 2 + _vectors(config) * 4
+        + config.vocab_size * config.hidden_size * 4
+        + (0 if cuda or full else _adapted_weights(config, t) * dtype),
+    )
+
+
+def _vectors(config: ModelConfig) -> int:
+    """Weights in 1-D tensors (norms, biases), which GGUF files keep in float32."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_layer = 2 * config.hidden_size + (2 * config.head_dim if config.qk_norm else 0) + (
+        q + 2 * kv if config.attention_bias else 0)
+    return config.num_layers * per_layer + config.hidden_size
+
+
+def _adapted_weights(config: ModelConfig, t: Techniques) -> int:
+    """Weights in the projections LoRA adapts (``lora_targets``), all layers."""
+    d, f = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    sizes = {"q_proj": d * q, "k_proj": d * kv, "v_proj": d * kv, "o_proj": q * d,
+             "gate_proj": d * f, "up_proj": d * f, "down_proj": f * d}
+    return config.num_layers * sum(sizes.get(name, 0) for name in t.lora_targets)
+
+
+def layer_period(config: ModelConfig, t: Techniques) -> int | None:
+    """How many decoder layers repeat as one unit in a step (checkpointing every N-th layer
+    makes N), or None where the depth is not a whole number of units, or too shallow for two
+    shallow runs (two and three units) to be cheaper than one whole one."""
+    period = t.checkpoint_every or 1
+    if config.num_layers % period or config.num_layers <= 3 * period:
+        return None
+    return period
+
+
+@dataclass
+class _FakeStep:
+    """What a fake step measured: its segments (``tracker.Segment``), the optimizer state
+    (paged state included, and apart), the weights by kind and the held-out evaluation's
+    peak. Every number is affine in the depth once layers repeat (``_extrapolated``)."""
+
+    segments: dict
+    state: int
+    weights: dict
+    paged: int
+    eval_peak: int
+
+
+def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int, int],
+               by_layer: bool) -> _FakeStep:
+    """Build ``config`` of fake tensors the way a session would and track a steady step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..models.hf import DTYPES
+    from ..peft import cast_model
+    from ..plan import transform_model
+    from ..step import evaluate_sum, update
+    from .tracker import CpuStepMemory
+
+    real = _fake_batch(config, t, *shape)
+    micro_batches = [real] * t.grad_accum
+    trained = real["labels"].numel() * t.grad_accum
+    with torch.device("meta"):
+        built = CausalLM(config)
     cast_model(built, DTYPES[t.dtype])
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         built.to_empty(device="cpu")
@@ -202,12 +320,11 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
         inputs = [v for b in batches for v in b.values()]
         offload = "meta" if target == "cuda" else None
         _make_state(optimizer)  # as after a first step, without running one
-        memory = CpuStepMemory(built, optimizer, *inputs)
+        memory = CpuStepMemory(built, optimizer, *inputs, by_layer=by_layer)
         with memory:
             update(built, optimizer, batches, trained, memory, loss_chunks=t.chunked_loss,
                    offload_activations=t.activation_offloading,
                    max_grad_norm=t.max_grad_norm, offload_to=offload)
-        result = memory.result()
         eval_peak = 0
         if t.eval_every:  # one held-out batch at a time, beside the optimizer state
             evaluation = CpuStepMemory(built, optimizer, *inputs)
@@ -215,5 +332,57 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
             with evaluation:
                 evaluate_sum(built, batches[:1], evaluation, loss_chunks=t.chunked_loss)
             eval_peak = evaluation.result().peak
-    paged = optimizer_state_bytes(optimizer, torch.device("meta"))  # the stand-in parks it there
-    return replace(result, device=target, measured=False, outside=paged, eval_peak=eval_peak)
+    return _FakeStep(dict(memory.segments), optimizer_state_bytes(optimizer),
+                     parameter_bytes(built), optimizer_state_bytes(optimizer, torch.device("meta")),
+                     eval_peak)
+
+
+def _slots(step: _FakeStep, depth: int, period: int) -> dict:
+    """A step's segments keyed by where they sit rather than by layer: a layer's segment
+    becomes the first, the second or the last unit's (at position ``index % period`` in it;
+    with two units, the second is also the last).
+
+    The first unit differs from the others (its input needs no gradient when the embedding
+    is frozen; the embedding's own backward follows it); from the second on, each unit holds
+    what the one before it held plus one unit's share, so the units between the second and
+    the last lie on the line between those two and never hold the most: they are left out.
+    """
+    units, out = depth // period, {}
+    for (phase, micro, part, index), segment in step.segments.items():
+        if index is None:
+            out[(phase, micro, part, None, None)] = segment
+            continue
+        unit, position = divmod(index, period)
+        for name, at in (("first", 0), ("second", 1), ("last", units - 1)):
+            if unit == at:
+                out[(phase, micro, part, position, name)] = segment
+    return out
+
+
+def _extrapolated(a: _FakeStep, b: _FakeStep, depth_a: int, depth_b: int, depth: int,
+                  period: int) -> _FakeStep | None:
+    """The step of a ``depth``-layer model from those of ``depth_a`` and ``depth_b`` layers.
+
+    With identical layers every byte count of a segment (and the weights, the state, the
+    evaluation's peak) is affine in the depth: the segment's most-held moment is the same
+    moment at any depth, and what is held beside it grows by one unit's share per unit. So
+    each number is carried along the line through its two values, to the byte. None where
+    the two runs do not have the same segments (then the whole model is run instead).
+    """
+    slots_a, slots_b = _slots(a, depth_a, period), _slots(b, depth_b, period)
+    if any(key not in slots_a for key in slots_b) or any(
+            key[3] is None for key in slots_a.keys() - slots_b.keys()):
+        return None
+    units = (depth - depth_a) // (depth_b - depth_a)
+
+    def line(x: int, y: int) -> int:
+        return x + (y - x) * units
+
+    def carried(x: dict, y: dict) -> dict:
+        return {k: line(x.get(k, 0), y.get(k, 0)) for k in {**x, **y}}
+
+    segments = {key: Segment(peak=carried(slots_a[key].peak, segment.peak),
+                             highs=carried(slots_a[key].highs, segment.highs))
+                for key, segment in slots_b.items()}  # in the deeper run's order
+    return _FakeStep(segments, line(a.state, b.state), carried(a.weights, b.weights),
+                     line(a.paged, b.paged), line(a.eval_peak, b.eval_peak))

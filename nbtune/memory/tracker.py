@@ -12,6 +12,7 @@ API, so all of its use stays in this file.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -30,6 +31,8 @@ _CATEGORY_OF = {
 
 
 _CPU = torch.device("cpu")  # the device counted (the estimator parks off-device tensors on meta)
+_ACT = _MemRefType.ACT
+_META = torch.device("meta")  # where the estimator parks what leaves the device (filed as "meta", ref)
 
 
 def _by_category(snapshot: dict, state: int) -> dict[str, int]:
@@ -47,6 +50,15 @@ def _by_category(snapshot: dict, state: int) -> dict[str, int]:
     out["optimizer_state"] -= excess
     out["other"] += excess
     return out
+
+
+@dataclass
+class Segment:
+    """One stretch of a step (a phase, or one decoder layer's forward or backward in it): the
+    MemTracker snapshot at its most-held moment and each reference type's high in it."""
+
+    peak: dict = field(default_factory=dict)
+    highs: dict = field(default_factory=dict)
 
 
 class _StepPhase:
@@ -85,8 +97,9 @@ class _HighWaterTracker(MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self._mod_tracker = _StepPhase()
-        self.highs: dict[str, int] = {}
-        self.phase_peaks: dict[str, dict] = {}  # phase -> MemTracker snapshot at its peak
+        # (phase, micro-batch, part, layer index or None) -> Segment, in the order first seen
+        self.segment: tuple = ("forward", 0, "start", None)
+        self.segments: dict[tuple, Segment] = {}
         self.track_resizes = False
 
     # MemTracker also swaps torch.UntypedStorage.resize_ process-wide on enter and puts back
@@ -137,11 +150,21 @@ class _HighWaterTracker(MemTracker):
         self._optimizer_hook_handles = (register_optimizer_step_pre_hook(pre),
                                         register_optimizer_step_post_hook(post))
 
+    def _current(self) -> Segment:
+        segment = self.segments.get(self.segment)
+        if segment is None:
+            segment = self.segments[self.segment] = Segment()
+        return segment
+
     def _update_snap(self, *args, **kwargs) -> None:
         super()._update_snap(*args, **kwargs)
+        highs = self._current().highs
         for ref, nbytes in self._curr_mem_snap.get(_CPU, {}).items():
-            if nbytes > self.highs.get(ref, 0):
-                self.highs[ref] = nbytes
+            if nbytes > highs.get(ref, 0):
+                highs[ref] = nbytes
+        for ref, nbytes in self._curr_mem_snap.get(_META, {}).items():
+            if nbytes > highs.get(("meta", ref), 0):
+                highs[("meta", ref)] = nbytes
 
     def track_gradients(self, model: nn.Module) -> None:
         """File every gradient the model's trainable parameters receive as a gradient.
@@ -159,59 +182,126 @@ class _HighWaterTracker(MemTracker):
                     param.register_post_accumulate_grad_hook(lambda p: file_grad(p.grad)))
 
     def _update_peak_stats(self, peak_state) -> None:
-        phase = self._mod_tracker.phase
         snap = self._curr_mem_snap.get(_CPU)
-        if snap and snap[_TOTAL_KEY] > self.phase_peaks.get(phase, {}).get(_TOTAL_KEY, 0):
-            self.phase_peaks[phase] = dict(snap)
+        if snap:
+            segment = self._current()
+            if snap[_TOTAL_KEY] > segment.peak.get(_TOTAL_KEY, 0):
+                segment.peak = dict(snap)
+
+
+def breakdown_of(segments, state: int, weights: dict[str, int]) -> MemoryBreakdown:
+    """A CPU step's ``MemoryBreakdown`` from its segments ((key, Segment) pairs in the order
+    they were first seen; a key starts with its phase), the optimizer state it ended with and
+    the model's weights by kind."""
+    highs: dict = {}
+    peaks: dict[str, dict] = {}  # phase -> snapshot at its peak (the first, where equal)
+    for key, segment in segments:
+        for ref, nbytes in segment.highs.items():
+            if not isinstance(ref, tuple):  # ("meta", ref): off the device, not counted here
+                highs[ref] = max(highs.get(ref, 0), nbytes)
+        phase, total = key[0], segment.peak.get(_TOTAL_KEY, 0)
+        if total > peaks.get(phase, {}).get(_TOTAL_KEY, 0):
+            peaks[phase] = segment.peak
+    # The optimizer's temporaries came and went at one moment: a high of their own.
+    excess = max(0, highs.get(_MemRefType.OPT, 0) - state)
+    highs[_MemRefType.TEMP] = max(highs.get(_MemRefType.TEMP, 0), excess)
+    highs[_MemRefType.OPT] = state
+    highs = _by_category(highs, state)
+    phases = {name: _by_category(snap, state) for name, snap in peaks.items()}
+    at_peak = max(phases.values(), key=lambda snap: sum(snap.values()), default={})
+    highs["parameters"] = sum(weights.values())
+    return MemoryBreakdown(**highs, peak=sum(at_peak.values()), **weights, device="cpu",
+                           at_peak=at_peak, phases=phase_summary(phases))
 
 
 class CpuStepMemory:
-    """Tracks one step on CPU by watching every tensor it allocates."""
+    """Tracks one step on CPU by watching every tensor it allocates.
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *inputs: torch.Tensor):
+    ``by_layer``: file what each decoder layer's forward and backward hold under segments of
+    their own (phase, micro-batch, "layer", index), apart from the embedding, the head and
+    the rest of each phase: the estimator extrapolates a deep model's step from two shallow
+    ones with them (``nbtune.memory.estimate``).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *inputs: torch.Tensor,
+                 by_layer: bool = False):
         self._model, self._optimizer = model, optimizer
         self._tracker = _HighWaterTracker()
         self._tracker.track_external(model, optimizer, *inputs)
         self._tracker.track_gradients(model)
         self._tracker.track_gathered_weights(model)
+        self._micro = -1
+        self._hooks = _layer_hooks(model, self._tracker) if by_layer else []
 
     def __enter__(self) -> "CpuStepMemory":
         self._tracker.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
         self._tracker.__exit__(*exc)
 
-    def _enter_phase(self, phase: str) -> None:
+    def _enter(self, phase: str, part: str) -> None:
         self._tracker._mod_tracker.phase = phase
         self._tracker._mod_tracker.is_bw = phase != "forward"
+        self._tracker.segment = (phase, max(self._micro, 0), part, None)
 
     def before_forward(self) -> None:
-        self._enter_phase("forward")
+        self._micro += 1
+        self._enter("forward", "start")
 
     def after_forward(self) -> None:
-        self._enter_phase("backward")
+        self._enter("backward", "head")
 
     def after_backward(self) -> None:
-        pass
+        self._enter("backward", "end")
 
     def before_optimizer(self) -> None:
-        self._enter_phase("optimizer")
+        self._enter("optimizer", "step")
+
+    @property
+    def segments(self) -> dict[tuple, Segment]:
+        """What each stretch of the step held (see ``Segment``), in the order first seen."""
+        return self._tracker.segments
 
     def result(self) -> MemoryBreakdown:
-        state = optimizer_state_bytes(self._optimizer)
-        highs = dict(self._tracker.highs)
-        # The optimizer's temporaries came and went at one moment: a high of their own.
-        excess = max(0, highs.get(_MemRefType.OPT, 0) - state)
-        highs[_MemRefType.TEMP] = max(highs.get(_MemRefType.TEMP, 0), excess)
-        highs[_MemRefType.OPT] = state
-        highs = _by_category(highs, state)
-        phases = {name: _by_category(snap, state) for name, snap in self._tracker.phase_peaks.items()}
-        at_peak = max(phases.values(), key=lambda snap: sum(snap.values()), default={})
-        weights = parameter_bytes(self._model)
-        highs["parameters"] = sum(weights.values())
-        return MemoryBreakdown(**highs, peak=sum(at_peak.values()), **weights, device="cpu",
-                               at_peak=at_peak, phases=phase_summary(phases))
+        return breakdown_of(self.segments.items(), optimizer_state_bytes(self._optimizer),
+                            parameter_bytes(self._model))
+
+
+def _layer_hooks(model: nn.Module, tracker: _HighWaterTracker) -> list:
+    """Hooks that move ``tracker.segment`` to each decoder layer as forward and backward reach
+    it, to the head after the last layer's forward, and to the embedding's backward once the
+    first layer's has ended. (A checkpointed layer recomputed in backward calls no module
+    hooks: its recomputation belongs to its backward segment.)"""
+    layers = model.model.layers
+
+    def move_to(part: str, index: int | None):
+        def hook(module, *args) -> None:
+            if tracker._mod_tracker.phase == "forward":
+                tracker.segment = ("forward", tracker.segment[1], part, index)
+        return hook
+
+    def backward_from(part: str, index: int | None):
+        """On a module's output: its gradient is ready when backward reaches the module."""
+        def hook(module, args, output) -> None:
+            if tracker._mod_tracker.phase != "forward" or not output.requires_grad:
+                return
+            key = ("backward", tracker.segment[1], part, index)
+
+            def reached(grad) -> None:
+                tracker.segment = key
+            output.register_hook(reached)
+        return hook
+
+    hooks = [model.model.embed_tokens.register_forward_hook(backward_from("embedding", None))]
+    for i, layer in enumerate(layers):
+        hooks.append(layer.register_forward_pre_hook(move_to("layer", i)))
+        hooks.append(layer.register_forward_hook(backward_from("layer", i)))
+    # What runs between two layers belongs to the first; after the last, the head's begins.
+    hooks.append(layers[-1].register_forward_hook(move_to("head", None)))
+    return hooks
 
 
 class CudaStepMemory:

@@ -199,8 +199,6 @@ def load_gguf_model(path: "str | os.PathLike | GGUFFile", dtype: torch.dtype = t
                     device: str | torch.device = "cpu", quantize: Collection[str] = ()) -> CausalLM:
     """Read a GGUF file into nbtune's decoder, each tensor dequantized (to float32, then
     ``dtype``) as it is read; ``quantize`` as in ``load_model`` (NF4 for QLoRA)."""
-    from gguf.quants import dequantize
-
     from ..peft import to_nf4
     from .hf import _release_freed_heap, empty_model, fill_model
 
@@ -208,6 +206,21 @@ def load_gguf_model(path: "str | os.PathLike | GGUFFile", dtype: torch.dtype = t
     config = config_from_gguf(file)
     model, quantized, expected = empty_model(config, quantize)
     loaded: dict[str, torch.Tensor] = {}
+    for key, weight in gguf_weights(file, config, expected, dtype, device):
+        if key in quantized:
+            weight = to_nf4(weight, key)
+            _release_freed_heap()
+        loaded[key] = weight
+    return fill_model(model, loaded, quantized, expected, str(path), GGUFError)
+
+
+def gguf_weights(file: GGUFFile, config: ModelConfig, expected: dict, dtype: torch.dtype,
+                 device: str | torch.device):
+    """(name, tensor in ``dtype`` on ``device``) for each weight of a GGUF file, dequantized
+    one at a time and checked against ``expected``."""
+    from gguf.quants import dequantize
+
+    path = file.path
     for tensor in file.tensors:
         key = _hf_name(tensor.name)
         if key is None or key not in expected:
@@ -225,12 +238,7 @@ def load_gguf_model(path: "str | os.PathLike | GGUFFile", dtype: torch.dtype = t
         if values.shape != tuple(expected[key].shape):
             raise GGUFError(f"{tensor.name} in {path} has shape {values.shape} but the metadata "
                             f"implies {tuple(expected[key].shape)}: the file is damaged.")
-        weight = torch.from_numpy(np.array(values, copy=True)).to(device=device, dtype=dtype)
-        if key in quantized:
-            weight = to_nf4(weight, key)
-            _release_freed_heap()
-        loaded[key] = weight
-    return fill_model(model, loaded, quantized, expected, str(path), GGUFError)
+        yield key, torch.from_numpy(np.array(values, copy=True)).to(device=device, dtype=dtype)
 
 
 def gguf_tokenizer(path: "str | os.PathLike | GGUFFile") -> Tokenizer:

@@ -204,6 +204,18 @@ def load_model(path_or_id: str | os.PathLike, dtype: str | torch.dtype = "fp32",
     config = ModelConfig.from_file(folder / "config.json")
     model, quantized, expected = empty_model(config, quantize)
     loaded: dict[str, torch.Tensor] = {}
+    for key, tensor in folder_weights(folder, config, expected, dtype, device):
+        if key in quantized:
+            tensor = to_nf4(tensor, key)  # the dense copy is freed here...
+            _release_freed_heap()  # ...and its pages handed back to the system
+        loaded[key] = tensor
+    return fill_model(model, loaded, quantized, expected, str(folder))
+
+
+def folder_weights(folder: Path, config: ModelConfig, expected: dict, dtype: torch.dtype,
+                   device: str | torch.device):
+    """(name, tensor in ``dtype`` on ``device``) for each weight of a safetensors folder, one
+    at a time; every file's names and shapes are checked against ``expected`` first."""
     buffer = torch.empty(CAST_CHUNK_BYTES, dtype=torch.uint8, device="cpu")  # pages are touched only by a cast
     for file in _weight_files(folder):
         entries = _entries(file)
@@ -220,12 +232,33 @@ def load_model(path_or_id: str | os.PathLike, dtype: str | torch.dtype = "fp32",
                     raise ValueError(
                         f"{key} in {file.name} has shape {shape} but config.json "
                         f"implies {tuple(expected[key].shape)}: config and weights disagree.")
-                tensor = _read_tensor(f, begin, src_dtype, shape, dtype, buffer).to(device)
-                if key in quantized:
-                    tensor = to_nf4(tensor, key)  # the dense copy is freed here...
-                    _release_freed_heap()  # ...and its pages handed back to the system
-                loaded[key] = tensor
-    return fill_model(model, loaded, quantized, expected, str(folder))
+                yield key, _read_tensor(f, begin, src_dtype, shape, dtype, buffer).to(device)
+
+
+@torch.no_grad()
+def reload_weights_(model: CausalLM, source) -> None:
+    """Write the base weights of ``source`` (a folder or parsed GGUF file, the one ``model``
+    was loaded from) into ``model``'s own tensors, one at a time: the model is back at its
+    weights as loaded, with no second copy on the device or the host. Dense models only
+    (full finetuning); a failure part-way leaves some weights reloaded and others not."""
+    from .gguf import GGUFFile, gguf_weights
+
+    targets = {k: v for k, v in model.state_dict(keep_vars=True).items()
+               if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    dtype = next(iter(targets.values())).dtype
+    device = next(iter(targets.values())).device
+    if isinstance(source, GGUFFile):
+        stream = gguf_weights(source, model.config, targets, dtype, device)
+    else:
+        stream = folder_weights(Path(source), model.config, targets, dtype, device)
+    written = set()
+    for key, tensor in stream:
+        targets[key].copy_(tensor)
+        written.add(key)
+    missing = sorted(set(targets) - written)
+    if missing:
+        raise ValueError(f"{source} lacks weights for {missing[:4]}: the model cannot be reloaded "
+                         "from it.")
 
 
 def plain_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ import ipywidgets as w
 
 from ..techniques import CHOICE_HELP, DTYPES, HELP, LORA_TARGETS, METHODS, NO_EFFECT, OPTIMIZERS
 from .charts import draw_memory, figure_png, format_bytes
-from ..fitting import APPLY_IN_CODE, CARDS
+from ..fitting import APPLY_IN_CODE, CARDS, HOST_RAM
 from .fitcheck import FitCheck
 from .live import PacedRedraw
 from .status import run_status
@@ -147,8 +147,10 @@ class Panel(w.VBox):
         self.run_button.on_click(lambda _: self._guarded(self.session.start, self.steps.value))
         self.stop_button.on_click(lambda _: self._guarded(self._stop))
         self.price.observe(self._on_price, names="value")
-        budget_help = ("The card to check the current toggles against: the estimate of the next "
-                       "step's peak, recomputed as you move a control")
+        budget_help = ("The card and host to check the current toggles against: the estimate of "
+                       "the next step's peak on the card, and of what the run holds in host memory "
+                       "(offloaded activations, paged or offloaded optimizer state, a checkpoint "
+                       "being saved), recomputed as you move a control")
         self.budget = w.Dropdown(options=_budgets(session), tooltip=budget_help,
                                  # JupyterLab shows no hover text on a dropdown: put it on the label
                                  description=f"<span title='{html.escape(budget_help, quote=True)}'>"
@@ -392,14 +394,18 @@ def _look(toggle: w.ToggleButton, on: bool, disabled: bool = False) -> None:
 
 
 def _budgets(session) -> list[tuple[str, object]]:
-    """The budget choices: the attached GPU (when there is one), then the usual cards."""
+    """The budget choices: the attached GPU and this host (when there is a GPU), then the
+    usual cards with the host memory they usually come with."""
     import torch
+
+    from .. import host
 
     out = []
     if session.device.type == "cuda":
-        total = torch.cuda.get_device_properties(session.device).total_memory
-        out.append((f"this GPU ({format_bytes(total)})", total))
-    return out + [(name, name) for name in CARDS]
+        total, ram = torch.cuda.get_device_properties(session.device).total_memory, host.total()
+        out.append((f"this GPU ({format_bytes(total)}) + this host ({format_bytes(ram or 0)})",
+                    (total, ram)))
+    return out + [(f"{name} + {HOST_RAM[name] // 2**30} GiB RAM", name) for name in CARDS]
 
 
 def _labels(changes: list[dict]) -> str:

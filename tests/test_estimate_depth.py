@@ -1,0 +1,150 @@
+"""The estimate of a deep model, extrapolated from two shallow fake steps, against the same
+estimate run on every layer (``extrapolate=False``): equal to the byte, breakdown, the
+composition of the peak moment, each phase's peak and the held-out evaluation included."""
+
+import pytest
+
+import nbtune as nt
+import nbtune.memory.estimate as est
+from nbtune.models import ModelConfig
+from nbtune.models.presets import preset_config
+
+SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_layers=8, num_heads=4,
+             num_kv_heads=2, head_dim=16)
+FAMILIES = {
+    "llama": ModelConfig(**SMALL),
+    "llama-tied": ModelConfig(**SMALL, tie_word_embeddings=True),
+    "qwen2": ModelConfig(**SMALL, model_type="qwen2", attention_bias=True, tie_word_embeddings=True),
+    "qwen3": ModelConfig(**SMALL, model_type="qwen3", qk_norm=True),
+    "mistral": ModelConfig(**SMALL, model_type="mistral", sliding_window=16),
+}
+
+# The combinations test_estimate, test_fit and test_eval use, and every memory toggle. Each
+# runs on one family in turn (all families meet most toggles) on the device it is for.
+COMBOS = [
+    dict(),
+    dict(activation_checkpointing=True),
+    dict(activation_checkpointing=2),
+    dict(dtype="bf16", chunked_loss=4),
+    dict(method="lora", dtype="bf16"),
+    dict(method="lora", activation_checkpointing=True, max_grad_norm=1.0),
+    dict(method="qlora", dtype="bf16", activation_checkpointing=True),
+    dict(method="qlora", dtype="bf16", lora_targets=("q_proj", "v_proj"), lora_dropout=0.1),
+    dict(optimizer_in_backward=True),
+    dict(dtype="bf16", optimizer="adamw8bit", optimizer_in_backward=True),
+    dict(grad_accum=2, max_grad_norm=1.0),
+    dict(method="lora", grad_accum=3),
+    dict(packing=True, optimizer="sgd"),
+    dict(optimizer="adamw8bit"),
+    dict(dtype="bf16", optimizer="ao_adamw8bit"),
+    dict(optimizer="ao_adamw4bit", activation_checkpointing=True),
+    dict(eval_every=5, chunked_loss=4),
+    dict(activation_offloading=True, activation_checkpointing=True, device="cuda"),
+    dict(activation_offloading=True, method="lora", device="cuda"),
+    dict(optimizer="paged_adamw8bit", device="cuda"),
+    dict(cpu_offload_optimizer=True, device="cuda"),
+]
+
+
+def _label(changes: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in changes.items()) or "baseline"
+
+
+def assert_same(a: nt.MemoryBreakdown, b: nt.MemoryBreakdown) -> None:
+    assert a == b  # every byte count, the device and the evaluation's peak
+    assert a.at_peak == b.at_peak and a.phases == b.phases  # (not in ==: compare=False)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many estimates were extrapolated (two shallow runs) rather than run whole."""
+    made = []
+    real = est._extrapolated
+
+    def spy(*args):
+        made.append(real(*args))
+        return made[-1]
+
+    monkeypatch.setattr(est, "_extrapolated", spy)
+    return made
+
+
+@pytest.mark.parametrize("number", range(len(COMBOS)), ids=[_label(c) for c in COMBOS])
+def test_extrapolated_equals_every_layer_run(calls, number):
+    changes = dict(COMBOS[number])
+    device = changes.pop("device", "cpu")
+    name = list(FAMILIES)[number % len(FAMILIES)]
+    t = nt.Techniques(batch_size=2, seq_len=32, **changes)
+    shallow = est.estimate(FAMILIES[name], t, device=device)
+    assert len(calls) == 1 and calls[0] is not None, "the estimate was not extrapolated"
+    whole = est.estimate(FAMILIES[name], t, device=device, extrapolate=False)
+    assert len(calls) == 1
+    assert_same(shallow, whole)
+    assert shallow.peak > shallow.parameters > 0
+
+
+# A preset of each family (llama untied and tied, qwen2, mistral; qwen3 has no preset).
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.2-1b", "qwen2.5-0.5b", "mistral-7b"])
+def test_extrapolated_equals_every_layer_run_on_a_preset_of_each_family(calls, name):
+    # Short rows: the layers' structure, not their length, is what the extrapolation relies on.
+    config = preset_config(name)
+    t = nt.Techniques(method="qlora" if config.num_parameters > 3e9 else "full", dtype="bf16",
+                      activation_checkpointing=True, chunked_loss=4, batch_size=1, seq_len=64)
+    shallow = est.estimate(config, t, device="cuda")
+    assert calls and calls[0] is not None
+    assert_same(shallow, est.estimate(config, t, device="cuda", extrapolate=False))
+
+
+def test_the_first_layer_is_kept_apart_because_it_differs(calls):
+    # With a frozen embedding (LoRA), the first layer computes no gradient for its input: its
+    # backward holds less than the layers after it, so the most held in backward can sit in
+    # the second layer. Extrapolating from the first and the last layer only would miss it.
+    config = FAMILIES["llama"]
+    t = nt.Techniques(method="qlora", dtype="bf16", activation_checkpointing=True, batch_size=2,
+                      seq_len=32)
+    steps = {depth: est._fake_step(config.replace(num_layers=depth), t, "cpu", (2, 32), True)
+             for depth in (4,)}
+    totals = [steps[4].segments[("backward", 0, "layer", i)].peak["Total"] for i in range(4)]
+    step = totals[2] - totals[3]  # each layer after the first: one layer's share more
+    assert totals[1] - totals[2] == step and step != 0
+    assert totals[0] - totals[1] != step  # the first layer is not on that line
+    assert_same(est.estimate(config, t), est.estimate(config, t, extrapolate=False))
+
+
+@pytest.mark.parametrize("layers,every,expected", [
+    (8, False, 1), (8, 2, 2), (8, 3, None), (3, False, None), (6, 2, None), (12, 3, 3), (32, 4, 4)])
+def test_layer_period_falls_back_where_the_layers_do_not_repeat(layers, every, expected):
+    config = FAMILIES["llama"].replace(num_layers=layers)
+    assert est.layer_period(config, nt.Techniques(activation_checkpointing=every)) == expected
+
+
+def test_a_depth_that_is_not_whole_units_runs_every_layer(calls):
+    t = nt.Techniques(activation_checkpointing=3, batch_size=2, seq_len=32)  # 8 layers: 3+3+2
+    guess = est.estimate(FAMILIES["llama"], t)
+    assert calls == []  # not extrapolated
+    assert guess.peak > 0
+
+
+def test_the_estimators_nf4_weight_has_the_parts_torchao_makes():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from nbtune.memory.accounting import storage_bytes
+    from nbtune.peft import to_nf4
+
+    # One scaler block (torchao then keeps a larger storage for its factor) and several.
+    for shape, dtype in [((128, 512), torch.bfloat16), ((64, 128), torch.float32),
+                         ((256, 256), torch.bfloat16)]:
+        weight = torch.randn(shape, dtype=dtype)
+        real = to_nf4(weight)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = to_nf4(mode.from_tensor(weight))
+        parts, _ = real.__tensor_flatten__()
+        assert fake.__tensor_flatten__()[0] == parts
+        for part in parts:
+            assert getattr(fake, part).shape == getattr(real, part).shape, part
+            assert getattr(fake, part).dtype == getattr(real, part).dtype, part
+        assert storage_bytes([fake]) == storage_bytes([real])
+        assert (fake.shape, fake.dtype, fake.block_size, fake.n_blocks, fake.scaler_block_size) == \
+            (real.shape, real.dtype, real.block_size, real.n_blocks, real.scaler_block_size)

@@ -1,0 +1,176 @@
+"""The host's free memory as nbtune reads it: the kernel's count, capped by a container's limit."""
+
+import pytest
+
+from nbtune import host
+
+GiB = 2**30
+
+
+def machine(tmp_path, total_gib=32, available_gib=20, cgroup=None, version=2):
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/meminfo").write_text(
+        f"MemTotal:       {total_gib * 1024 * 1024} kB\n"
+        f"MemFree:         1000 kB\n"
+        f"MemAvailable:   {available_gib * 1024 * 1024} kB\n")
+    if cgroup is not None:
+        limit, usage = cgroup
+        if version == 2:
+            folder = tmp_path / "sys/fs/cgroup"
+            folder.mkdir(parents=True)
+            (folder / "memory.max").write_text("max\n" if limit is None else f"{limit}\n")
+            (folder / "memory.current").write_text(f"{usage}\n")
+        else:
+            folder = tmp_path / "sys/fs/cgroup/memory"
+            folder.mkdir(parents=True)
+            (folder / "memory.limit_in_bytes").write_text(f"{limit or 2**63 - 4096}\n")
+            (folder / "memory.usage_in_bytes").write_text(f"{usage}\n")
+    return tmp_path
+
+
+def test_a_machine_without_a_container_limit(tmp_path):
+    root = machine(tmp_path)
+    assert host.total(root) == 32 * GiB
+    assert host.available(root) == 20 * GiB
+    # room: what is free, plus the copy's own buffers, less the step's reserve and 10 % margin
+    assert host.room(held=2 * GiB, reserve=3 * GiB, root=root) == 20 * GiB + 2 * GiB - 3 * GiB - int(3.2 * GiB)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_container_limit_below_the_machine_caps_both(tmp_path, version):
+    root = machine(tmp_path, total_gib=256, available_gib=200, cgroup=(24 * GiB, 10 * GiB),
+                   version=version)
+    assert host.total(root) == 24 * GiB
+    assert host.available(root) == 14 * GiB
+    assert host.margin(host.total(root)) == int(2.4 * GiB)
+
+
+def test_an_unlimited_cgroup_leaves_the_machines_numbers(tmp_path):
+    root = machine(tmp_path, cgroup=(None, 5 * GiB))
+    assert host.total(root) == 32 * GiB and host.available(root) == 20 * GiB
+
+
+def test_a_small_host_keeps_at_least_one_gib_free(tmp_path):
+    assert host.margin(4 * GiB) == GiB and host.margin(None) == GiB
+
+
+def test_this_machine_is_readable():
+    assert 0 < host.available() <= host.total()
+
+
+# ---- the host side of the estimate, against what the code really moves ------------------------
+
+import torch  # noqa: E402
+
+import nbtune as nt  # noqa: E402
+import nbtune.activations  # noqa: E402
+import nbtune.checkpoint  # noqa: E402
+import nbtune.models.hf  # noqa: E402
+import nbtune.step  # noqa: E402
+from nbtune.undo import copy_bytes, undo_units  # noqa: E402
+
+from helpers import small_session  # noqa: E402
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(activation_checkpointing=True)])
+def test_offloaded_bytes_are_what_the_saved_tensor_hooks_park(monkeypatch, changes):
+    """The most held by activations parked at once on a real step (counted at the hooks,
+    each parked copy alive until backward has used it) is the estimate's ``offloaded``."""
+    session = small_session(activation_offloading=True, batch_size=2, seq_len=96, **changes)
+    parked, held, most = {}, [0], [0]
+    real = nbtune.activations.OffloadActivations
+
+    class Counting(real):
+        def __init__(self, model, **kwargs):
+            super().__init__(model, **kwargs)
+            pack, unpack = self.pack_hook, self.unpack_hook
+
+            def counted(t):
+                out = pack(t)
+                if isinstance(out, tuple):
+                    copy = out[1]
+                    held[0] += copy.untyped_storage().nbytes()
+                    most[0] = max(most[0], held[0])
+                    parked[id(out)] = copy.untyped_storage().nbytes()
+                    import weakref
+                    weakref.finalize(copy, lambda n=parked[id(out)]: held.__setitem__(0, held[0] - n))
+                return out
+
+            self.pack_hook = counted
+            self.unpack_hook = unpack
+
+    monkeypatch.setattr(nbtune.step, "OffloadActivations", Counting)
+    ids = torch.randint(0, 250, (2, 96))
+    nbtune.step.update(session.model, session.optimizer, [{"input_ids": ids, "labels": ids}], 192,
+                       nbtune.step._Untracked(), offload_activations=True)
+    predicted = nt.estimate(session.model.config, session.techniques, device="cuda").host
+    assert most[0] > 0 and predicted.offloaded == most[0]
+    assert nt.estimate(session.model.config, session.techniques, device="cpu").host.offloaded == 0
+
+
+@pytest.mark.parametrize("changes", [dict(optimizer_in_backward=True), dict(method="lora"),
+                                     dict(optimizer="adamw8bit", optimizer_in_backward=True)])
+def test_undo_bytes_are_what_the_copy_of_a_real_step_holds(changes):
+    session = small_session(**changes)
+    session.step()  # the optimizer's state exists now
+    real = copy_bytes(undo_units(session.model, session.optimizer))
+    predicted = nt.estimate(session.model.config, session.techniques, device="cuda").host
+    assert predicted.undo == real > 0
+    assert nt.estimate(session.model.config, session.techniques, device="cpu").host.undo == 0
+
+
+def _saved_bytes(monkeypatch, module) -> list[int]:
+    """Bytes of tensors in each ``save_file`` call of ``module`` (written as usual)."""
+    calls, real = [], module.save_file
+
+    def counting(tensors, *args, **kwargs):
+        calls.append(_bytes(tensors.values()))
+        return real(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(module, "save_file", counting)
+    return calls
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(method="lora"), dict(optimizer="adamw8bit")])
+def test_checkpoint_bytes_are_the_larger_file(monkeypatch, tmp_path, changes):
+    """On CUDA safetensors moves a file's tensors to the host together: the prediction is
+    the larger of the weights file and the optimizer file, as written here."""
+    session = small_session(**changes)
+    session.step()
+    calls = _saved_bytes(monkeypatch, nbtune.checkpoint)
+    session.save_checkpoint(tmp_path / "ckpt")
+    predicted = nt.estimate(session.model.config, session.techniques, device="cuda").host
+    assert len(calls) == 3 and predicted.checkpoint == max(calls)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_merged_save_bytes_are_every_weight(monkeypatch, tmp_path, method):
+    session = small_session(method=method)
+    session.step()
+    calls = _saved_bytes(monkeypatch, nbtune.models.hf)
+    session.save(tmp_path / "out", merge=method != "full")
+    predicted = nt.estimate(session.model.config, session.techniques, device="cuda").host
+    assert calls == [predicted.merged]
+
+
+def test_gguf_export_bytes_are_what_the_writer_holds(monkeypatch, tmp_path):
+    import gguf
+
+    session = small_session(method="lora")
+    held = []
+    real = gguf.GGUFWriter.add_tensor
+
+    def counting(self, name, tensor, *args, **kwargs):
+        held.append(tensor.nbytes)
+        return real(self, name, tensor, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", counting)
+    session.save(tmp_path / "gguf", format="gguf")  # f16
+    config = session.model.config
+    predicted = nt.estimate(config, session.techniques, device="cuda").host
+    converting = config.vocab_size * config.hidden_size * 4  # the largest tensor, in float32
+    assert predicted.gguf == sum(held) + converting

@@ -20,8 +20,12 @@ from .techniques import Techniques
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 TRAINER_STATE = "trainer_state.json"
-CHECKPOINT_FILES = ("weights.safetensors", "optimizer.safetensors", "rng.safetensors", TRAINER_STATE)
 FORMAT = 2  # 2: records the base model's fingerprint and the data position as a state dict
+# safetensors moves all of a file's CUDA tensors to the host at once before writing, so a
+# checkpoint's weights and optimizer state are written in files of at most this many bytes
+# (or one tensor), one file at a time: host memory for an 8B full checkpoint stays at a
+# GiB or two instead of the 15-30 GiB of one file. Trainer state lists the files.
+PART_BYTES = 1 << 30
 
 
 SAVE_FORMATS = ("hf", "gguf")
@@ -126,22 +130,44 @@ def history_from_rows(rows: list[dict]) -> list[StepReport]:
                           "memory": MemoryBreakdown(**r["memory"])}) for r in rows]
 
 
+def parts(tensors: dict[str, torch.Tensor], stem: str) -> list[tuple[str, dict]]:
+    """(file name, tensors) of ``stem`` cut into files of at most ``PART_BYTES`` (a larger
+    tensor alone): ``stem.safetensors`` when one file holds them all, else
+    ``stem-00001-of-00003.safetensors`` and so on."""
+    groups: list[dict] = [{}]
+    size = 0
+    for key, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > PART_BYTES:
+            groups.append({})
+            size = 0
+        groups[-1][key] = tensor
+        size += nbytes
+    if len(groups) == 1:
+        return [(f"{stem}.safetensors", groups[0])]
+    return [(f"{stem}-{i:05d}-of-{len(groups):05d}.safetensors", group)
+            for i, group in enumerate(groups, 1)]
+
+
 def save_training_checkpoint(session, folder) -> Path:
     """Everything a run needs to continue exactly: the trainer's whole ``state_dict``."""
     state = session.trainer.state_dict()
-    weights = {k: v.contiguous() for k, v in state["weights"].items()}
+    weights = parts({k: v.contiguous() for k, v in state["weights"].items()}, "weights")
     opt_tensors, opt_meta = _optimizer_files(state["optimizer"])
+    optimizer = parts(opt_tensors, "optimizer")
     trainer = {
         "format": FORMAT, "source": session.source, "base_changed": state["base_changed"],
         "base_fingerprint": state["base_fingerprint"], "full_weights": state["full_weights"],
         "techniques": state["techniques"].as_dict(), "steps": len(state["history"]),
         "optimizer": opt_meta, "data": state["data"],
         "history": history_rows(state["history"]),
+        "files": {"weights": [name for name, _ in weights],
+                  "optimizer": [name for name, _ in optimizer]},
     }
 
     def write(tmp: Path) -> None:
-        save_file(weights, str(tmp / "weights.safetensors"))
-        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        for name, tensors in weights + optimizer:  # one file at a time: see PART_BYTES
+            save_file(tensors, str(tmp / name))
         save_file(state["rng"], str(tmp / "rng.safetensors"))
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer, indent=2))
 
@@ -154,32 +180,43 @@ def read_training_checkpoint(folder) -> dict:
     if not folder.is_dir() or not (folder / TRAINER_STATE).is_file():
         raise FileNotFoundError(f"{folder} is not an nbtune training checkpoint (no {TRAINER_STATE}): "
                                 "give the folder that session.save_checkpoint wrote.")
-    absent = [name for name in CHECKPOINT_FILES if not (folder / name).is_file()]
-    if absent:
-        raise FileNotFoundError(f"The checkpoint {folder} is incomplete: {', '.join(absent)} missing. "
-                                "Nothing was loaded; save the checkpoint again.")
     try:
         trainer = json.loads((folder / TRAINER_STATE).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{folder / TRAINER_STATE} is damaged ({err}). Nothing was loaded.") from None
-    if trainer.get("format") != FORMAT:
+    if not isinstance(trainer, dict) or trainer.get("format") != FORMAT:
+        version = trainer.get("format") if isinstance(trainer, dict) else None
         raise ValueError(f"{folder} was written by another version of nbtune (format "
-                         f"{trainer.get('format')!r}, this one reads {FORMAT}): it records no "
+                         f"{version!r}, this one reads {FORMAT}): it records no "
                          "fingerprint of its base model, so it cannot be checked. Save it again.")
+    files = trainer.get("files") or {"weights": ["weights.safetensors"],
+                                     "optimizer": ["optimizer.safetensors"]}
+    names = {part: [str(name) for name in files.get(part, [])] for part in ("weights", "optimizer")}
+    names["rng"] = ["rng.safetensors"]
+    listed = [name for group in names.values() for name in group]
+    if any(Path(name).name != name for name in listed):  # a name must stay in the folder
+        raise ValueError(f"{folder / TRAINER_STATE} names files outside the checkpoint folder: "
+                         "it is damaged. Nothing was loaded.")
+    absent = [name for name in listed if not (folder / name).is_file()]
+    if absent:
+        raise FileNotFoundError(f"The checkpoint {folder} is incomplete: {', '.join(absent)} missing. "
+                                "Nothing was loaded; save the checkpoint again.")
     tensors = {}
-    for name in ("weights.safetensors", "optimizer.safetensors", "rng.safetensors"):
-        try:
-            tensors[name] = load_file(str(folder / name))
-        except Exception as err:  # safetensors raises its own error types
-            raise ValueError(f"{folder / name} is damaged ({err}). Nothing was loaded.") from None
+    for part, group in names.items():
+        tensors[part] = {}
+        for name in group:
+            try:
+                tensors[part].update(load_file(str(folder / name)))
+            except Exception as err:  # safetensors raises its own error types
+                raise ValueError(f"{folder / name} is damaged ({err}). Nothing was loaded.") from None
     techniques = dict(trainer["techniques"], lora_targets=tuple(trainer["techniques"]["lora_targets"]))
     return {
         "techniques": Techniques(**techniques),
         "full_weights": trainer["full_weights"],
-        "weights": tensors["weights.safetensors"],
-        "optimizer": _optimizer_state(tensors["optimizer.safetensors"], trainer["optimizer"]),
+        "weights": tensors["weights"],
+        "optimizer": _optimizer_state(tensors["optimizer"], trainer["optimizer"]),
         "data": trainer["data"],
-        "rng": tensors["rng.safetensors"],
+        "rng": tensors["rng"],
         "history": history_from_rows(trainer["history"]),
         "base_changed": trainer["base_changed"],
         "base_fingerprint": trainer["base_fingerprint"],

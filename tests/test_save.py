@@ -120,6 +120,32 @@ def test_resume_continues_exactly(tmp_path, changes):
     assert [r.step for r in session.history] == list(range(1, 11))
 
 
+def test_a_checkpoint_in_parts_resumes_exactly_and_writes_one_part_at_a_time(tmp_path, monkeypatch):
+    """Written in files of at most PART_BYTES (here 64 KiB: the tiny model's weights and
+    AdamW state take dozens), each passed to safetensors alone: on CUDA that is all the host
+    holds at once. Resuming from the parts is exact."""
+    import nbtune.checkpoint
+
+    monkeypatch.setattr(nbtune.checkpoint, "PART_BYTES", 64 << 10)
+    calls, real = [], nbtune.checkpoint.save_file
+    monkeypatch.setattr(nbtune.checkpoint, "save_file",
+                        lambda tensors, *a, **k: (calls.append(sum(t.numel() * t.element_size()
+                                                                  for t in tensors.values())),
+                                                  real(tensors, *a, **k))[1])
+    straight = small_session()
+    expected = [straight.step().loss for _ in range(6)]
+    resumed, _ = run_split(tmp_path, 6, 3)
+    assert resumed == expected
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    weights = [n for n in names if n.startswith("weights-")]
+    assert len(weights) > 3 and weights[0] == f"weights-00001-of-{len(weights):05d}.safetensors"
+    largest = max(p.numel() * p.element_size() for p in straight.model.parameters())
+    assert max(calls) <= max(64 << 10, largest) and sum(calls) > 10 * (64 << 10)
+    (tmp_path / "ckpt" / weights[1]).unlink()  # a part gone: refused, nothing loaded
+    with pytest.raises(FileNotFoundError, match=f"{weights[1]} missing"):
+        small_session().load_checkpoint(tmp_path / "ckpt")
+
+
 def test_resume_with_other_data_is_refused_and_changes_nothing(tmp_path):
     session = small_session()
     session.step()

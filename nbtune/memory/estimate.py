@@ -241,8 +241,10 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
         # one tensor at a time, in the training dtype (plus the cast's 16 MiB chunk); on a CPU
         # the loaded weights stay (they are the step's parameters, counted in ``step``)
         loading=largest + (16 << 20),
-        # safetensors moves a file's CUDA tensors to the host together: the larger file
-        checkpoint=max(weights_file, state - step.outside) if cuda else 0,
+        # safetensors moves a file's CUDA tensors to the host together: the largest file
+        # (a checkpoint is written in files of at most PART_BYTES, or one larger tensor)
+        checkpoint=max(_part(weights_file, largest), _part(state - step.outside, largest * 2))
+        if cuda else 0,
         # on CUDA every weight is moved to the host to be written; on a CPU only the
         # adapted projections are new tensors (base + adapter folded in)
         merged=dense if cuda else (0 if full else _adapted_weights(config, t) * dtype),
@@ -260,6 +262,14 @@ def _vectors(config: ModelConfig) -> int:
     per_layer = 2 * config.hidden_size + (2 * config.head_dim if config.qk_norm else 0) + (
         q + 2 * kv if config.attention_bias else 0)
     return config.num_layers * per_layer + config.hidden_size
+
+
+def _part(nbytes: int, largest: int) -> int:
+    """The largest file ``checkpoint.parts`` cuts ``nbytes`` into, whose largest tensor holds
+    at most ``largest``."""
+    from ..checkpoint import PART_BYTES
+
+    return min(nbytes, max(PART_BYTES, largest))
 
 
 def _adapted_weights(config: ModelConfig, t: Techniques) -> int:

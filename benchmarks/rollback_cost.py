@@ -7,9 +7,10 @@ that weight's update, so a step that fails half-way is undone bit for bit; "none
 keeps the copy only on a new optimizer's first update, so its steady steps cost what "none"
 costs; on CUDA it keeps it where the host has room (see ``Trainer._undo_for``).
 
-Measured: the same session shape and data, alternating arms in ABBA rounds, memory tracking
-off for the timed steps; one tracked step per arm gives its peak (the copy lives in the
-step's memory on a CPU). Ratios are against "none". Predicted: ``nt.estimate(...).host.undo``
+Measured: the tiny demo and SmolLM2-135M (full finetuning: a 1.6 GB copy), the same session
+shape and data, alternating arms in ABBA rounds (SmolLM2: two rounds of four steps), memory
+tracking off for the timed steps; one tracked step per arm gives its peak (the copy lives in
+the step's memory on a CPU). Ratios are against "none". Predicted: ``nt.estimate(...).host.undo``
 for the 8B configurations people run on a 24 GB card, and the time its device-to-host copy
 takes at a PCIe 4.0 x16 card's practical 25 GB/s (pinned), which a side stream overlaps with
 backward: no GPU measured it here.
@@ -31,11 +32,15 @@ import torch
 
 import nbtune as nt
 
-CONFIGS = {
-    "full fp32 AdamW": {},
-    "full, optimizer in backward": {"optimizer_in_backward": True},
-    "LoRA r8": {"method": "lora", "lr": 1e-3},
+CONFIGS = {  # (demo, technique changes): the tiny demo, and SmolLM2-135M (copy: 1.6 GB)
+    "tiny: full fp32 AdamW": ("tiny", {}),
+    "tiny: full, optimizer in backward": ("tiny", {"optimizer_in_backward": True}),
+    "tiny: LoRA r8": ("tiny", {"method": "lora", "lr": 1e-3}),
+    "SmolLM2: full fp32 AdamW": ("smollm2", {"method": "full", "batch_size": 4, "lr": 1e-5}),
+    "SmolLM2: full, optimizer in backward": ("smollm2", {"method": "full", "batch_size": 4,
+                                                         "lr": 1e-5, "optimizer_in_backward": True}),
 }
+SMOLLM2_STEPS = 4  # its steps take seconds on 2 cores
 MODES = ("copy", "auto", "none")
 PCIE_BYTES_PER_S = 25e9  # pinned device-to-host on PCIe 4.0 x16, practical (rough)
 EIGHT_B = {  # Llama-3.1-8B, bf16, batch 2 x 2048, checkpointing every layer, chunked loss
@@ -47,10 +52,11 @@ EIGHT_B = {  # Llama-3.1-8B, bf16, batch 2 x 2048, checkpointing every layer, ch
 }
 
 
-def timed(changes: dict, mode: str, steps: int) -> tuple[float, int, int]:
+def timed(demo: str, changes: dict, mode: str, steps: int) -> tuple[float, int, int]:
     """(seconds per steady step, the undo copy's bytes, one tracked step's peak)."""
     torch.manual_seed(0)
-    session = nt.Session.demo(device="cpu", **changes)
+    session = nt.Session.demo(demo, device="cpu", techniques=changes)
+    session._say = lambda message: None
     session.memory_tracking = "off"
     session.rollback = mode
     session.step()  # optimizer state exists from here on: steady steps
@@ -82,16 +88,17 @@ def main() -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "rollback-cost"))
     args = parser.parse_args()
     results = {}
-    for name, changes in CONFIGS.items():
+    for name, (demo, changes) in CONFIGS.items():
         seconds = {mode: [] for mode in MODES}
         copy_bytes, peaks = {}, {}
-        for round_ in range(args.rounds):
+        steps = args.steps if demo == "tiny" else SMOLLM2_STEPS
+        for round_ in range(args.rounds if demo == "tiny" else 2):
             order = MODES if round_ % 2 == 0 else tuple(reversed(MODES))  # ABBA
             for mode in order:
-                took, nbytes, peak = timed(changes, mode, args.steps)
+                took, nbytes, peak = timed(demo, changes, mode, steps)
                 seconds[mode].append(took)
                 copy_bytes[mode], peaks[mode] = nbytes, peak
-            print(f"{name:30s} round {round_ + 1}: " + ", ".join(
+            print(f"{name:38s} round {round_ + 1}: " + ", ".join(
                 f"{m} {seconds[m][-1] * 1000:6.1f} ms" for m in MODES), flush=True)
         base = statistics.median(seconds["none"])
         results[name] = {mode: {"ms_per_step": round(statistics.median(seconds[mode]) * 1000, 2),
@@ -99,7 +106,7 @@ def main() -> int:
                                 "undo_copy_bytes": copy_bytes[mode], "peak_bytes": peaks[mode],
                                 "peak_ratio": round(peaks[mode] / peaks["none"], 3)}
                          for mode in MODES}
-        print(f"{name:30s} " + "; ".join(
+        print(f"{name:38s} " + "; ".join(
             f"{m}: time {r['time_ratio']:.3f}x, peak {r['peak_ratio']:.3f}x, copy "
             f"{r['undo_copy_bytes'] / 2**20:.1f} MiB" for m, r in results[name].items()), flush=True)
     eight = predicted_8b()

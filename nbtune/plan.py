@@ -61,7 +61,8 @@ def transform_model(model: nn.Module, new: Techniques, previous: Techniques | No
     if reshape and previous is not None and previous.method == new.method == "qlora":
         # New rank or targets: fresh adapters on the same NF4 base. Folding the old ones
         # in would quantize the base again, losing precision each time.
-        cast_model(model, DTYPES[new.dtype])
+        if cast and previous.dtype != new.dtype:
+            cast_model(model, DTYPES[new.dtype])
         replace_adapters(model, new.lora_targets, new.lora_rank, new.lora_alpha,
                          new.lora_dropout, quantize_base=True)
         messages.append("new zero-initialised QLoRA adapters; the previous ones were dropped "

@@ -222,7 +222,8 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
     dtype = _BYTES[t.dtype]
     trainable, state = step.trainable, step.optimizer_state
     dense = config.num_parameters * dtype  # every weight in the model's dtype
-    largest = config.vocab_size * config.hidden_size * dtype  # embedding or head
+    largest = config.hidden_size * max(config.vocab_size, config.intermediate_size,
+                                       config.num_heads * config.head_dim) * dtype  # one weight
     copy = trainable + state
     undo = copy if cuda and (t.optimizer_in_backward or copy <= UNDO_AUTO_BYTES) else 0
     offloaded = max((s.highs.get(("meta", _ACT), 0) for s in fake.segments.values()), default=0)

@@ -1,0 +1,475 @@
+"""Every CUDA claim of the README, checked on the GPU this runs on, in one command (<= 9 min).
+
+    python benchmarks/gpu_acceptance.py            # writes benchmarks/results/gpu/<card>.json
+    python benchmarks/gpu_acceptance.py --quick    # the checks without the peers' GPU half
+
+Each check prints one line (pass / fail / skip, and its numbers) and goes into the JSON with
+the command, the card, the driver and the library versions. Without CUDA (CI, a laptop) it
+runs what a CPU can check of the harness itself, on the embedded tiny model, and skips every
+CUDA check, saying so: the JSON then goes to ``--out`` (default ``.../gpu/cpu-dry-run.json``).
+
+The checks, by the claim they test:
+
+1. allocator phases: a step's tracked peak and categories (``CudaStepMemory``) against
+   ``torch.cuda.max_memory_allocated`` of the same step untracked, and the tensors counted.
+2. estimate: ``session.estimate`` within 5 % of the measured peak for eight technique rows on
+   SmolLM2-135M (full, bf16, checkpointing, chunked loss, optimizer in backward, 8-bit
+   AdamW, LoRA, QLoRA).
+3. out of memory: a real OOM under ``set_per_process_memory_fraction``: the session equals
+   its state before the step (weights, optimizer state, data position, history), and
+   ``run(on_oom="adapt")`` applies the estimator's fix and trains.
+4. undo copy: ``rollback="copy"`` against "none" with the optimizer in backward: step time
+   ratio, the copy's host bytes, the time the copy alone takes and how much of it the side
+   stream hides; a fault after some updates restores the weights bit for bit.
+5. paged optimizer state: outside the allocator (``memory_allocated`` does not hold it),
+   reported as ``outside``.
+6. activation offloading: a lower peak than without, the same loss, and device-to-host
+   copies on a stream other than the compute stream (profiler).
+7. compile: compiled steps give the eager losses (bf16 rounding) and the time of both.
+8. snapshot: ``session.snapshot`` writes what pytorch.org/memory_viz reads (segments and
+   device traces).
+9. peers: ``benchmarks/peers.py --device cuda`` on one model, nbtune and transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+BUDGET_S = 9 * 60
+ESTIMATE_TOLERANCE = 0.05
+
+
+@dataclass
+class Result:
+    name: str
+    claim: str
+    status: str = "pass"  # pass, fail, skip, error
+    detail: str = ""
+    numbers: dict = field(default_factory=dict)
+
+
+class Skip(Exception):
+    pass
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _needs_cuda() -> None:
+    if not _cuda():
+        raise Skip("needs a CUDA GPU")
+
+
+def _session(name: str = "smollm2", **techniques):
+    """SmolLM2 (or the tiny demo on a CPU) as the checks use it: fp32 unless told."""
+    import torch
+
+    import nbtune as nt
+
+    torch.manual_seed(0)
+    device = "cuda" if _cuda() else "cpu"
+    demo = name if _cuda() else "tiny"
+    base = dict(method="full", batch_size=4, seq_len=96, lr=1e-5)
+    session = nt.Session.demo(demo, device=device, techniques={**base, **techniques})
+    session._say = lambda message: None
+    return session
+
+
+def _weights(session) -> dict:
+    return {n: p.detach().clone() for n, p in session.model.named_parameters()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- the checks ------------------------------------------------------------------------------
+
+def check_allocator_phases(result: Result) -> None:
+    _needs_cuda()
+    import torch
+
+    from nbtune.memory.accounting import optimizer_state_bytes, parameter_bytes
+    from nbtune.step import _Untracked, update
+
+    session = _session(dtype="bf16")
+    session.step()  # optimizer state exists
+    batch = {k: v.to(session.device) for k, v in session.trainer.stream.copy().next().items()}
+    trained = int((batch["labels"] != -100).sum())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    update(session.model, session.optimizer, [batch], trained, _Untracked())
+    torch.cuda.synchronize()
+    untracked = torch.cuda.max_memory_allocated()
+    report = session.step()
+    memory = report.memory
+    params = sum(parameter_bytes(session.model).values())
+    state = optimizer_state_bytes(session.optimizer, session.device)
+    result.numbers = {"tracked_peak": memory.peak, "untracked_peak": untracked,
+                      "phases": memory.phases, "parameters": memory.parameters,
+                      "counted_parameters": params, "optimizer_state": memory.optimizer_state,
+                      "counted_state": state, "reserved": memory.reserved}
+    ratio = memory.peak / untracked
+    result.numbers["ratio"] = round(ratio, 4)
+    if memory.parameters != params or memory.optimizer_state != state:
+        result.status, result.detail = "fail", "categories differ from the tensors counted"
+    elif not 0.97 <= ratio <= 1.03:
+        result.status, result.detail = "fail", f"tracked peak {ratio:.3f}x the untracked step's"
+    else:
+        result.detail = f"tracked peak {ratio:.3f}x max_memory_allocated of the same step untracked"
+
+
+ROWS = [
+    ("full fp32", {}),
+    ("bf16", {"dtype": "bf16"}),
+    ("+ checkpointing", {"dtype": "bf16", "activation_checkpointing": True}),
+    ("+ chunked loss", {"dtype": "bf16", "activation_checkpointing": True, "chunked_loss": 8}),
+    ("+ optimizer in backward", {"dtype": "bf16", "activation_checkpointing": True,
+                                 "chunked_loss": 8, "optimizer_in_backward": True}),
+    ("+ 8-bit AdamW", {"dtype": "bf16", "activation_checkpointing": True, "chunked_loss": 8,
+                       "optimizer": "adamw8bit"}),
+    ("LoRA", {"method": "lora", "dtype": "bf16"}),
+    ("QLoRA", {"method": "qlora", "dtype": "bf16"}),
+]
+
+
+def check_estimate(result: Result) -> None:
+    rows = ROWS if _cuda() else [r for r in ROWS if "bf16" not in str(r[1])][:1] + [
+        ("+ checkpointing (fp32)", {"activation_checkpointing": True}), ("LoRA (fp32)", {"method": "lora"})]
+    out, worst = {}, 0.0
+    for label, changes in rows:
+        session = _session(**changes)
+        session.step()
+        report = session.step()  # the steady step: optimizer state from the start
+        guess = session.estimate(batch_size=report.shape[0], seq_len=report.shape[1])
+        error = guess.peak / report.memory.peak - 1
+        worst = max(worst, abs(error))
+        out[label] = {"measured": report.memory.peak, "estimated": guess.peak,
+                      "error": round(error, 4)}
+        del session
+    result.numbers = {"rows": out, "worst": round(worst, 4), "tolerance": ESTIMATE_TOLERANCE}
+    result.status = "pass" if worst <= ESTIMATE_TOLERANCE else "fail"
+    result.detail = f"{len(out)} rows, worst {worst:.1%} (within {ESTIMATE_TOLERANCE:.0%})"
+    if not _cuda():
+        result.detail += " (CPU dry run: the tiny model, fp32 rows)"
+
+
+def check_oom(result: Result) -> None:
+    _needs_cuda()
+    import torch
+
+    import nbtune as nt
+
+    session = _session(dtype="bf16", batch_size=16, seq_len=96)
+    session.step()
+    held = torch.cuda.memory_allocated()
+    need = session.estimate().peak
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = min(1.0, (held + 0.5 * (need - held)) / total)  # half of what the step adds
+    before = (_weights(session), copy.deepcopy(session.optimizer.state_dict()),
+              session.trainer.stream.state_dict(), len(session.history))
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    try:
+        try:
+            session.step()
+            result.status, result.detail = "fail", "the step did not run out of memory"
+            return
+        except nt.OutOfMemory as err:
+            suggestions = [s.label for s in err.suggestions]
+        after = (_weights(session), copy.deepcopy(session.optimizer.state_dict()),
+                 session.trainer.stream.state_dict(), len(session.history))
+        same = (_same(before[0], after[0]) and before[2:] == after[2:]
+                and json.dumps(before[1], default=str) == json.dumps(after[1], default=str))
+        reports = session.run(2, progress=False, live=False, on_oom="adapt")
+        result.numbers = {"fraction": round(fraction, 4), "suggestions": suggestions,
+                          "adapted_to": session.techniques.as_dict(), "steps_after": len(reports)}
+        if not same:
+            result.status, result.detail = "fail", "the failed step changed the session"
+        elif len(reports) != 2:
+            result.status, result.detail = "fail", "run(on_oom='adapt') did not train"
+        else:
+            result.detail = f"rolled back exactly; adapted with {suggestions[:1]}"
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+def check_undo_copy(result: Result) -> None:
+    _needs_cuda()
+    import torch
+
+    from nbtune.undo import UndoCopy, copy_bytes, undo_units
+
+    times = {}
+    for mode in ("none", "copy", "none", "copy"):  # ABBA
+        session = _session(dtype="bf16", optimizer_in_backward=True, activation_checkpointing=True)
+        session.rollback = mode
+        session.memory_tracking = "off"
+        session.step()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(10):
+            session.step()
+        torch.cuda.synchronize()
+        times.setdefault(mode, []).append((time.perf_counter() - started) / 10)
+    units = undo_units(session.model, session.optimizer)
+    alone = UndoCopy(session.device)  # the copy by itself, nothing to overlap with
+    alone.begin(units)
+    alone.stage()
+    alone.before_update()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(5):
+        alone.begin(units)
+        alone.stage()
+        alone.before_update()
+        torch.cuda.synchronize()
+    copy_s = (time.perf_counter() - started) / 5
+    step = {m: min(v) for m, v in times.items()}
+    added = step["copy"] - step["none"]
+    # a fault in backward after the later layers' updates: restored bit for bit
+    session.rollback = "copy"
+    before = _weights(session)
+    target = session.model.model.layers[0].mlp.up_proj.weight
+
+    def fail(param):
+        raise RuntimeError("injected")
+
+    handle = target.register_post_accumulate_grad_hook(fail)  # after its own update
+    try:
+        session.step()
+        restored = None  # the fault did not fire
+    except RuntimeError:
+        restored = _same(before, _weights(session))
+    finally:
+        handle.remove()
+    result.numbers = {"step_s": step, "copy_alone_s": copy_s, "host_bytes": copy_bytes(units),
+                      "time_ratio": round(step["copy"] / step["none"], 3),
+                      "hidden_share": round(max(0.0, 1 - added / copy_s), 3) if copy_s else None,
+                      "restored_bit_for_bit": restored}
+    if restored is not True:
+        result.status, result.detail = "fail", "the injected failure was not undone exactly"
+    else:
+        result.detail = (f"copy {step['copy'] / step['none']:.3f}x the step time of none; the copy "
+                         f"alone takes {copy_s * 1000:.1f} ms, {result.numbers['hidden_share']:.0%} "
+                         "of it hidden; restored bit for bit")
+
+
+def check_paged(result: Result) -> None:
+    _needs_cuda()
+    import torch
+
+    from nbtune.memory.accounting import paged_state_bytes
+
+    session = _session(dtype="bf16", optimizer="paged_adamw8bit")
+    session.step()
+    report = session.step()
+    paged = paged_state_bytes(session.optimizer)
+    allocated = torch.cuda.memory_allocated()
+    params = report.memory.parameters
+    result.numbers = {"paged": paged, "allocated": allocated, "parameters": params,
+                      "outside": report.memory.outside}
+    if paged <= 0:
+        result.status, result.detail = "fail", "no paged state found"
+    elif allocated >= params + paged:
+        result.status, result.detail = "fail", "the allocator holds the paged state"
+    elif report.memory.outside < paged:
+        result.status, result.detail = "fail", "outside is below the paged state"
+    else:
+        result.detail = f"{paged / 2**20:.0f} MiB paged outside the allocator, reported as outside"
+
+
+def check_offloading(result: Result) -> None:
+    _needs_cuda()
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    losses, peaks = {}, {}
+    for offload in (False, True):
+        session = _session(dtype="bf16", activation_checkpointing=True, activation_offloading=offload)
+        session.step()
+        torch.manual_seed(1)
+        if offload:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                report = session.step()
+        else:
+            report = session.step()
+        losses[offload], peaks[offload] = report.loss, report.memory.peak
+    copies = [e for e in prof.events() if "Memcpy DtoH" in e.name]
+    compute = {e.device_index for e in prof.events() if e.device_type.name == "CUDA"}
+    streams = {getattr(e, "stream", None) for e in copies}
+    result.numbers = {"peak_without": peaks[False], "peak_with": peaks[True],
+                      "loss_without": losses[False], "loss_with": losses[True],
+                      "device_to_host_copies": len(copies), "copy_streams": sorted(map(str, streams)),
+                      "devices": sorted(compute)}
+    if not copies:
+        result.status, result.detail = "fail", "no device-to-host copies seen"
+    elif peaks[True] >= peaks[False]:
+        result.status, result.detail = "fail", "offloading did not lower the peak"
+    elif abs(losses[True] - losses[False]) > 1e-2 * abs(losses[False]):
+        result.status, result.detail = "fail", "offloading changed the loss"
+    else:
+        result.detail = (f"peak {peaks[True] / peaks[False]:.2f}x, same loss, {len(copies)} "
+                         f"device-to-host copies on streams {sorted(map(str, streams))}")
+
+
+def check_compile(result: Result) -> None:
+    _needs_cuda()
+    import torch
+
+    out = {}
+    for compiled in (False, True):
+        session = _session(dtype="bf16", compile=compiled)
+        torch.manual_seed(2)
+        started = time.perf_counter()
+        first = session.step()
+        first_s = time.perf_counter() - started
+        rest = [session.step() for _ in range(3)]
+        out[compiled] = {"losses": [first.loss] + [r.loss for r in rest], "first_s": first_s,
+                         "later_s": sum(r.seconds for r in rest) / len(rest)}
+    diff = max(abs(a - b) for a, b in zip(out[True]["losses"], out[False]["losses"]))
+    result.numbers = {"eager": out[False], "compiled": out[True], "largest_loss_difference": diff}
+    if diff > 2e-2:
+        result.status, result.detail = "fail", f"compiled losses differ by {diff:.3g}"
+    else:
+        result.detail = (f"losses agree within {diff:.2g}; step {out[True]['later_s'] * 1000:.0f} ms "
+                         f"compiled vs {out[False]['later_s'] * 1000:.0f} ms eager; first compiled "
+                         f"step {out[True]['first_s']:.0f} s")
+
+
+def check_snapshot(result: Result) -> None:
+    _needs_cuda()
+    import pickle
+
+    session = _session(dtype="bf16")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = session.snapshot(Path(tmp) / "snap.pickle")
+        with open(path, "rb") as f:  # our own file, just written
+            snapshot = pickle.load(f)
+    keys = sorted(snapshot) if isinstance(snapshot, dict) else []
+    result.numbers = {"keys": keys, "segments": len(snapshot.get("segments", [])),
+                      "trace_events": sum(len(t) for t in snapshot.get("device_traces", []))}
+    if not {"segments", "device_traces"} <= set(keys) or not result.numbers["trace_events"]:
+        result.status, result.detail = "fail", f"not memory_viz's format: keys {keys}"
+    else:
+        result.detail = f"{result.numbers['trace_events']} allocator events, memory_viz's format"
+
+
+def check_peers(result: Result, left_s: float) -> None:
+    _needs_cuda()
+    if left_s < 150:
+        raise Skip(f"not enough time left in the {BUDGET_S // 60}-minute budget ({left_s:.0f} s)")
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [sys.executable, str(HERE / "peers.py"), "--device", "cuda", "--shape", "small",
+                   "--rounds", "1", "--steps", "3", "--frameworks", "nbtune,transformers",
+                   "--out", tmp, "--timeout", str(int(left_s - 30))]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=left_s - 10)
+        files = list(Path(tmp).glob("*.json"))
+        result.numbers = {"command": " ".join(command[1:]), "returncode": done.returncode,
+                          "table": done.stdout[-3000:]}
+        if done.returncode or not files:
+            result.status, result.detail = "fail", (done.stderr or done.stdout)[-300:]
+            return
+        result.numbers["results"] = json.loads(files[0].read_text())
+    result.detail = "nbtune and transformers on the small shape: see the table"
+
+
+CHECKS = [
+    ("allocator phases", "the per-phase breakdown matches the allocator", check_allocator_phases),
+    ("estimate", "estimates within 5 % of measured peaks on SmolLM2", check_estimate),
+    ("out of memory", "a real OOM is rolled back and adapted", check_oom),
+    ("undo copy", "the undo copy's cost and overlap; exact restore", check_undo_copy),
+    ("paged state", "paged optimizer state is outside the allocator", check_paged),
+    ("activation offloading", "offloading lowers the peak on a side stream", check_offloading),
+    ("compile", "compile keeps the losses", check_compile),
+    ("snapshot", "snapshots open in memory_viz", check_snapshot),
+    ("peers", "the GPU half of benchmarks/peers.py runs", None),
+]
+
+
+def machine() -> dict:
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "platform": platform.platform()}
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("torchao", "bitsandbytes", "transformers", "nbtune"):
+        try:
+            out[name] = version(name)  # (importing torchao here would print its CUDA notices)
+        except PackageNotFoundError:
+            out[name] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        out.update(card=props.name, memory_bytes=props.total_memory,
+                   capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda)
+        try:
+            out["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                            "--format=csv,noheader"], capture_output=True,
+                                           text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            out["driver"] = None
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="JSON file (default: results/gpu/<card>.json)")
+    parser.add_argument("--quick", action="store_true", help="skip the peers' GPU half")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    began = time.monotonic()
+    facts = machine()
+    card = facts.get("card")
+    name = "cpu-dry-run" if card is None else "".join(c if c.isalnum() else "-" for c in card).strip("-")
+    out = Path(args.out) if args.out else HERE / "results" / "gpu" / f"{name}.json"
+    results = []
+    print(f"nbtune GPU acceptance on {card or 'no CUDA GPU: a dry run, CUDA checks skipped'}", flush=True)
+    for label, claim, run in CHECKS:
+        result = Result(label, claim)
+        started = time.monotonic()
+        try:
+            if run is None:
+                if args.quick:
+                    raise Skip("--quick")
+                check_peers(result, BUDGET_S - (time.monotonic() - began))
+            else:
+                run(result)
+        except Skip as why:
+            result.status, result.detail = "skip", str(why)
+        except Exception as err:  # noqa: BLE001 - one broken check does not stop the others
+            result.status = "error"
+            result.detail = f"{type(err).__name__}: {err}"
+            result.numbers["traceback"] = traceback.format_exc()[-2000:]
+        result.numbers["seconds"] = round(time.monotonic() - started, 1)
+        results.append(result)
+        print(f"{result.status:5s} {label:22s} {result.detail}", flush=True)
+    record = {"command": "python benchmarks/gpu_acceptance.py" + (" --quick" if args.quick else ""),
+              "machine": facts, "seconds": round(time.monotonic() - began, 1),
+              "checks": [asdict(r) for r in results]}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    print(f"wrote {out} ({record['seconds']:.0f} s)")
+    return 1 if any(r.status in ("fail", "error") for r in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -778,7 +778,8 @@ class Session:
                                device=self.device, quantize=quantize)
         else:  # built in code: the same shapes with fresh weights (memory does not depend on values)
             model = CausalLM(self.model.config)
-        trial = Session(model, self.tokenizer, self.train_examples, heldout=self.heldout_examples,
+        trial = Session(model, self.tokenizer, self.train_examples,
+                        heldout=self.heldout_examples or None,  # none given: none to pass on
                         techniques=techniques, device=self.device)
         trial._say = lambda message: None
         trial.memory_tracking = "every_step"

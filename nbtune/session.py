@@ -566,8 +566,6 @@ class Session:
         if self._checkpoint is not None:
             return self._checkpoint
         if self._base is not None and self.parallel is None and self.techniques.method == "full":
-            from .trainer import RestorePoint
-
             return RestorePoint(0, f"the base weights read again from {self.source}, a fresh "
                                    "optimizer and the data from its start")
         return None
@@ -716,10 +714,11 @@ class Session:
                         seq_len=seq_len, device=self.device.type)
 
     def fit(self, budget="24GiB", **options):
-        """The fastest toggle combination predicted to fit ``budget`` (bytes, "24GiB" or a
-        card name from ``nt.CARDS``), searched with the estimator from the current techniques
-        (queued changes included); see ``nt.fit`` for ``options``. Cards are GPUs, so the
-        estimate is for CUDA unless ``device=`` says otherwise. Apply the answer with
+        """The fastest toggle combination predicted to fit ``budget`` (bytes, "24GiB", a card
+        name from ``nt.CARDS``, which brings its usual host memory, or "RTX 3090 + 64 GB RAM"),
+        searched with the estimator from the current techniques (queued changes included);
+        see ``nt.fit`` for ``options`` (``host=`` among them). Cards are GPUs, so the estimate
+        is for CUDA unless ``device=`` says otherwise. Apply the answer with
         ``session.set(**result.changes)``."""
         from .fitting import fit
 
@@ -1002,8 +1001,6 @@ class Session:
         return path
 
     def _note_checkpoint(self, folder) -> None:
-        from .trainer import RestorePoint
-
         self._checkpoint = RestorePoint(len(self.history), f"the checkpoint in {folder}", str(folder))
 
     @_exclusive

@@ -148,3 +148,27 @@ def test_the_estimators_nf4_weight_has_the_parts_torchao_makes():
         assert storage_bytes([fake]) == storage_bytes([real])
         assert (fake.shape, fake.dtype, fake.block_size, fake.n_blocks, fake.scaler_block_size) == \
             (real.shape, real.dtype, real.block_size, real.n_blocks, real.scaler_block_size)
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(method="qlora", dtype="bf16", activation_checkpointing=True),
+                                     dict(activation_checkpointing=2, grad_accum=2)],
+                         ids=["full", "qlora-checkpointed", "every-2nd-accumulated"])
+def test_every_extrapolated_segment_is_the_deep_runs_own(changes):
+    """Not only the peak: each segment carried along the line (the first, the second and the
+    last unit's, and the embedding's, the head's and the optimizer's) equals, byte for byte,
+    that segment of a run of every layer."""
+    t = nt.Techniques(batch_size=2, seq_len=32, **changes)
+    config = FAMILIES["llama"].replace(num_layers=12)
+    period = est.layer_period(config, t)
+    run = {depth: est._fake_step(config.replace(num_layers=depth), t, "cpu", (2, 32), True)
+           for depth in (2 * period, 3 * period, 12)}
+    carried = est._extrapolated(run[2 * period], run[3 * period], 2 * period, 3 * period, 12, period)
+    whole = run[12].segments
+    units = 12 // period
+    for (phase, micro, part, position, where), segment in carried.segments.items():
+        index = None if position is None else period * {"first": 0, "second": 1,
+                                                        "last": units - 1}[where] + position
+        own = whole[(phase, micro, part, index)]
+        assert segment.peak == own.peak and segment.highs == own.highs, (phase, part, where)
+    assert {k[4] for k in carried.segments if k[3] is not None} == {"first", "second", "last"}
+    assert carried.state == run[12].state and carried.weights == run[12].weights

@@ -471,3 +471,28 @@ def test_fit_badge_checks_the_host_and_says_which_binds():
     assert big.fits and big.binds == "card" and "no undo copy" not in big.text
     bare = fit_badge(estimated, "24GiB")  # a size alone: the host is not known
     assert bare.host_need is None and "host" not in bare.text
+
+
+def test_fit_turns_down_what_moves_too_much_to_the_host(monkeypatch):
+    """Offloading is the only way onto the card here, and it parks 40 GiB on the host: a 32 GiB
+    host refuses it (nothing fits), a 64 GiB one takes it."""
+    from nbtune.memory.breakdown import HostMemory
+
+    def fake(model, t, device="cpu", **kwargs):
+        moved = t.activation_offloading
+        return MemoryBreakdown(peak=(10 if moved else 30) * GiB, device=device, measured=False,
+                               at_peak={"parameters": 1},
+                               host=HostMemory(runtime=GiB, offloaded=40 * GiB if moved else 0))
+
+    monkeypatch.setattr(fitmod, "estimate", fake)
+    start, config = T(batch_size=2, seq_len=256), TINY.replace(num_layers=8)
+    for host, fits in ((32 * GiB, False), (64 * GiB, True)):
+        fitmod.cache_clear()
+        result = fitmod.fit(config, 20 * GiB, start, reserve=0, margin=0, host=host, max_tries=200)
+        assert result.fits is fits
+        if fits:
+            assert result.techniques.activation_offloading
+            assert result.tried[-1].host == 41 * GiB
+        else:
+            assert "fit on the card but not on the host" in result.message
+    fitmod.cache_clear()

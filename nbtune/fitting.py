@@ -943,11 +943,11 @@ class FitBadge:
             room += f" usable of {format_bytes(self.budget)}"
         most = f"; most held by {self.largest.replace('_', ' ')}" if self.largest else ""
         if self.fits_card:
-            text = f"fits: {format_bytes(self.headroom)} to spare of {room}{most}"
+            card = f"{format_bytes(self.headroom)} to spare of {room}"
         else:
-            text = f"does not fit: {format_bytes(-self.headroom)} over {room}{most}"
+            card = f"{format_bytes(-self.headroom)} over {room}"
         if self.host_need is None or self.host_usable is None:
-            return text
+            return f"{'fits' if self.fits_card else 'does not fit'}: {card}{most}"
         spare = self.host_usable - self.host_need
         host = (f"host {format_bytes(self.host_need)} of {format_bytes(self.host_usable)} usable"
                 if spare >= 0 else
@@ -955,10 +955,10 @@ class FitBadge:
         if spare >= 0 and self.undo and self.undo > spare:
             host += f", no undo copy ({format_bytes(self.undo)} would not fit)"
         if self.fits_card and not self.fits_host:
-            text = f"does not fit on the host: {host} (the card has {format_bytes(self.headroom)} to spare)"
-            return text + most
-        binding = f"; the {self.binds} is the limit" if self.fits else ""
-        return f"{text}; {host}{binding}"
+            return f"does not fit on the host: {host} (the card has {card}){most}"
+        used = max(self.need / max(self.usable, 1), self.host_need / max(self.host_usable, 1))
+        binding = f"; the {self.binds} is the limit" if self.fits and used >= 0.5 else ""
+        return f"{'fits' if self.fits else 'does not fit'}: {card}; {host}{binding}{most}"
 
     def __str__(self) -> str:
         return self.text

@@ -463,10 +463,12 @@ def test_fit_badge_checks_the_host_and_says_which_binds():
     assert badge.host_budget == 32 * GiB and badge.host_need == 25 * GiB
     assert badge.fits_card and badge.fits and badge.binds == "host"
     assert "host 25.0 GiB of 28.8 GiB usable, no undo copy (20.0 GiB would not fit)" in badge.text
-    assert badge.text.endswith("the host is the limit")
+    assert badge.text.endswith("the host is the limit; most held by activations")
     small = fit_badge(estimated, "RTX 4090 + 16GiB RAM")
     assert small.fits_card and not small.fits and not small.fits_host
     assert small.text.startswith("does not fit on the host: host 10.6 GiB over its 14.4 GiB usable")
+    roomy = fit_badge(estimated, ("A100 80GB", "512GiB"))  # both far from full: no limit named
+    assert roomy.fits and "limit" not in roomy.text
     big = fit_badge(estimated, ("RTX 4090", "256GiB"))
     assert big.fits and big.binds == "card" and "no undo copy" not in big.text
     bare = fit_badge(estimated, "24GiB")  # a size alone: the host is not known

@@ -836,7 +836,8 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
     tried_text = (f"{counter[0]} estimate{'s' if counter[0] != 1 else ''} run, "
                   f"{len(rows) - counter[0]} from the cache, {skipped} combination"
                   f"{'s' if skipped != 1 else ''} ruled out without one, of {len(space)}")
-    where = _describe(limit, room, target)
+    card = _describe(limit, room, target)
+    where = card
     if host_limit is not None:
         where += f" and {format_bytes(host_room)} usable of {format_bytes(host_limit)} host memory"
     errors = [r for r in rows if r.error]
@@ -848,19 +849,23 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
         need = required(memory)
         on_host = ""
         if host_room is not None and memory.host is not None:
-            on_host = f" and {format_bytes(memory.host.without_undo)} of host memory"
+            on_host = (f" Host memory: {format_bytes(memory.host.without_undo)} of "
+                       f"{format_bytes(host_room)} usable of {format_bytes(host_limit)}")
             if memory.host.undo and memory.host.peak > host_room:
-                on_host += (f" (no undo copy: it would need {format_bytes(memory.host.undo)} more; "
-                            "a failure half-way through an update is then recovered with "
+                on_host += (f", with no undo copy (it would need {format_bytes(memory.host.undo)} "
+                            "more: a failure half-way through an update is then recovered with "
                             "session.recover())")
+            elif memory.host.undo:
+                on_host += f", {format_bytes(memory.host.undo)} more for the undo copy"
+            on_host += "."
         if not c.changes:
-            message = (f"The start fits: predicted peak {format_bytes(need)}{on_host} of {where}. "
+            message = (f"The start fits: predicted peak {format_bytes(need)} of {card}.{on_host} "
                        f"({tried_text}.)")
         else:
             what = ("The cheapest predicted to fit before max_tries ran out (raise it to look "
                     "for a faster one)" if out_of_tries else "Fastest predicted to fit")
-            message = (f"{what}: {c.label}; predicted peak {format_bytes(need)}{on_host} of "
-                       f"{where}; step time about {c.cost:.2f}x a plain step.")
+            message = (f"{what}: {c.label}; predicted peak {format_bytes(need)} of "
+                       f"{card}; step time about {c.cost:.2f}x a plain step.{on_host}")
             if c.exact:
                 message += " Same maths as the start."
             else:

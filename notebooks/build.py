@@ -724,9 +724,20 @@ bf16 at 2 rows of 4,096 tokens, on a 24 GB RTX 3090:"""),
     ("code", """start = nt.Techniques(method="full", dtype="bf16", batch_size=2, seq_len=4096)
 found = nt.fit("llama-3.2-3b", "RTX 3090", start, max_tries=8)
 found"""),
-    ("md", "Apply it to a session with `session.set(**found.changes)`. The changes it chose:"),
+    ("md", """Apply it to a session with `session.set(**found.changes)`. The changes it chose, and what
+they need on the card and on the host: a card name brings the host memory such machines
+usually have (32 GiB for a 3090; say yours as `"RTX 3090 + 64 GB RAM"`). With the optimizer
+stepped in backward, nbtune keeps a host copy of every weight and its optimizer state, taken
+just before each weight's update, so that a failure half-way through the update can be undone,
+where the host has room for it. Here it has; an 8B full finetune's 30 GiB copy would not fit on
+such a host, and the run would go without it, saying so (Ctrl-C then waits for the update,
+and `session.recover()` returns to the last checkpoint):"""),
     ("code", """print(found.changes)
-print(f"predicted {found.peak / 2**30:.1f} GiB of {found.usable / 2**30:.1f} GiB usable")"""),
+print(f"predicted {found.peak / 2**30:.1f} GiB of {found.usable / 2**30:.1f} GiB usable on the card")
+host = found.breakdown.host
+kept = "kept" if host.peak <= found.host_usable else "not kept: no room"
+print(f"host: {host.without_undo / 2**30:.1f} GiB of {found.host_usable / 2**30:.1f} GiB usable, "
+      f"and {host.undo / 2**30:.1f} GiB for the undo copy ({kept})")"""),
     ("md", """## The allocator's own record (CUDA)
 
 On a GPU `session.snapshot("step.pickle")` records every allocation and free of the next

@@ -448,7 +448,7 @@ def test_fit_says_when_the_undo_copy_is_dropped_for_the_host(stand_in_with_host)
     result = fitmod.fit(TINY.replace(num_layers=8), 10**12, start, reserve=0, margin=0,
                         host=12 * GiB, toggles=())
     assert result.fits  # 1 + 2 GiB without the copy; 11 GiB with it: over the 10.8 usable
-    assert "no undo copy: it would need 8.0 GiB more" in result.message
+    assert "with no undo copy (it would need 8.0 GiB more" in result.message
 
 
 def test_fit_badge_checks_the_host_and_says_which_binds():

@@ -87,7 +87,7 @@ def _session(name: str = "smollm2", **techniques):
     demo = name if _cuda() else "tiny"
     base = dict(method="full", batch_size=4, seq_len=96, lr=1e-5)
     session = nt.Session.demo(demo, device=device, techniques={**base, **techniques})
-    session._say = lambda message: None
+    session.echo = False
     return session
 
 

@@ -199,7 +199,7 @@ MUTANTS: list[Mutant] = [
            (T + "test_save.py::test_resume_continues_exactly",)),
     # ---- tied embeddings ----
     Mutant("tied embedding", "load_model does not tie the head to the loaded embedding",
-           "nbtune/models/hf.py",
+           "nbtune/models/filling.py",
            "    model.tie_weights()\n    return model",
            "    return model",
            (FAMILY_LORA,)),
@@ -231,7 +231,7 @@ MUTANTS: list[Mutant] = [
            "                pass",
            (T + "test_faults.py::test_rollback_auto_on_cpu_copies_the_first_update_only",)),
     Mutant("rollback policy", "'auto' keeps the copy on every CPU step (the peers' rungs at 1.6x)",
-           "nbtune/trainer.py",
+           "nbtune/undo.py",
            "    return first or (device == \"cuda\" and (in_backward or size <= UNDO_AUTO_BYTES))",
            "    return first or in_backward or size <= UNDO_AUTO_BYTES",
            (T + "test_faults.py::test_when_auto_keeps_the_undo_copy",)),
@@ -262,7 +262,7 @@ MUTANTS: list[Mutant] = [
            (T + "test_save.py::test_a_checkpoint_in_parts_resumes_exactly_and_writes_one_part_at_a_time",)),
     Mutant("host memory", "fit forgets the host when it judges a combination",
            "nbtune/fitting.py",
-           "            on_host = held is None or held <= host_room\n",
+           "            on_host = held is None or held <= self.host_room\n",
            "            on_host = True\n",
            (T + "test_fit.py::test_fit_turns_down_what_moves_too_much_to_the_host",)),
 ]

@@ -296,8 +296,19 @@ def worker_nbtune(shape, config, folder, steps, device, rollback="auto", track=F
         lora_rank=LORA["rank"], lora_alpha=LORA["alpha"])
     model = load_model(folder / "model", dtype=t.dtype, device=device,
                        quantize=t.lora_targets if method == "qlora" else ())  # NF4 as read
-    trainer = Trainer(model, lambda techniques: nbtune_stream(shape, folder, shape["batch"] * (steps + 2)),
-                      t, torch.device(device), pad_id=0, say=lambda message: None)
+    class Batches:  # the trainer's data: the same random rows the other peers get
+        pad_id = 0
+
+        def stream(self, techniques):
+            return nbtune_stream(shape, folder, shape["batch"] * (steps + 2)), []
+
+        def problems(self, techniques):
+            return []
+
+        def eval_batches(self, techniques):
+            return []
+
+    trainer = Trainer(model, Batches(), t, torch.device(device))
     trainer.rollback = rollback  # "auto": the undo copy a user gets; on CPU it is counted
     expected = load_batches(folder)
 

@@ -56,7 +56,7 @@ def timed(demo: str, changes: dict, mode: str, steps: int) -> tuple[float, int, 
     """(seconds per steady step, the undo copy's bytes, one tracked step's peak)."""
     torch.manual_seed(0)
     session = nt.Session.demo(demo, device="cpu", techniques=changes)
-    session._say = lambda message: None
+    session.echo = False
     session.memory_tracking = "off"
     session.rollback = mode
     session.step()  # optimizer state exists from here on: steady steps

@@ -10,7 +10,8 @@ from .memory.breakdown import HostMemory  # noqa: E402
 from .memory.estimate import estimate  # noqa: E402
 from .models import ModelConfig, load_model, save_model  # noqa: E402
 from .models.gguf import smollm2_path  # noqa: E402
-from .session import BackgroundRun, BusyError, Session  # noqa: E402
+from .runner import BackgroundRun, BusyError  # noqa: E402
+from .session import Session  # noqa: E402
 from .ladder import Ladder  # noqa: E402
 from .fitting import (CARDS, HOST_RAM, FitResult, fit, fit_badge, parse_budget,  # noqa: E402
                       parse_machine, relative_cost)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from .memory import MemoryBreakdown
 from .models.hf import plain_state_dict, write_atomically, write_hf_folder
 from .peft import adapter_config, adapter_state_dict, has_lora, merged_state_dict
+from .state import rng_state
 from .step import StepReport
 from .techniques import Techniques
 
@@ -96,6 +97,23 @@ def save_session(session, folder, merge: bool = False, format: str = "hf",
     return write_hf_folder(folder, state, config, session.tokenizer)
 
 
+def save_sharded_session(session, folder, merge: bool = False, format: str = "hf",
+                         quantization: str | None = None) -> Path:
+    """``save_session`` under torchrun: every rank gathers the shards, rank 0 writes."""
+    import types
+
+    from .distributed import unsharded_copy
+
+    whole = unsharded_copy(session.model, session.techniques)
+    if session.parallel.rank == 0:
+        view = types.SimpleNamespace(model=whole, tokenizer=session.tokenizer, source=session.source,
+                                     base_changed=session.base_changed)
+        save_session(view, folder, merge=merge, format=format, quantization=quantization)
+    del whole
+    session.parallel.barrier()
+    return Path(folder)
+
+
 # ---- training checkpoints ---------------------------------------------------------------
 
 def _optimizer_files(state_dict: dict) -> tuple[dict, dict]:
@@ -149,14 +167,34 @@ def parts(tensors: dict[str, torch.Tensor], stem: str) -> list[tuple[str, dict]]
             for i, group in enumerate(groups, 1)]
 
 
-def save_training_checkpoint(session, folder) -> Path:
-    """Everything a run needs to continue exactly: the trainer's whole ``state_dict``."""
-    state = session.trainer.state_dict()
+def save_checkpoint(trainer, folder, source: str | None = None, parallel=None) -> Path:
+    """Everything a run needs to continue exactly, in ``folder``: the trainer's whole
+    ``state_dict`` (under torchrun, each rank's shards through torch.distributed.checkpoint).
+    ``source``: where the base model came from, recorded for the reader."""
+    if parallel is not None:
+        return _save_sharded(trainer, folder, parallel, source)
+    path = _save_single(trainer, folder, source)
+    trainer.note_checkpoint(path)
+    return path
+
+
+def load_checkpoint(trainer, folder, parallel=None) -> None:
+    """Bring ``trainer`` (same base model and data) to the checkpoint's exact training state
+    through its own ``load_state_dict``: the whole checkpoint is read and checked first."""
+    if parallel is not None:
+        _load_sharded(trainer, folder, parallel)
+        return
+    trainer.load_state_dict(read_training_checkpoint(folder))
+    trainer.note_checkpoint(folder)
+
+
+def _save_single(trainer, folder, source: str | None) -> Path:
+    state = trainer.state_dict()
     weights = parts({k: v.contiguous() for k, v in state["weights"].items()}, "weights")
     opt_tensors, opt_meta = _optimizer_files(state["optimizer"])
     optimizer = parts(opt_tensors, "optimizer")
     trainer = {
-        "format": FORMAT, "source": session.source, "base_changed": state["base_changed"],
+        "format": FORMAT, "source": source, "base_changed": state["base_changed"],
         "base_fingerprint": state["base_fingerprint"], "full_weights": state["full_weights"],
         "techniques": state["techniques"].as_dict(), "steps": len(state["history"]),
         "optimizer": opt_meta, "data": state["data"],
@@ -223,7 +261,69 @@ def read_training_checkpoint(folder) -> dict:
     }
 
 
-def load_training_checkpoint(session, folder) -> None:
-    """Bring ``session`` (same base model and data) to the checkpoint's exact training state:
-    the whole checkpoint is read and checked before any of it is applied."""
-    session.trainer.load_state_dict(read_training_checkpoint(folder))
+# ---- sharded (torchrun, FSDP2) ----------------------------------------------------------
+
+def _save_sharded(trainer, folder, parallel, source: str | None) -> Path:
+    """torch.distributed.checkpoint's folder (each rank writes its shards) plus rank 0's JSON
+    of the rest; written beside and renamed, so a crash keeps the old one."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    if parallel.rank == 0 and tmp.exists():
+        shutil.rmtree(tmp)
+    parallel.barrier()
+    frozen = any(not p.requires_grad for p in trainer.model.parameters())
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer,
+                                        options=StateDictOptions(ignore_frozen_params=frozen))
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / "shards"))
+    save_file(rng_state(), str(tmp / f"rng.rank{parallel.rank}.safetensors"))
+    if parallel.rank == 0:
+        (tmp / TRAINER_STATE).write_text(json.dumps({
+            "source": source, "sharded": True, "world": parallel.world, "frozen_skipped": frozen,
+            "techniques": trainer.techniques.as_dict(), "data": trainer.stream.state_dict(),
+            "history": history_rows(trainer.history), "base_fingerprint": trainer.base_fingerprint,
+            "base_changed": trainer.base_changed}, indent=2))
+    parallel.barrier()
+    if parallel.rank == 0:
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    parallel.barrier()
+    return folder
+
+
+def _load_sharded(trainer, folder, parallel) -> None:
+    """Continue from ``_save_sharded``'s folder: same run file, same number of ranks. Every
+    rank reads its shards into its model and optimizer; the rest goes through the trainer's
+    ``load_state_dict(placed=True)``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    folder = Path(folder)
+    about = json.loads((folder / TRAINER_STATE).read_text())
+    if not about.get("sharded"):
+        raise ValueError(f"{folder} is a single-process checkpoint; resume it without torchrun.")
+    if about["world"] != parallel.world:
+        raise ValueError(f"{folder} was saved by {about['world']} ranks; this job has "
+                         f"{parallel.world}: resume with --nproc_per_node {about['world']}.")
+    saved = Techniques(**{**about["techniques"], "lora_targets": tuple(about["techniques"]["lora_targets"])})
+    if saved != trainer.techniques or about["base_fingerprint"] != trainer.base_fingerprint:
+        raise ValueError(f"{folder} was saved with other techniques or another base model than "
+                         "this run file's: resume with the run file that wrote it.")
+    trainer.stream.check_state(about["data"])  # before any shard is read in
+    options = StateDictOptions(ignore_frozen_params=about["frozen_skipped"])
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=options)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=str(folder / "shards"))
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"], options=options)
+    trainer.load_state_dict({
+        "techniques": saved, "full_weights": None, "weights": None, "optimizer": None,
+        "data": about["data"], "history": history_from_rows(about["history"]),
+        "rng": load_file(str(folder / f"rng.rank{parallel.rank}.safetensors")),
+        "base_changed": about["base_changed"], "base_fingerprint": about["base_fingerprint"]},
+        placed=True)

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from .demos import DEMOS
 from .session import Session
 from .techniques import DTYPES, METHODS
-from .ui.charts import format_bytes
+from .units import format_bytes
 
 LAST_WINDOW = 10  # loss_last is the mean of this many final steps (one step is noisy)
 DEMO_LINES = 10  # step lines the demo prints (the summary JSON has every step)

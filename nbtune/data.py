@@ -507,3 +507,51 @@ class BatchStream:
             picked.append(self.samples[self._order[self.position]])
             self.position += 1
         return collate(picked, self.pad_id)
+
+
+class TrainingData:
+    """A run's data in one place: the training rows, the held-out rows and the tokenizer that
+    turns them into batches. The trainer holds it and asks it for a stream or the evaluation
+    batches of a batch shape; what it has to say (rows skipped) comes back with the stream."""
+
+    def __init__(self, train, tokenizer: Tokenizer, heldout=None) -> None:
+        self.train = examples_from(train)
+        self.heldout = examples_from(heldout, "the held-out data") if heldout is not None else []
+        self.tokenizer = tokenizer
+        self._eval: tuple | None = None  # (seq_len, batch_size), batches: the last made
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_id
+
+    def problems(self, t) -> list[str]:
+        """What this data cannot do for techniques ``t``, in words (nothing: [])."""
+        if t.eval_every and not self.heldout:
+            return ["eval_every needs held-out rows: create the session with heldout=... "
+                    "(a JSONL path or rows), or leave eval_every=0."]
+        return []
+
+    def stream(self, t) -> tuple[BatchStream, list[str]]:
+        """The training batches for ``t``'s seq_len, packing, batch size and seed, and the
+        notes the user should read (rows skipped for want of room)."""
+        samples, dropped = tokenize_all(self.train, self.tokenizer, t.seq_len,
+                                        source="the training data")
+        notes = []
+        if dropped:
+            notes.append(f"{dropped} of {len(self.train)} rows have no response within "
+                         f"seq_len={t.seq_len} and are skipped; raise seq_len to keep them.")
+        if t.packing:
+            samples = pack(samples, t.seq_len)
+        return BatchStream(samples, t.batch_size, self.pad_id, seed=t.seed), notes
+
+    def eval_batches(self, t) -> list[dict]:
+        """Every held-out row as batches of ``t``'s shape (no packing), made once per shape."""
+        if not self.heldout:
+            return []
+        key = (t.seq_len, t.batch_size)
+        if self._eval is None or self._eval[0] != key:
+            samples, _ = tokenize_all(self.heldout, self.tokenizer, t.seq_len,
+                                      source="the held-out data")
+            self._eval = (key, [collate(samples[i:i + t.batch_size], self.pad_id)
+                                for i in range(0, len(samples), t.batch_size)])
+        return self._eval[1]

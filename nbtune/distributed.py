@@ -1,8 +1,8 @@
-"""Several processes under torchrun: FSDP2 sharding, the global batch, sharded checkpoints.
+"""Several processes under torchrun: FSDP2 sharding and the global batch (sharded
+checkpoints live with the others, in ``checkpoint``).
 
 Everything here is PyTorch's own distributed engine: ``fully_shard`` per decoder layer and on
-the root (``torch.distributed.fsdp``), ``torch.distributed.checkpoint`` for sharded saves and
-``get_state_dict`` / ``set_state_dict`` to move between sharded and full weights. nbtune adds
+the root (``torch.distributed.fsdp``) and ``get_state_dict`` to gather full weights. nbtune adds
 only the bookkeeping that keeps N ranks equal to one process on the same run file:
 
 * ``batch_size`` is the global batch: every rank walks the same shuffled order and keeps its
@@ -15,11 +15,8 @@ only the bookkeeping that keeps N ranks equal to one process on the same run fil
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -168,77 +165,3 @@ def unsharded_copy(model: nn.Module, techniques) -> nn.Module:
     if tied:
         copy.tie_weights()
     return copy
-
-
-# ---- sharded checkpoints -----------------------------------------------------------------
-
-TRAINER_STATE = "trainer_state.json"
-
-
-def save_sharded(trainer, folder: str | os.PathLike, parallel: Parallel, about: dict) -> Path:
-    """The run's state as a torch.distributed.checkpoint folder (each rank writes its shards)
-    plus rank 0's JSON of the rest; written beside and renamed, so a crash keeps the old one."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    from .trainer import rng_state
-
-    folder = Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
-    if parallel.rank == 0 and tmp.exists():
-        shutil.rmtree(tmp)
-    parallel.barrier()
-    frozen = any(not p.requires_grad for p in trainer.model.parameters())
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer,
-                                        options=StateDictOptions(ignore_frozen_params=frozen))
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / "shards"))
-    save_file(rng_state(), str(tmp / f"rng.rank{parallel.rank}.safetensors"))
-    if parallel.rank == 0:
-        from .checkpoint import history_rows
-
-        (tmp / TRAINER_STATE).write_text(json.dumps({
-            **about, "sharded": True, "world": parallel.world, "frozen_skipped": frozen,
-            "techniques": trainer.techniques.as_dict(), "data": trainer.stream.state_dict(),
-            "history": history_rows(trainer.history), "base_fingerprint": trainer.base_fingerprint,
-            "base_changed": trainer.base_changed}, indent=2))
-    parallel.barrier()
-    if parallel.rank == 0:
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-    parallel.barrier()
-    return folder
-
-
-def load_sharded(trainer, folder: str | os.PathLike, parallel: Parallel) -> None:
-    """Continue from ``save_sharded``'s folder: same run file, same number of ranks."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
-    from .checkpoint import history_from_rows
-    from .techniques import Techniques
-    from .trainer import set_rng_state
-
-    folder = Path(folder)
-    about = json.loads((folder / TRAINER_STATE).read_text())
-    if not about.get("sharded"):
-        raise ValueError(f"{folder} is a single-process checkpoint; resume it without torchrun.")
-    if about["world"] != parallel.world:
-        raise ValueError(f"{folder} was saved by {about['world']} ranks; this job has "
-                         f"{parallel.world}: resume with --nproc_per_node {about['world']}.")
-    saved = Techniques(**{**about["techniques"], "lora_targets": tuple(about["techniques"]["lora_targets"])})
-    if saved != trainer.techniques or about["base_fingerprint"] != trainer.base_fingerprint:
-        raise ValueError(f"{folder} was saved with other techniques or another base model than "
-                         "this run file's: resume with the run file that wrote it.")
-    options = StateDictOptions(ignore_frozen_params=about["frozen_skipped"])
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer, options=options)
-    state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=str(folder / "shards"))
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"], options=options)
-    trainer.stream.load_state_dict(about["data"])
-    trainer.history = history_from_rows(about["history"])
-    trainer.base_changed = about["base_changed"]
-    set_rng_state(load_file(str(folder / f"rng.rank{parallel.rank}.safetensors")))

@@ -49,7 +49,8 @@ from types import SimpleNamespace
 
 from .memory.breakdown import MemoryBreakdown
 from .memory.estimate import estimate, resolve_config
-from .techniques import RULES, Techniques
+from .techniques import RULES, Techniques, label_of
+from .units import format_bytes
 
 MiB, GiB = 2**20, 2**30
 
@@ -89,14 +90,6 @@ ALLOCATOR_MARGIN = 0.05
 
 # How a result is applied from code; the panel, which has an Apply button, says so instead.
 APPLY_IN_CODE = "Apply with session.set(**result.changes)."
-
-def format_bytes(nbytes: float) -> str:
-    """As the charts write sizes (binary units, one decimal), without importing matplotlib."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.1f} {unit}"
-    return f"{int(nbytes)} B"
-
 
 _UNITS = {"": 1, "b": 1,
           "k": 2**10, "kib": 2**10, "kb": 10**3,
@@ -377,8 +370,6 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        from .ladder import label_of
-
         return label_of(self.changes) if self.changes else "start (no change)"
 
 
@@ -684,6 +675,129 @@ def _describe(budget: int, room: int, device: str) -> str:
             "and allocator margin)")
 
 
+class _Search:
+    """One ``fit`` search: what was estimated, what did not fit, what the estimator could not
+    run and what was ruled out without an estimate, over ``space`` (cheapest first)."""
+
+    def __init__(self, config, target: str, space: list[Candidate], room: int,
+                 host_room: int | None, max_tries: int) -> None:
+        self.config, self.target, self.space = config, target, space
+        self.room, self.host_room, self.max_tries = room, host_room, max_tries
+        self.rows: list[FitRow] = []  # every combination looked at, in order
+        self.estimated: dict[Techniques, FitRow] = {}
+        self.memories: dict[Techniques, MemoryBreakdown] = {}
+        self.failed: list[tuple] = []  # saving vectors of combinations predicted not to fit
+        self.broken = _Unrunnable()  # combinations the estimator could not run, and their like
+        self.pruned: set[Techniques] = set()  # ruled out without an estimate
+        self.estimates = 0  # estimator calls made (cache hits not counted)
+
+    def _estimate(self, t: Techniques) -> MemoryBreakdown:
+        counter = [self.estimates]
+        try:
+            return _estimate(self.config, t, self.target, counter)
+        finally:
+            self.estimates = counter[0]
+
+    def dominated(self, c: Candidate) -> bool:
+        """Ruled out without an estimate: a combination saving at least as much memory on
+        every axis did not fit, or one with a subset of its toggles could not be run."""
+        if (any(_dominated(c.saving, by) for by in self.failed)
+                or c.techniques in self.broken):
+            self.pruned.add(c.techniques)
+            return True
+        return False
+
+    def predict(self, c: Candidate) -> FitRow | None:
+        """Estimate ``c`` (or recall it) and note its row; None when out of tries."""
+        if c.techniques in self.estimated:
+            return self.estimated[c.techniques]
+        cached = (_config_key(self.config), _memory_twin(c.techniques), self.target) in _CACHE
+        if self.estimates >= self.max_tries and not cached:
+            return None
+        try:
+            memory = self._estimate(c.techniques)
+        except EstimateFailed as err:
+            row = FitRow(c.label, c.changes, None, False, c.cost, c.exact, str(err))
+            self.broken.add(c.techniques)
+        else:
+            need = required(memory)
+            held = memory.host.without_undo if self.host_room is not None and memory.host else None
+            on_host = held is None or held <= self.host_room
+            row = FitRow(c.label, c.changes, need, need <= self.room and on_host, c.cost, c.exact,
+                         host=held)
+            self.memories[c.techniques] = memory
+            self.broken.runs(c.techniques)
+            if need > self.room:  # (host memory does not fall along the toggles: no pruning by it)
+                self.failed.append(c.saving)
+        self.rows.append(row)
+        self.estimated[c.techniques] = row
+        return row
+
+    def probe(self, cands: list[Candidate]) -> bool:
+        """Whether any of ``cands`` fits, from its most-saving ones, cheapest first: if none
+        of those fits, nothing weaker does. One the estimator cannot run is set aside (with
+        those including its toggles) and the most-saving of the rest are tried instead."""
+        while True:
+            live = [c for c in cands if c.techniques not in self.broken]
+            for c in _most_saving(live):
+                if c.techniques not in self.estimated and self.dominated(c):
+                    continue  # a failure saves at least as much: it does not fit
+                row = self.predict(c)
+                if row is None:
+                    raise _OutOfTries
+                if row.peak is not None and row.peak <= self.room:
+                    # fits the card: something may fit (the host's need does not fall along
+                    # the toggles, so a host refusal proves nothing about weaker ones)
+                    return True
+                if row.error:
+                    break  # the most-saving of the rest, again
+            else:
+                return False
+
+    def walk(self, group: list[Candidate]) -> Candidate | None:
+        """The first of ``group`` (cheapest first) predicted to fit. Before estimating a
+        candidate, a combination that saves more at almost no cost (within NEAR_FREE) is
+        estimated first: if it does not fit, the candidate is ruled out with it."""
+        for i, c in enumerate(group):
+            row = self.estimated.get(c.techniques)
+            if row is None:
+                if self.dominated(c):
+                    continue
+                bundle = _bundle(group, i, self.estimated)
+                if bundle is not None and not self.dominated(bundle):
+                    if self.predict(bundle) is None:
+                        raise _OutOfTries
+                    if self.dominated(c):
+                        continue
+                row = self.predict(c)
+                if row is None:
+                    raise _OutOfTries
+            if row.fits:
+                return c
+        return None
+
+    def run(self) -> Candidate | None:
+        """The fastest candidate predicted to fit (exact maths first), or None; raises
+        ``_OutOfTries`` when ``max_tries`` estimates were spent first."""
+        steps = sorted({c.steps for c in self.space})
+        tiers = [[c for c in self.space if c.steps == tier] for tier in steps]
+        row = self.predict(self.space[0])  # the start, or the cheapest change of it
+        if row is None:
+            raise _OutOfTries
+        if row.fits:
+            return self.space[0]
+        exact_fits = self.probe(tiers[0])
+        if not exact_fits and not self.probe(self.space):  # is anything at all possible?
+            return None
+        for i, group in enumerate(tiers):
+            if (i or not exact_fits) and not self.probe(group):
+                continue
+            found = self.walk(group)
+            if found is not None:
+                return found
+        return None
+
+
 def fit(model, budget, techniques: Techniques | None = None, *, device: str = "cuda",
         max_tries: int = 16, toggles=None, reserve: int | None = None,
         margin: float | None = None, host=None) -> FitResult:
@@ -722,130 +836,28 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
     layers = config.num_layers
     space = search_space(start, target, num_layers=layers, toggles=toggles)
 
-    rows: list[FitRow] = []
-    estimated: dict[Techniques, FitRow] = {}
-    memories: dict[Techniques, MemoryBreakdown] = {}
-    failed: list[tuple] = []  # saving vectors of combinations predicted not to fit
-    broken = _Unrunnable()  # combinations the estimator could not run, and their like
-    pruned: set[Techniques] = set()
-    counter = [0]
-
-    def dominated(c: Candidate) -> bool:
-        """Ruled out without an estimate: a combination saving at least as much memory on
-        every axis did not fit, or one with a subset of its toggles could not be run."""
-        if (any(_dominated(c.saving, by) for by in failed)
-                or c.techniques in broken):
-            pruned.add(c.techniques)
-            return True
-        return False
-
-    def predict(c: Candidate) -> FitRow | None:
-        """Estimate ``c`` (or recall it) and note its row; None when out of tries."""
-        if c.techniques in estimated:
-            return estimated[c.techniques]
-        cached = (_config_key(config), _memory_twin(c.techniques), target) in _CACHE
-        if counter[0] >= max_tries and not cached:
-            return None
-        try:
-            memory = _estimate(config, c.techniques, target, counter)
-        except EstimateFailed as err:
-            row = FitRow(c.label, c.changes, None, False, c.cost, c.exact, str(err))
-            broken.add(c.techniques)
-        else:
-            need = required(memory)
-            held = memory.host.without_undo if host_room is not None and memory.host else None
-            on_host = held is None or held <= host_room
-            row = FitRow(c.label, c.changes, need, need <= room and on_host, c.cost, c.exact,
-                         host=held)
-            memories[c.techniques] = memory
-            broken.runs(c.techniques)
-            if need > room:  # (host memory does not fall along the toggles: no pruning by it)
-                failed.append(c.saving)
-        rows.append(row)
-        estimated[c.techniques] = row
-        return row
-
-    def probe(cands: list[Candidate]) -> bool:
-        """Whether any of ``cands`` fits, from its most-saving ones, cheapest first: if none
-        of those fits, nothing weaker does. One the estimator cannot run is set aside (with
-        those including its toggles) and the most-saving of the rest are tried instead."""
-        while True:
-            live = [c for c in cands if c.techniques not in broken]
-            for c in _most_saving(live):
-                if c.techniques not in estimated and dominated(c):
-                    continue  # a failure saves at least as much: it does not fit
-                row = predict(c)
-                if row is None:
-                    raise _OutOfTries
-                if row.peak is not None and row.peak <= room:
-                    # fits the card: something may fit (the host's need does not fall along
-                    # the toggles, so a host refusal proves nothing about weaker ones)
-                    return True
-                if row.error:
-                    break  # the most-saving of the rest, again
-            else:
-                return False
-
-    def walk(group: list[Candidate]) -> Candidate | None:
-        """The first of ``group`` (cheapest first) predicted to fit. Before estimating a
-        candidate, a combination that saves more at almost no cost (within NEAR_FREE) is
-        estimated first: if it does not fit, the candidate is ruled out with it."""
-        for i, c in enumerate(group):
-            row = estimated.get(c.techniques)
-            if row is None:
-                if dominated(c):
-                    continue
-                bundle = _bundle(group, i, estimated)
-                if bundle is not None and not dominated(bundle):
-                    if predict(bundle) is None:
-                        raise _OutOfTries
-                    if dominated(c):
-                        continue
-                row = predict(c)
-                if row is None:
-                    raise _OutOfTries
-            if row.fits:
-                return c
-        return None
-
-    def search() -> Candidate | None:
-        tiers = [[c for c in space if c.steps == tier] for tier in sorted({c.steps for c in space})]
-        row = predict(space[0])  # the start, or the cheapest change of it
-        if row is None:
-            raise _OutOfTries
-        if row.fits:
-            return space[0]
-        exact_fits = probe(tiers[0])
-        if not exact_fits and not probe(space):  # is anything at all possible?
-            return None
-        for i, group in enumerate(tiers):
-            if (i or not exact_fits) and not probe(group):
-                continue
-            found = walk(group)
-            if found is not None:
-                return found
-        return None
-
+    search = _Search(config, target, space, room, host_room, max_tries)
     try:
-        chosen, out_of_tries = search(), False
+        chosen, out_of_tries = search.run(), False
     except _OutOfTries:  # the cheapest of those seen to fit, if any
         out_of_tries = True
-        fitting = [c for c in space if c.techniques in estimated and estimated[c.techniques].fits]
+        fitting = [c for c in space if c.techniques in search.estimated
+                   and search.estimated[c.techniques].fits]
         chosen = fitting[0] if fitting else None
-    skipped = len(pruned - set(estimated))
-    tried_text = (f"{counter[0]} estimate{'s' if counter[0] != 1 else ''} run, "
-                  f"{len(rows) - counter[0]} from the cache, {skipped} combination"
+    skipped = len(search.pruned - set(search.estimated))
+    tried_text = (f"{search.estimates} estimate{'s' if search.estimates != 1 else ''} run, "
+                  f"{len(search.rows) - search.estimates} from the cache, {skipped} combination"
                   f"{'s' if skipped != 1 else ''} ruled out without one, of {len(space)}")
     card = _describe(limit, room, target)
     where = card
     if host_limit is not None:
         where += f" and {format_bytes(host_room)} usable of {format_bytes(host_limit)} host memory"
-    errors = [r for r in rows if r.error]
+    errors = [r for r in search.rows if r.error]
     if errors:
         tried_text += (f"; {len(errors)} could not be estimated, and combinations including "
                        f"their toggles were skipped (first: {errors[0].label}: {errors[0].error[:160]})")
     if chosen is not None:
-        c, memory = chosen, memories[chosen.techniques]
+        c, memory = chosen, search.memories[chosen.techniques]
         need = required(memory)
         on_host = ""
         if host_room is not None and memory.host is not None:
@@ -873,10 +885,10 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
                 message += (" No combination that keeps the maths fits, so this one changes it: "
                             + ", ".join(f"{k}={v!r}" for k, v in maths.items()) + ".")
             message += f" {APPLY_IN_CODE} ({tried_text}.)"
-        return FitResult(c.techniques, dict(c.changes), need, limit, room, start, device, rows,
-                         c.exact, c.cost, message, memory, counter[0], skipped, len(space),
+        return FitResult(c.techniques, dict(c.changes), need, limit, room, start, device, search.rows,
+                         c.exact, c.cost, message, memory, search.estimates, skipped, len(space),
                          host_limit, host_room)
-    sized = [r for r in rows if r.peak is not None]
+    sized = [r for r in search.rows if r.peak is not None]
     message = f"Nothing tried fits in {where}."
     if sized:
         best = min(sized, key=lambda r: r.peak)
@@ -893,8 +905,8 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
         message += (" Shorten seq_len, lower the effective batch (batch_size x grad_accum), "
                     "train fewer weights, or use a card with more memory.")
     message += f" ({tried_text}.)"
-    return FitResult(None, {}, None, limit, room, start, device, rows, None, None, message,
-                     None, counter[0], skipped, len(space), host_limit, host_room)
+    return FitResult(None, {}, None, limit, room, start, device, search.rows, None, None, message,
+                     None, search.estimates, skipped, len(space), host_limit, host_room)
 
 
 # ---- a badge for the panel ---------------------------------------------------------------

@@ -1,7 +1,8 @@
 """``nbtune train run.yaml``: a saved session run unattended, on the notebook's own step.
 
-The loop asks the session for one step at a time (``session.run(1)``: the same trainer, the
-same transactions), and between steps writes the metrics line, checkpoints and logs. Output
+The session's own runner trains (the same loop, trainer and transactions as a notebook's
+``run``); after each step this module writes the metrics line, checkpoints and logs, and a
+subscriber prints what the session says. Output
 folder:
 
 * ``run.yaml``: the configuration as run (flags applied);
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 from . import runfile
-from .ui.charts import format_bytes
+from .units import format_bytes
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -142,6 +143,7 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
     from tqdm.auto import tqdm
 
     from .distributed import Parallel
+    from .runner import Message
     from .session import Session
 
     config = runfile.load(path, overrides)
@@ -163,7 +165,9 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
     try:
         started = time.perf_counter()
         session = Session.from_config(config, device=device, parallel=parallel)
-        session._say = lambda message: say(f"nbtune: {message}")
+        session.echo = False  # what the session says is printed by this subscriber instead
+        session.subscribe(lambda event: say(f"nbtune: {event.text}") if isinstance(event, Message)
+                          else None)
         if lead:
             out_dir.mkdir(parents=True, exist_ok=True)
             effective = config.model_copy(update={
@@ -212,12 +216,7 @@ def _run(session, path, out, out_dir, settings, resume, parallel, rank, say, sta
     try:
         with tqdm(total=total, initial=len(session.history), desc="training", unit="step",
                   disable=None if progress and lead else True, file=sys.stderr) as bar:
-            while len(session.history) < total:
-                reports = session.run(1, progress=False, live=False)
-                if not reports:  # Ctrl-C: the step was rolled back, the state is consistent
-                    interrupted = True
-                    break
-                report = reports[-1]
+            def after(report) -> None:  # between steps, in the runner's loop
                 loggers.write(report)
                 say(_line(report))
                 bar.update()
@@ -225,6 +224,11 @@ def _run(session, path, out, out_dir, settings, resume, parallel, rank, say, sta
                 every = settings.checkpoint_every
                 if every and (report.step % every == 0 or report.step == total):
                     _save_checkpoint(session, out_dir, settings.keep_checkpoints, lead, parallel)
+
+            if len(session.history) < total:
+                session.runner.run(total - len(session.history), shown=after)
+            # Ctrl-C during a step: the runner rolled it back and ended the run (consistent)
+            interrupted = len(session.history) < total
     except KeyboardInterrupt:  # between steps: the state is that of the last completed step
         interrupted = True
     finally:
@@ -311,14 +315,13 @@ def ladder(path: str, *, rows=FSDP_LADDER, steps: int = 2, out: str | None = Non
                 results.append({"label": label, "refused": str(err).splitlines()[0]})
                 continue
             carried = trial
-            session._say = lambda message: None
             session.memory_tracking = "every_step"
-            reports = session.run(steps, progress=False, live=False)
-            peak = max(r.memory.peak for r in reports)
-            categories = reports[-1].memory.categories
+            reports = session.runner.run(steps)  # no subscriber: the rows say nothing
+            top = max(reports, key=lambda r: r.memory.peak)
+            peak, categories = top.memory.peak, reports[-1].memory.categories
             seconds = sum(r.seconds for r in reports[1:]) or reports[0].seconds
             tokens = sum(r.tokens for r in reports[1:]) or reports[0].tokens
-            mine = {"peak": peak, **categories}
+            mine = {"peak": peak, **categories, "at_peak": dict(top.memory.at_peak)}
             every = parallel.gather(mine) if parallel is not None else [mine]
             results.append({"label": label, "peak": max(m["peak"] for m in every),
                             "per_rank": every, "tokens_per_second": tokens / seconds,

@@ -2,8 +2,8 @@
 
 Each row's changes apply on top of the previous row's techniques, as in torchtune's
 "optimization flags" table: start with ``{}`` for the baseline. The rows run on a trial
-session (a fresh copy of the model: the session itself is not trained), which flips its
-toggles row by row through ``Session.set``, so what a row replaces is released before the
+trainer (a fresh copy of the model: the session itself is not trained), which flips its
+toggles row by row through ``Trainer.set``, so what a row replaces is released before the
 next one runs. Each row reports its measured peak (every step tracked), the change from
 the row before, tokens per second after the first step, and the estimate for its shape.
 """
@@ -14,7 +14,9 @@ import base64
 import html
 from dataclasses import dataclass, field
 
-from .techniques import Techniques
+import torch
+
+from .techniques import Techniques, label_of
 
 
 @dataclass(frozen=True)
@@ -29,20 +31,6 @@ class LadderRow:
     at_peak: dict = field(default_factory=dict)  # the categories that made up the peak
     categories: dict = field(default_factory=dict)  # each category's high point in the step
     error: str | None = None  # the row could not run (out of memory, say)
-
-
-def label_of(changes: dict) -> str:
-    if not changes:
-        return "baseline"
-    parts = []
-    for name, value in changes.items():
-        if value is True:
-            parts.append(f"+{name}")
-        elif value is False or value == 0:
-            parts.append(f"-{name}")
-        else:
-            parts.append(f"{name}={value}")
-    return ", ".join(parts)
 
 
 def ladder_techniques(start: Techniques, configs) -> list[tuple[str, Techniques]]:
@@ -93,7 +81,7 @@ class Ladder:
                 for r in self.rows]
 
     def _cells(self) -> list[list[str]]:
-        from .ui.charts import format_bytes
+        from .units import format_bytes
 
         out = []
         for r in self.rows:
@@ -144,3 +132,95 @@ class Ladder:
                 f"<p style='font-size:smaller'>{self.steps} steps per row on {self.device}; "
                 f"peak = most memory held at one moment.</p>"
                 f"<img src='data:image/png;base64,{png}'/>")
+
+
+# ---- running a ladder ----------------------------------------------------------------------
+
+def compare(trainer, configs, steps: int = 4, *, estimate: bool = True,
+            progress: bool = True) -> Ladder:
+    """``Session.compare``: each configuration of ``configs`` run ``steps`` steps on a trial
+    trainer over a fresh copy of ``trainer``'s model and data, tabulated.
+
+    On CUDA every step is measured; on CPU the second one is (tracking slows a step down)
+    and the untracked steps after it are timed. On CUDA the session's own model stays on the
+    device: each row's peak is counted above it, and a row that does not fit beside it
+    reports out of memory."""
+    import gc
+
+    from tqdm.auto import tqdm
+
+    from .memory.estimate import estimate as estimate_step
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"compare: steps must be a positive int, got {steps!r}.")
+    device = trainer.device
+    rows = ladder_techniques(trainer.techniques, configs)
+    for label, t in rows:  # every row checked before anything runs
+        broken = t.conflicts(device.type)
+        if broken:
+            raise ValueError(f"compare: row {label!r}: " + " ".join(r.reason for r in broken))
+    cuda = device.type == "cuda"
+    baseline = torch.cuda.memory_allocated(device) if cuda else 0
+    trial = _trial(trainer, rows[0][1])
+    results = []
+    try:
+        for label, t in tqdm(rows, desc="ladder", unit="row", disable=not progress):
+            results.append(_row(trial, trainer.model.config, label, t, steps, baseline,
+                                estimate_step if estimate else None,
+                                results[-1] if results else None))
+    finally:
+        del trial
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return Ladder(results, str(device), steps)
+
+
+def _trial(trainer, techniques: Techniques):
+    """A quiet throw-away trainer on a fresh copy of ``trainer``'s model and the same data."""
+    from .models import load_model
+    from .models.decoder import CausalLM
+    from .trainer import Trainer
+
+    if trainer.base is not None:
+        quantize = techniques.lora_targets if techniques.method == "qlora" else ()
+        model = load_model(trainer.base, dtype=techniques.dtype, device=trainer.device,
+                           quantize=quantize)
+    else:  # built in code: the same shapes with fresh weights (memory does not depend on values)
+        model = CausalLM(trainer.model.config)
+    return Trainer(model, trainer.data, techniques, trainer.device)
+
+
+def _row(trial, config, label: str, t: Techniques, steps: int, baseline: int, estimate_step,
+         previous: LadderRow | None) -> LadderRow:
+    # CPU tracking slows a step down, so there one step is measured (the second: the first
+    # creates optimizer state) and the untracked ones after it are timed.
+    cpu = trial.device.type == "cpu"
+    plan = [False, True] + [False] * (steps - 2) if cpu and steps > 1 else [True] * steps
+    reports = []
+    try:
+        trial.set(t)
+        for track in plan:
+            reports.append(trial.step(track))
+    except torch.OutOfMemoryError:  # the trial rolled the step back; the ladder goes on
+        return LadderRow(label, t, error="out of memory")
+    top = max((r for r, track in zip(reports, plan) if track), key=lambda r: r.memory.peak)
+    timed = [r for r, track in zip(reports, plan) if not track][1:] or reports[1:] or reports
+    seconds = sum(r.seconds for r in timed)
+    predicted = None
+    if estimate_step is not None:
+        predicted = estimate_step(config, t, batch_size=top.shape[0], seq_len=top.shape[1],
+                                  device=trial.device.type).peak
+    peak = top.memory.peak - baseline
+    at_peak, left = dict(top.memory.at_peak), baseline
+    for residual in ("other", "activations"):  # CUDA: the session's own memory sits in the rest
+        taken = min(left, at_peak.get(residual, 0))
+        at_peak[residual] = at_peak.get(residual, 0) - taken
+        left -= taken
+    change = None
+    if previous is not None and previous.peak:
+        change = 100.0 * (peak - previous.peak) / previous.peak
+    return LadderRow(label, t, peak=peak, change=change,
+                     tokens_per_second=sum(r.tokens for r in timed) / seconds if seconds else 0.0,
+                     estimated_peak=predicted, loss=reports[-1].loss,
+                     at_peak=at_peak, categories=dict(top.memory.categories))

@@ -129,7 +129,7 @@ def suggest(config, t: Techniques, device: torch.device, shape: tuple[int, int] 
 def explain(err: BaseException, phase: str | None, step: int, held: dict, config, t: Techniques,
             device: torch.device, shape: tuple[int, int] | None) -> OutOfMemory:
     """The ``OutOfMemory`` to raise in place of ``err``."""
-    from .ui.charts import format_bytes
+    from .units import format_bytes
 
     limit = budget(device)
     now, suggestions = suggest(config, t, device, shape, limit)
@@ -184,7 +184,7 @@ class SimulatedCard(torch.autograd.graph.saved_tensors_hooks):
             self.held += nbytes
             if self.held > self.limit:
                 self.held = 0  # the failed step's activations are dropped with it
-                from .ui.charts import format_bytes
+                from .units import format_bytes
 
                 raise torch.OutOfMemoryError(
                     f"Out of memory on a simulated card holding {format_bytes(self.limit)} of "

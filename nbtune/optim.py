@@ -288,27 +288,27 @@ def _cpu_offload_optimizer(params: list[nn.Parameter], techniques: Techniques):
         """Adds what the session needs: ``state`` (all inner optimizers') and ``release``,
         which removes the gradient hooks torchao registers and keeps no handle to."""
 
-        def _inner(self) -> list[torch.optim.Optimizer]:
+        def inner(self) -> list[torch.optim.Optimizer]:
             return [*self.optim_dict.values(), *([self.d_opt] if self.d_opt is not None else [])]
 
         @property
         def state(self) -> Mapping:
-            return _ChainedState(self._inner())
+            return _ChainedState(self.inner())
 
         def release(self) -> None:
-            for param, key in self._hook_keys:
+            for param, key in self.hook_keys:
                 param._post_accumulate_grad_hooks.pop(key, None)
-            for opt in self._inner():
+            for opt in self.inner():
                 opt.state.clear()
-            self.optim_dict, self.param_d2h_map, self.d_opt, self._hook_keys = {}, {}, None, []
+            self.optim_dict, self.param_d2h_map, self.d_opt, self.hook_keys = {}, {}, None, []
 
-    def hook_keys(p):
+    def keys_of(p):
         return set(p._post_accumulate_grad_hooks or {})
 
-    before = {p: hook_keys(p) for p in params}
+    before = {p: keys_of(p) for p in params}
     cls = torch.optim.AdamW if techniques.optimizer == "adamw" else torch.optim.SGD
     opt = Offloaded(params, cls, lr=techniques.lr, weight_decay=techniques.weight_decay)
-    opt._hook_keys = [(p, key) for p in params for key in hook_keys(p) - before[p]]
+    opt.hook_keys = [(p, key) for p in params for key in keys_of(p) - before[p]]  # release() drops them
     return opt
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .activations import set_activation_checkpointing, set_compiled
-from .models.hf import DTYPES
+from .models.filling import DTYPES
 from .peft import (NF4_BLOCK, apply_lora, cast_model, has_lora, is_nf4, merge_lora,
                    replace_adapters, set_lora_options)
 from .techniques import Techniques

@@ -241,3 +241,62 @@ def relative(path: str, folder: Path) -> str:
         return str(Path(path).resolve().relative_to(folder.resolve()))
     except ValueError:
         return str(Path(path).resolve())
+
+
+def save_config(session, path: str | Path, **changes) -> Path:
+    """Write a run file that repeats ``session`` unattended (``Session.save_config``): its
+    model source, data, techniques and the run settings, with ``changes`` (steps, epochs,
+    out, checkpoint_every, save, evaluate; None keeps the session's) applied."""
+    path = Path(path)
+    folder = path.parent
+    if session.source is None and session.demo_name is None:
+        raise RunFileError(
+            "This session's model was built in code, not loaded, so a run file cannot name it: "
+            "save it first (session.save('base/')) and create the session with "
+            "nt.Session.from_pretrained('base/', data) before save_config.")
+    settings = session.run_settings or RunSettings()
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if "steps" in changes:
+        changes["epochs"] = None
+    elif "epochs" in changes:
+        changes["steps"] = None
+    elif settings.steps is None and settings.epochs is None:
+        from .demos import DEMOS
+
+        length = len(session.history) or (DEMOS[session.demo_name].steps if session.demo_name else 0)
+        if not length:
+            raise ValueError("save_config: this session has not trained yet, so say how long "
+                             "the run is: save_config(path, steps=100) or epochs=1.")
+        changes["steps"] = length
+    try:
+        settings = RunSettings.model_validate({**settings.model_dump(), **changes})
+    except ValidationError as err:
+        raise RunFileError(f"save_config: {err}") from None
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {"match": session.match if isinstance(session.match, str) else "exact"}
+    files = session.data_files
+    for split, rows in (("train", session.train_examples), ("heldout", session.heldout_examples)):
+        if session.demo_name is not None or not rows:
+            continue
+        if split in files and "://" not in files[split]:
+            data[split] = relative(files[split], folder)
+        elif split in files:
+            data[split] = files[split]
+        else:  # rows given in code: the run file needs them as a file
+            rows_file = folder / f"{path.stem}.{split}.jsonl"
+            write_rows(rows, rows_file)
+            data[split] = rows_file.name
+    if session.demo_name is not None:
+        model = {"demo": session.demo_name}
+    elif Path(session.source).exists():
+        model = {"model": relative(session.source, folder)}
+    else:
+        model = {"model": session.source}
+    config = RunConfig.model_validate({
+        **model, "memory_tracking": session.memory_tracking,
+        "data": data, "techniques": session.techniques.as_dict(), "run": settings.model_dump()})
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dump(config), encoding="utf-8")
+    tmp.replace(path)
+    session.run_settings = settings
+    return path

@@ -299,3 +299,19 @@ NO_EFFECT = (
          "memory; on this device they are in CPU memory already, so it would save nothing "
          "(available on CUDA).", ("activation_offloading",), device="cuda"),
 )
+
+
+def label_of(changes: dict) -> str:
+    """Toggle changes in a few words: ``{"activation_checkpointing": True, "lr": 1e-4}`` ->
+    "+activation_checkpointing, lr=0.0001" (what tables and messages call a change)."""
+    if not changes:
+        return "baseline"
+    parts = []
+    for name, value in changes.items():
+        if value is True:
+            parts.append(f"+{name}")
+        elif value is False or value == 0:
+            parts.append(f"-{name}")
+        else:
+            parts.append(f"{name}={value}")
+    return ", ".join(parts)

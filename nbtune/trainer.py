@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
-import json
 import signal
 import threading
 import traceback
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -38,30 +37,19 @@ from torch import nn
 
 from .data import BatchStream
 from .memory import MemoryBreakdown
-from .fitting import format_bytes
+from .units import format_bytes
 from .oom import OutOfMemory, explain, held_now
 from . import host
 from .optim import OptimizerInBackward, build_optimizer, release_optimizer
-from .peft import adapter_state_dict, has_lora, is_nf4
+from .peft import adapter_state_dict, has_lora
 from .plan import (REBUILDS_DATA, REBUILDS_MODEL, REBUILDS_OPTIMIZER, RETUNES_MODEL, ModelJournal,
                    check, transform_model)
 from .step import StepReport, held_out_loss, train_step
 from .techniques import Techniques
-from .undo import UndoCopy, copy_bytes, undo_units
+from .state import (base_fingerprint, check_optimizer_state, check_weights, full_weights,
+                    rng_state, set_rng_state, write_weights)
+from .undo import ROLLBACK_MODES, UndoCopy, copy_bytes, undo_units, undo_wanted
 
-ROLLBACK_MODES = ("auto", "copy", "none")
-# On CUDA "auto" keeps the undo copy whenever it is at most this big (any LoRA run, small
-# models), and beyond it where the update spans backward or a new optimizer makes its state.
-UNDO_AUTO_BYTES = 256 << 20
-
-
-def undo_wanted(mode: str, device: str, *, in_backward: bool, first: bool, size: int) -> bool:
-    """Whether ``rollback=mode`` keeps an undo copy of the next update (the host's room is
-    checked after): see ``Trainer._undo_for``. ``first``: the optimizer's first update (it
-    makes its state then, and a new optimizer can fail on its own: torchao compiles)."""
-    if mode != "auto":
-        return mode == "copy"
-    return first or (device == "cuda" and (in_backward or size <= UNDO_AUTO_BYTES))
 
 
 class DamagedStateError(RuntimeError):
@@ -102,17 +90,16 @@ class _Prepared:
 class Trainer:
     """Owns the model, optimizer, data stream, RNG, step count and history of one run.
 
-    ``make_stream(techniques)`` builds the batch stream for a batch shape (the data and
-    tokenizer stay with the caller); ``make_eval_batches(techniques)`` the held-out
-    batches ``eval_every`` evaluates. ``say`` shows a message to the user.
+    ``data`` (a ``TrainingData``) makes the batch stream and the held-out batches for a
+    batch shape. What the user should read (a reset optimizer, rows skipped, no undo copy)
+    collects in ``notes``; whoever drives the trainer takes them (``take_notes``) and says
+    them. ``base``: the folder or parsed GGUF file the model was read from, so that a damaged
+    full finetune can go back to step 0 (``recover``); None for a model built in code.
     """
 
-    def __init__(self, model: nn.Module, make_stream: Callable[[Techniques], BatchStream],
-                 techniques: Techniques, device: torch.device, pad_id: int,
-                 say: Callable[[str], None] = print,
-                 make_eval_batches: Callable[[Techniques], list] | None = None,
-                 parallel=None) -> None:
-        problems = check(techniques, model, device.type)
+    def __init__(self, model: nn.Module, data, techniques: Techniques, device: torch.device,
+                 *, parallel=None, base=None, base_name: str | None = None) -> None:
+        problems = check(techniques, model, device.type) + data.problems(techniques)
         if parallel is not None:
             from .distributed import check_sharding
 
@@ -121,11 +108,10 @@ class Trainer:
         if problems:
             raise ValueError(" ".join(problems))
         self.parallel = parallel  # a distributed.Parallel under torchrun, else None
-        self.device, self.pad_id, self.say = device, pad_id, say
-        self._make_stream = make_stream
-        self._make_eval_batches = make_eval_batches
+        self.device, self.data = device, data
+        self.notes: list[str] = []  # for the user, until taken
         self._eval_peak: int | None = None  # the last measured evaluation's peak
-        self.stream = make_stream(techniques)
+        self.stream = self._new_stream(techniques)
         self.model = model.to(device)
         self.base_fingerprint = base_fingerprint(self.model)  # of the weights as loaded
         transform_model(self.model, techniques, previous=None)
@@ -141,11 +127,11 @@ class Trainer:
         # no undo copy is kept there.
         self.rollback = "auto" if parallel is None else "none"
         self.damaged: str | None = None  # why the state cannot be trusted, after a failed update
-        # The newest state the run can return to without a copy (the session knows the files)
-        self.find_restore_point: Callable[[], RestorePoint | None] = lambda: None
+        self.base, self.base_name = base, base_name
+        self.checkpoint: RestorePoint | None = None  # the last checkpoint saved or loaded
         self.last_memory: MemoryBreakdown | None = None
         self.last_undo_bytes = 0  # host bytes the last step's undo copy held
-        self.host_reserve: Callable[[Techniques], int] = lambda t: 0  # host bytes a step takes
+        self._offloaded: tuple | None = None  # (techniques, host bytes their offloading takes)
         self._undo = UndoCopy(device)
         self._undo_said: tuple | None = None  # the last "no copy kept" said, not to repeat it
         self._new_optimizer = True  # no update made by this optimizer yet
@@ -154,13 +140,33 @@ class Trainer:
 
     @property
     def restore_point(self) -> RestorePoint | None:
-        return self.find_restore_point()
+        """The newest state the run can return to without a copy in memory, or None."""
+        if self.checkpoint is not None:
+            return self.checkpoint
+        if self.base is not None and self.parallel is None and self.techniques.method == "full":
+            return RestorePoint(0, f"the base weights read again from {self.base_name}, a fresh "
+                                   "optimizer and the data from its start")
+        return None
+
+    def note_checkpoint(self, folder) -> None:
+        """``folder`` now holds this run's state at its current step (saved or loaded)."""
+        self.checkpoint = RestorePoint(len(self.history), f"the checkpoint in {folder}", str(folder))
+
+    def take_notes(self) -> list[str]:
+        """What the trainer had to say since last asked, oldest first (then forgotten)."""
+        notes, self.notes = self.notes, []
+        return notes
+
+    def _new_stream(self, t: Techniques) -> BatchStream:
+        stream, notes = self.data.stream(t)
+        self.notes += notes
+        return stream
 
     # ---- commands ------------------------------------------------------------------------
 
     def set(self, new: Techniques) -> set[str]:
         """Switch to ``new`` techniques, all or nothing; returns the fields that changed."""
-        self._usable()
+        self.check_usable()
         changed = new.changed(self.techniques)
         if changed and self.parallel is not None:
             raise ValueError(f"Under torchrun the techniques are fixed by the run file (the model is "
@@ -172,7 +178,7 @@ class Trainer:
     def step(self, track: bool) -> StepReport:
         """One optimizer step, all or nothing. ``track``: measure its memory (else the report
         carries the last measurement, ``measured=False``)."""
-        self._usable()
+        self.check_usable()
         t = self.techniques
         mark = self._mark()
         undo = self._undo_for(t)
@@ -188,7 +194,7 @@ class Trainer:
             shape = max((tuple(b["input_ids"].shape) for b in batches), key=lambda s: s[0] * s[1])
             for group in self.optimizer.param_groups:
                 group["lr"] = t.lr_at(number)
-            report = train_step(self.model, self.optimizer, batches, self.pad_id, step=number,
+            report = train_step(self.model, self.optimizer, batches, self.data.pad_id, step=number,
                                 loss_chunks=t.chunked_loss, offload_activations=t.activation_offloading,
                                 max_grad_norm=t.max_grad_norm, compiled_loss=t.compile, track=track,
                                 phase=phase, critical=self._critical if undo is None else None,
@@ -218,8 +224,7 @@ class Trainer:
             report = replace(report, memory=replace(report.memory, eval_peak=self._eval_peak))
         self.base_changed |= t.method == "full"
         self.history.append(report)
-        if (t.eval_every and number % t.eval_every == 0 and self._make_eval_batches is not None
-                and not self._interrupted):
+        if t.eval_every and number % t.eval_every == 0 and not self._interrupted:
             report = self._evaluate(report, track, t)
         if self._interrupted:  # Ctrl-C arrived while the update was being written: now it counts
             self._interrupted = False
@@ -230,7 +235,7 @@ class Trainer:
         """Held-out loss after a completed step, recorded on its report. The step stands if
         the evaluation fails (it changes nothing: no gradients, no RNG, no data position)."""
         try:
-            batches = self._make_eval_batches(t)
+            batches = self.data.eval_batches(t)
             if not batches:
                 return report
             result = held_out_loss(self.model, batches, loss_chunks=t.chunked_loss,
@@ -273,12 +278,14 @@ class Trainer:
             "base_fingerprint": self.base_fingerprint,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, placed: bool = False) -> None:
         """Bring the run to ``state`` (from ``state_dict`` or a checkpoint), all or nothing.
 
         Everything is checked before anything is written: the techniques, that the state
         belongs to this base model, every weight's name and shape, and the optimizer state
-        (loaded into a fresh optimizer first).
+        (loaded into a fresh optimizer first). ``placed``: the weights and optimizer state
+        are already in place (a sharded checkpoint, which each rank reads into its own
+        shards); the rest is restored here, the techniques must be the run's own.
         """
         missing = {"techniques", "full_weights", "weights", "optimizer", "data", "rng", "history",
                    "base_changed", "base_fingerprint"} - set(state)
@@ -289,12 +296,23 @@ class Trainer:
             raise ValueError("This training state was made from a different base model (its "
                              "fingerprint of the base weights and config differs): load it into "
                              "a session on the model it was trained from.")
+        if placed:
+            if state["techniques"] != self.techniques:
+                raise ValueError("This checkpoint was saved with other techniques than this run's: "
+                                 "resume with the run file that wrote it.")
+            stream = self.stream.copy()
+            stream.load_state_dict(state["data"])
+            self.stream, self.history = stream, list(state["history"])
+            self.base_changed, self.damaged = state["base_changed"], None
+            set_rng_state(state["rng"])  # this rank's own
+            self.last_memory = next((r.memory for r in reversed(self.history) if r.memory.measured), None)
+            return
         if not state["full_weights"] and self.base_changed:
             raise ValueError("The state holds LoRA adapters trained on the original base weights, "
                              "but this session's base weights have changed since loading (full "
                              "training or merged adapters), so the adapters would not reproduce "
                              "the run: load it into a fresh session on the base model.")
-        self._usable(loading=True)
+        self.check_usable(loading=True)
         prepared = self._prepare(state["techniques"], fresh_optimizer=True)
         try:
             check_weights(self.model, state["weights"], state["full_weights"])
@@ -323,6 +341,29 @@ class Trainer:
             self._interrupted = False
             raise KeyboardInterrupt
 
+    def recover(self) -> RestorePoint:
+        """Return to ``restore_point`` (the last checkpoint saved or loaded, else step 0 with
+        the base weights read again from their files, in place); returns it."""
+        point = self.restore_point
+        if point is None:
+            raise ValueError(
+                "There is no state to recover to: no checkpoint was saved or loaded, and the "
+                "base weights cannot be read again (a LoRA session, or a model built in code). "
+                "Load a state you kept (load_state_dict / load_checkpoint).")
+        if point.folder is not None:
+            from .checkpoint import read_training_checkpoint
+
+            if not Path(point.folder).is_dir():
+                raise FileNotFoundError(f"The checkpoint {point.folder} is gone: load another one "
+                                        "(load_checkpoint) or a state you kept (load_state_dict).")
+            self.load_state_dict(read_training_checkpoint(point.folder))
+        else:
+            from .models.loading import reload_weights_
+
+            self.reset(lambda model: reload_weights_(model, self.base))
+        self.notes.append(f"recovered: the session is at {point}.")
+        return point
+
     def reset(self, refill: Callable[[nn.Module], None]) -> None:
         """Back to step 0: ``refill(model)`` writes the base weights into the model in place
         (a full-finetuning model, reloaded from its files); then a fresh optimizer, the data
@@ -338,7 +379,7 @@ class Trainer:
                 self.damaged = self.damaged or ("Reloading the base weights failed part-way: the "
                                                 "weights are part old, part new.")
                 raise
-            optimizer, stream = build_optimizer(self.model, self.techniques), self._make_stream(self.techniques)
+            optimizer, stream = build_optimizer(self.model, self.techniques), self._new_stream(self.techniques)
             release_optimizer(self.optimizer)
             self.optimizer, self.stream, self._new_optimizer = optimizer, stream, True
             self.history, self.base_changed, self.damaged = [], False, None
@@ -353,13 +394,13 @@ class Trainer:
 
     def _prepare(self, new: Techniques, fresh_optimizer: bool = False) -> _Prepared:
         """Build what ``new`` needs beside what exists; on failure, undo and re-raise."""
-        problems = check(new, self.model, self.device.type)
+        problems = check(new, self.model, self.device.type) + self.data.problems(new)
         if problems:
             raise ValueError(" ".join(problems))
         changed = new.changed(self.techniques)
         stream = self.stream
         if changed & REBUILDS_DATA:
-            stream = self._make_stream(new)  # may refuse (rows too long): nothing changed yet
+            stream = self._new_stream(new)  # may refuse (rows too long): nothing changed yet
             stream.continue_from(self.stream)  # a new batch size goes on through the epoch
         elif fresh_optimizer:  # loading a state: its position goes into a copy until commit
             stream = self.stream.copy()
@@ -404,10 +445,10 @@ class Trainer:
         if prepared.journal is not None:
             prepared.journal.discard()
         if not quiet:
-            for message in messages:
-                self.say(message)
+            self.notes += messages
 
-    def _usable(self, loading: bool = False) -> None:
+    def check_usable(self, loading: bool = False) -> None:
+        """Refuse (DamagedStateError) while the state cannot be trusted, except to load one."""
         if self.damaged and not loading:
             raise DamagedStateError(self.damaged)
 
@@ -437,7 +478,7 @@ class Trainer:
         size = copy_bytes(units)
         wanted = undo_wanted(self.rollback, self.device.type, in_backward=t.optimizer_in_backward,
                              first=self._new_optimizer, size=size)
-        room = host.room(held=self._undo.nbytes, reserve=self.host_reserve(t)) if wanted else None
+        room = host.room(held=self._undo.nbytes, reserve=self._host_reserve(t)) if wanted else None
         if not wanted or (room is not None and size > room):
             self._undo.release()
             self.last_undo_bytes = 0
@@ -464,10 +505,27 @@ class Trainer:
         self._undo_said = key
         back = (f"session.recover() returns to {self.restore_point}" if self.restore_point
                 else "save a checkpoint (session.save_checkpoint) to have a state to return to")
-        self.say(f"no undo copy is kept for this update: it needs {format_bytes(size)} of host memory "
+        self.notes.append(f"no undo copy is kept for this update: it needs {format_bytes(size)} of host memory "
                  f"(trainable weights and optimizer state) and {format_bytes(max(room, 0))} is free "
                  "for it. Ctrl-C waits until the update is written; if the update itself fails "
                  f"half-way the session is marked damaged and {back}.")
+
+    def _host_reserve(self, t: Techniques) -> int:
+        """Host bytes a step of ``t`` takes by itself (CUDA): activations offloaded to pinned
+        memory (estimated once per configuration) and paged optimizer state, which the driver
+        moves to the host when the card runs short."""
+        if self.device.type != "cuda":
+            return 0
+        from .memory.accounting import paged_state_bytes
+
+        reserve = paged_state_bytes(self.optimizer)
+        if t.activation_offloading:
+            if self._offloaded is None or self._offloaded[0] != t:
+                from .memory.estimate import estimate
+
+                self._offloaded = (t, estimate(self.model.config, t, device="cuda").host.offloaded)
+            reserve += self._offloaded[1]
+        return reserve
 
     @contextlib.contextmanager
     def _critical(self):
@@ -518,119 +576,3 @@ def _drop_frames(err: BaseException) -> None:
         seen.add(id(err))
         traceback.clear_frames(err.__traceback__)
         err = err.__context__
-
-
-# ---- pieces of the state ---------------------------------------------------------------
-
-def rng_state() -> dict[str, torch.Tensor]:
-    out = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        out.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    return out
-
-
-def set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(state["cpu"])
-    cuda = sorted((k for k in state if k.startswith("cuda")), key=lambda k: int(k[4:]))
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([state[k] for k in cuda])
-
-
-def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Weights under their parameter names, without the tied head; an NF4 weight as its parts
-    (``<name>.nf4.<part>``), so it comes back bit for bit (dequantized and quantized again it
-    would differ)."""
-    out = {}
-    for name, value in model.state_dict().items():
-        if is_nf4(value):
-            parts, _ = value.__tensor_flatten__()
-            out.update({f"{name}.nf4.{part}": getattr(value, part) for part in parts})
-        else:
-            out[name] = value.detach()
-    if model.config.tie_word_embeddings:
-        out.pop("lm_head.weight", None)  # one tensor with the embedding
-    return out
-
-
-def _expected_weights(model: nn.Module, full: bool) -> dict[str, tuple]:
-    """name -> shape of what ``full_weights`` / ``adapter_state_dict`` give for ``model``."""
-    if full:
-        out = {}
-        for name, value in model.state_dict().items():
-            if is_nf4(value):
-                parts, _ = value.__tensor_flatten__()
-                out.update({f"{name}.nf4.{p}": tuple(getattr(value, p).shape) for p in parts})
-            else:
-                out[name] = tuple(value.shape)
-        if model.config.tie_word_embeddings:
-            out.pop("lm_head.weight", None)
-        return out
-    return {k: tuple(v.shape) for k, v in adapter_state_dict(model).items()}
-
-
-def check_weights(model: nn.Module, weights: dict, full: bool) -> None:
-    """Refuse weights whose names or shapes differ from what ``model`` holds."""
-    expected = _expected_weights(model, full)
-    missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected))
-    wrong = [f"{k} {tuple(weights[k].shape)} (this model: {expected[k]})"
-             for k in sorted(set(expected) & set(weights)) if tuple(weights[k].shape) != expected[k]]
-    if missing or extra or wrong:
-        parts = ([f"missing {missing[:3]}"] if missing else []) + \
-                ([f"unknown {extra[:3]}"] if extra else []) + ([f"shape {wrong[:3]}"] if wrong else [])
-        raise ValueError(f"The saved weights do not fit this model ({'; '.join(parts)}): it was "
-                         "saved from another model or other LoRA settings.")
-
-
-# State entries that have the shape of their parameter, in torch, bitsandbytes and torchao
-# optimizers (torchao's quantized ones report the logical shape).
-_PARAM_SHAPED_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "state1", "state2")
-
-
-def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse optimizer state whose per-weight tensors do not have their weight's shape."""
-    for param, entry in optimizer.state.items():
-        for key in _PARAM_SHAPED_STATE:
-            value = entry.get(key)
-            if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"The saved optimizer state's {key} has shape {tuple(value.shape)} for a weight "
-                    f"of shape {tuple(param.shape)}: it was saved from another model or other "
-                    "LoRA settings. Nothing was loaded.")
-
-
-@torch.no_grad()
-def write_weights(model: nn.Module, weights: dict, full: bool) -> None:
-    """Copy checked weights into the model's own tensors (no allocation)."""
-    if not full:
-        params = dict(model.named_parameters())
-        for key, value in weights.items():
-            params[key.removeprefix("base_model.model.")].copy_(value)
-        return
-    for name, value in model.state_dict(keep_vars=True).items():
-        if is_nf4(value):
-            for part in value.__tensor_flatten__()[0]:
-                getattr(value, part).copy_(weights[f"{name}.nf4.{part}"])
-        elif name in weights:
-            value.copy_(weights[name])
-
-
-def base_fingerprint(model: nn.Module) -> str:
-    """A short hash of the config and samples of the weights QLoRA never quantizes.
-
-    Embeddings and norms stay dense in every method, and values are rounded to bf16 before
-    hashing, so the same base loaded in fp32 or bf16, dense or NF4, gives the same print,
-    while another model of the same shape does not. Cheap: a few hundred values per tensor.
-    """
-    digest = hashlib.sha256()
-    config = {k: v for k, v in model.config.to_hf().items() if k != "torch_dtype"}
-    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
-    for name, param in model.named_parameters():
-        if not (name.endswith("embed_tokens.weight") or "norm" in name) or is_nf4(param):
-            continue
-        flat = param.detach().reshape(-1)
-        count = min(256, flat.numel())
-        index = (torch.arange(count) * (flat.numel() - 1) // max(count - 1, 1)).to(flat.device)
-        sample = flat[index].to(torch.bfloat16).float().cpu()
-        digest.update(name.encode() + str(tuple(param.shape)).encode() + sample.numpy().tobytes())
-    return digest.hexdigest()[:16]

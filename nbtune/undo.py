@@ -19,6 +19,21 @@ from torch import nn
 
 from .memory.accounting import plain_tensors, storage_bytes
 
+ROLLBACK_MODES = ("auto", "copy", "none")
+# On CUDA "auto" keeps the undo copy whenever it is at most this big (any LoRA run, small
+# models), and beyond it where the update spans backward or a new optimizer makes its state.
+UNDO_AUTO_BYTES = 256 << 20
+
+
+def undo_wanted(mode: str, device: str, *, in_backward: bool, first: bool, size: int) -> bool:
+    """Whether ``rollback=mode`` keeps an undo copy of the next update (the host's room is
+    checked after): see ``Trainer._undo_for``. ``first``: the optimizer's first update (it
+    makes its state then, and a new optimizer can fail on its own: torchao compiles)."""
+    if mode != "auto":
+        return mode == "copy"
+    return first or (device == "cuda" and (in_backward or size <= UNDO_AUTO_BYTES))
+
+
 _ABSENT = object()  # a weight with no optimizer state yet (its first update creates it)
 
 
@@ -30,8 +45,8 @@ def undo_units(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple
 
     if isinstance(optimizer, OptimizerInBackward):
         inner = optimizer.optimizers
-    elif hasattr(optimizer, "_inner"):  # torchao's CPUOffloadOptimizer, as optim wraps it
-        inner = optimizer._inner()
+    elif hasattr(optimizer, "inner"):  # torchao's CPUOffloadOptimizer, as optim wraps it
+        inner = optimizer.inner()
     else:
         inner = [optimizer]
     units, seen = [], set()

@@ -281,11 +281,20 @@ if ON_GPU:
     gpu_peaks = [row.peak for row in gpu][:3]
     display(gpu)
 else:
-    gpu_peaks, t = [], last
+    gpu_peaks, predicted, t = [], {}, last
     for label, changes in gpu_rows.items():
         t = t.replace(**changes)
-        gpu_peaks.append(nt.estimate(session.model.config, t, device="cuda").peak)
+        memory = nt.estimate(session.model.config, t, device="cuda")
+        gpu_peaks.append(memory.peak)
+        predicted[label] = memory.at_peak
         print(f"{label:>26}: {gpu_peaks[-1] / 2**20:6,.0f} MiB predicted on CUDA")"""),
+    ("md", """Where the predicted peak goes (on a GPU, the ladder above shows the measured one): bf16
+halves every kind of memory, and offloading takes most of the activations off the card."""),
+    ("code", """# NBVAL_IGNORE_OUTPUT
+from nbtune.ui.charts import breakdown_figure
+
+if not ON_GPU:
+    display(breakdown_figure(predicted, "Predicted peak on a CUDA card, by kind of memory"))"""),
     ("md", "The outcomes this notebook promises, checked:"),
     ("code", """# NBVAL_CHECK_OUTPUT
 def high(row, kind):
@@ -618,6 +627,16 @@ embeddings, + chunked loss.
   while they run instead of for the whole step (the root unit otherwise holds them).
 * **Chunked loss** never holds the scores of the whole 32,000-token vocabulary at once."""),
     ("code", """!torchrun --standalone --nproc_per_node 2 -m nbtune ladder scale_out/run.yaml --out scale_out/ladder"""),
+    ("md", """The same ladder as bars, one per rank and row, split by what held memory at each rank's
+peak: the ranks hold the same amount, and each row takes its share off both."""),
+    ("code", """# NBVAL_IGNORE_OUTPUT
+from nbtune.ui.charts import breakdown_figure
+
+ladder = json.load(open("scale_out/ladder/ladder.json"))["rows"]
+per_rank = {f"{row['label']}, rank {rank}": memory["at_peak"]
+            for row in ladder if "per_rank" in row for rank, memory in enumerate(row["per_rank"])}
+breakdown_figure(per_rank, "FSDP2 ladder: each rank's peak, by kind of memory",
+                 totals=[m["peak"] for row in ladder if "per_rank" in row for m in row["per_rank"]])"""),
     ("md", """On GPUs the same command measures the CUDA allocator on each rank instead; seed 001's GPU rows
 (Qwen2.5-32B on 8 cards) are still to be measured with nbtune. The outcomes this notebook
 promises, checked:"""),
@@ -712,6 +731,19 @@ activation checkpointing, which keeps only each layer's input and recomputes the
     ("code", """with nt.SimulatedCard(40 * 2**20):
     adapted = session.run(5, on_oom="adapt", progress=False, live=False)
 print("now:", {k: getattr(session.techniques, k) for k in oom.suggestions[0].changes})"""),
+    ("md", """What the fix changed: the first step (it ran without the simulated limit) and a step after
+adapting, each split by what held memory at its peak moment. Before, the activations saved for
+backward set the peak; with checkpointing only each layer's input is kept, and the peak
+drops to about half, now at a moment when the gradients and optimizer state are held."""),
+    ("code", """# NBVAL_IGNORE_OUTPUT
+from nbtune.ui.charts import breakdown_figure
+
+measured = [r for r in session.history if r.memory.measured]
+before_fix = next(r for r in measured if r.step < adapted[0].step)
+after_fix = [r for r in measured if r.step >= adapted[0].step][-1]
+breakdown_figure({f"step {before_fix.step}: before": before_fix.memory.at_peak,
+                  f"step {after_fix.step}: after adapting": after_fix.memory.at_peak},
+                 "Peak memory before and after the out-of-memory fix")"""),
     ("md", """## Fit before you run
 
 Better than an error is not getting one. `nt.fit` searches toggle combinations with the

@@ -14,8 +14,8 @@ def small_session(**changes) -> "nt.Session":
     base.update(changes)
     torch.manual_seed(0)
     session = nt.Session.demo(**base, device="cpu")
-    session.train_examples = rows
-    session._stream = session._build_stream(session.techniques)
+    session.data.train = rows
+    session.trainer.stream, _ = session.data.stream(session.techniques)
     return session
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nbtune as nt
-from nbtune.session import BusyError
+from nbtune.runner import BusyError
 from tests.helpers import small_session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,12 +28,11 @@ def applied_at(session) -> list[tuple[int, nt.Techniques]]:
     """Record (steps done, techniques) each time a change is applied."""
     seen = []
 
-    def listen(event, payload):
-        if event == "techniques":
-            seen.append((len(session.history), payload))
+    def listen(event):
+        if event.kind == "techniques":
+            seen.append((len(session.history), event.techniques))
 
     session.subscribe(listen)
-    session._keep = listen  # held weakly by the session
     return seen
 
 
@@ -205,7 +204,7 @@ def test_a_change_made_as_the_run_ends_is_applied_not_stranded():
 
 def test_eval_every_without_held_out_rows_is_refused_with_the_fix():
     s = small_session()
-    s.heldout_examples = []
+    s.data.heldout = []
     with pytest.raises(ValueError, match="heldout="):
         s.set(eval_every=2)
     run = s.start(10_000)

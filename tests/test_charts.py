@@ -238,3 +238,22 @@ def test_held_out_loss_and_the_evaluation_peak_are_drawn():
     dotted = [line for line in bars.get_lines() if "held-out evaluation peak" in line.get_label()]
     assert len(dotted) == 1 and dotted[0].get_ydata()[0] == 300  # MiB: the axis fits it
     assert bars.get_ylim()[1] >= 300
+
+
+def test_breakdown_bars_are_each_entrys_bytes_by_category_first_on_top():
+    from nbtune.ui.charts import breakdown_figure
+
+    MiB = 2**20
+    bars = {"before": {"parameters": 10 * MiB, "activations": 30 * MiB},
+            "after": {"parameters": 10 * MiB, "activations": 5 * MiB, "other": 1 * MiB}}
+    fig = breakdown_figure(bars, "before and after")
+    ax = fig.axes[0]
+    widths = {}  # (category label, y) -> width in MiB
+    for container in ax.containers:
+        for patch in container.patches:
+            widths[(container.get_label(), patch.get_y() + patch.get_height() / 2)] = patch.get_width()
+    assert widths[(LABELS["activations"], 1)] == 30 and widths[(LABELS["activations"], 0)] == 5
+    assert widths[(LABELS["other"], 0)] == 1 and widths[(LABELS["gradients"], 1)] == 0
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["after", "before"]  # bottom up
+    assert {t.get_text() for t in ax.texts} == {"40.0 MiB", "16.0 MiB"}
+    assert figure_png(fig).startswith(b"\x89PNG")

@@ -66,7 +66,7 @@ class Row:
 
 def peek(session) -> dict[str, torch.Tensor]:
     """The next batch the session would train on, without moving its stream."""
-    return copy.deepcopy(session._stream).next()
+    return copy.deepcopy(session.trainer.stream).next()
 
 
 def lora_modules(model) -> dict[str, LoRALinear]:
@@ -110,13 +110,13 @@ def check_activation_checkpointing(session, ctx):
 
 
 def check_batch_size(session, ctx):
-    assert session._stream.batch_size == ctx.value
+    assert session.trainer.stream.batch_size == ctx.value
     assert peek(session)["input_ids"].shape[0] == ctx.value
     assert session.history[-1].shape[0] == ctx.value
 
 
 def check_seq_len(session, ctx):
-    lengths = [len(s.input_ids) for s in session._stream.samples]
+    lengths = [len(s.input_ids) for s in session.trainer.stream.samples]
     assert max(lengths) == ctx.value  # longer rows were cut to exactly seq_len
     assert peek(session)["input_ids"].shape[1] <= ctx.value
     assert session.history[-1].shape[1] <= ctx.value
@@ -276,7 +276,7 @@ def check_eval_every(session, ctx):
     total, count = 0.0, 0
     session.model.eval()
     with torch.no_grad():
-        for batch in session._eval_batches(session.techniques):
+        for batch in session.data.eval_batches(session.techniques):
             logits = session.model(batch["input_ids"]).float()  # labels come shifted
             labels = batch["labels"]
             total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
@@ -289,8 +289,8 @@ def check_eval_every(session, ctx):
 def check_seed(session, ctx):
     # A twin on the default seed, moved to the same epoch and position: its next batch
     # is what this session would read if the seed had not reached the data order.
-    twin = small_session(**ctx.base)._stream
-    stream = session._stream
+    twin = small_session(**ctx.base).trainer.stream
+    stream = session.trainer.stream
     for _ in range(1000):
         if (twin.epoch, twin.position) == (stream.epoch, stream.position):
             break

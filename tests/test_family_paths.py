@@ -67,7 +67,7 @@ def session_on(folder, method: str) -> nt.Session:
     quantize = LORA_TARGETS if method == "qlora" else ()
     model = nt.load_model(folder, quantize=quantize)
     session = nt.Session(model, byte_tokenizer(), rows, techniques=techniques, device="cpu")
-    session._say = lambda message: None
+    session.echo = False
     return session
 
 

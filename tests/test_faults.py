@@ -104,7 +104,7 @@ def prepared(steps: int, setup=None, **changes):
     set-up steps are not memory-tracked (3x faster on CPU, same numbers); every step a test
     takes afterwards is, as ``session.step()`` always is."""
     session = small(**changes)
-    session._say = lambda message: None
+    session.echo = False
     if setup is not None:
         setup(session)
     session.memory_tracking = "off"
@@ -148,7 +148,7 @@ def hook_counts(session) -> dict:
 
 def snapshot(session) -> dict:
     """Everything the twin comparison looks at, copied."""
-    model, stream = session.model, session._stream
+    model, stream = session.model, session.trainer.stream
     return {
         "techniques": session.techniques,
         "modules": [(n, type(m).__name__, m.training, getattr(m, "checkpointed", None),
@@ -691,7 +691,7 @@ def _failed_set(twins, changes, patch, expected=RuntimeError, setup_changes=None
     setup_changes = setup_changes or {}
     twin = twins.get(2, **setup_changes)
     session = prepared(2, **setup_changes)
-    optimizer, stream = session.optimizer, session._stream
+    optimizer, stream = session.optimizer, session.trainer.stream
     params = [id(p) for p in session.model.parameters()]
     before = snapshot(session)
     rng_before = torch.get_rng_state()
@@ -700,7 +700,7 @@ def _failed_set(twins, changes, patch, expected=RuntimeError, setup_changes=None
         with pytest.raises(expected):
             session.set(**changes)
     rng_after = torch.get_rng_state()
-    assert session.optimizer is optimizer and session._stream is stream
+    assert session.optimizer is optimizer and session.trainer.stream is stream
     assert [id(p) for p in session.model.parameters()] == params
     after = snapshot(session)
     for state in (before, twin.before):  # all but the RNG, which is checked last
@@ -1161,7 +1161,7 @@ def test_auto_without_host_room_says_so_once_and_a_failure_is_damage(twins, monk
     twin = twins.get(0)
     session = prepared(0)  # the first update: "auto" wants its copy
     said = []
-    session._say = said.append
+    session.subscribe(lambda event: said.append(event.text) if event.kind == "message" else None)
     saved = copy.deepcopy(session.state_dict())
     monkeypatch.setattr(nbtune.host, "room", lambda held=0, reserve=0: 1000)
     _, rng_before, _ = failing_step(session, "optimizer", "runtime")
@@ -1254,7 +1254,7 @@ def _from_files(**changes):
     techniques = DEMOS["tiny"].techniques.replace(batch_size=4, seq_len=96, lr=1e-3).replace(**changes)
     torch.manual_seed(0)
     session = nt.Session.from_pretrained(folder, rows, techniques=techniques, device="cpu")
-    session._say = lambda message: None
+    session.echo = False
     return session
 
 

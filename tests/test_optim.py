@@ -57,7 +57,7 @@ def _run(optimizer: str, **changes) -> Run:
     session = small_session()
     start = _weights(session.model)
     techniques = session.techniques.replace(optimizer=optimizer, **changes)
-    session.optimizer = build_optimizer(session.model, techniques)
+    session.trainer.optimizer = build_optimizer(session.model, techniques)
     reports = [session.step() for _ in range(STEPS)]
     return Run([r.loss for r in reports], reports, start, _weights(session.model), session)
 
@@ -107,7 +107,7 @@ def test_in_backward_keeps_at_most_one_gradient_alive():
         for p in params:
             p.register_post_accumulate_grad_hook(
                 lambda _: counts.append(sum(q.grad is not None for q in params)))
-        session.optimizer = build_optimizer(
+        session.trainer.optimizer = build_optimizer(
             session.model, session.techniques.replace(optimizer_in_backward=in_backward))
         report = session.step()
         return counts, report.memory.gradients, len(params), session.model

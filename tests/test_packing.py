@@ -57,7 +57,7 @@ def test_packing_toggle_trains_with_fewer_padding_tokens():
     packed = small_session(batch_size=2, packing=True, seq_len=256)
     a, b = plain.step(), packed.step()
     assert b.loss > 0 and b.tokens > a.tokens  # two packed rows carry more than four examples
-    assert "document_ids" in packed._stream.next()
+    assert "document_ids" in packed.trainer.stream.next()
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])

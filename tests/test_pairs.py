@@ -178,7 +178,7 @@ def test_resumed_pair_equals_the_uninterrupted_run_bit_for_bit(tmp_path, name, h
         assert torch.equal(ours[n], theirs[n]), n
     a, b = optimizer_tensors(second), optimizer_tensors(expected_session)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # SGD: none
-    assert second._stream.state_dict() == expected_session._stream.state_dict()
+    assert second.trainer.stream.state_dict() == expected_session.trainer.stream.state_dict()
     # The schedule across the resume: first step, the last of warm-up, the boundary, after.
     lr = second.techniques.lr
     assert [r.step for r in second.history] == [1, 2, 3, 4]

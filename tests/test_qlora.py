@@ -68,7 +68,7 @@ def randomize_adapters(model, std: float = 0.05) -> None:
 def bf16_runs():
     """Ten steps of LoRA and of QLoRA in bf16 on the same batches: (losses, last report, model)."""
     session = small_session()
-    batches = [session._stream.next() for _ in range(STEPS)]
+    batches = [session.trainer.stream.next() for _ in range(STEPS)]
     runs = {}
     for method, quantize_base in (("lora", False), ("qlora", True)):
         model = lora_model("bf16", quantize_base)

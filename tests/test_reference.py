@@ -64,7 +64,7 @@ def check_against_reference(steps=3, lora=False, **changes):
     reference = copy.deepcopy(session.model)  # before any step
     start = {n: p.detach().clone() for n, p in session.model.named_parameters()}
     accum = session.techniques.grad_accum
-    batches = [[twin._stream.next() for _ in range(accum)] for _ in range(steps)]
+    batches = [[twin.trainer.stream.next() for _ in range(accum)] for _ in range(steps)]
     trainable = None
     if lora:
         trainable = [p for n, p in reference.named_parameters() if ".lora_A." in n or ".lora_B." in n]
@@ -109,8 +109,8 @@ def test_lora_step_equals_hand_written_loop_over_the_adapters_only():
 def rebuild_first_batch(session):
     """The first batch from the samples: the stream's documented order (a permutation
     seeded with ``seed + epoch``), right-padded with pad_id / IGNORE by hand."""
-    samples = session._stream.samples
-    size = session._stream.batch_size
+    samples = session.trainer.stream.samples
+    size = session.trainer.stream.batch_size
     generator = torch.Generator().manual_seed(session.techniques.seed + 0)
     chosen = [samples[i] for i in torch.randperm(len(samples), generator=generator).tolist()[:size]]
     longest = max(len(s.input_ids) for s in chosen)
@@ -128,7 +128,7 @@ def test_token_counts_from_the_samples(changes):
     session = small_session(**changes)
     chosen, input_ids, labels = rebuild_first_batch(session)
     # The rebuilt batch is the one the session will read (else the counts below prove nothing).
-    twin_batch = small_session(**changes)._stream.next()
+    twin_batch = small_session(**changes).trainer.stream.next()
     assert torch.equal(twin_batch["input_ids"], input_ids)
     assert torch.equal(twin_batch["labels"], labels)
     pad_id = session.tokenizer.pad_id

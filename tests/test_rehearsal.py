@@ -4,7 +4,7 @@ The user builds a QLoRA and a full-finetuning configuration, flips the toggles t
 offers, takes a step, saves a checkpoint and the merged weights, and exports GGUF. Here the
 8B model is made of fake tensors on the "meta" device, standing in for the card, through
 nbtune's own code (``transform_model``, the optimizer, ``update`` with the undo copy,
-``save_training_checkpoint``, ``save_session``), and torch's own ``MemTracker`` counts every
+``save_checkpoint``, ``save_session``), and torch's own ``MemTracker`` counts every
 host (CPU) tensor the code makes on the way. Each part must stay within what
 ``nt.estimate(...).host`` predicts for it, and no toggle may copy anything to the host.
 
@@ -38,7 +38,7 @@ import nbtune.models.hf
 import nbtune.optim
 from nbtune.memory.estimate import _StateStandIn, _make_state
 from nbtune.models.decoder import CausalLM
-from nbtune.models.hf import DTYPES
+from nbtune.models.filling import DTYPES
 from nbtune.models.presets import preset_config
 from nbtune.optim import OptimizerInBackward, trainable_parameters
 from nbtune.peft import cast_model
@@ -185,11 +185,12 @@ def test_a_step_holds_at_most_the_predicted_undo_copy_on_the_host(rehearsal, nam
 
 
 def _trainer_view(run):
-    """What ``save_training_checkpoint`` reads of a session, over the fake model."""
+    """What ``save_checkpoint`` reads of a session, over the fake model."""
     trainer = types.SimpleNamespace(
         techniques=run.t, model=run.model, optimizer=run.optimizer, history=[],
         base_changed=False, base_fingerprint="rehearsal",
-        stream=types.SimpleNamespace(state_dict=lambda: {"position": 0}))
+        stream=types.SimpleNamespace(state_dict=lambda: {"position": 0}),
+        note_checkpoint=lambda folder: None)
     trainer.state_dict = lambda: Trainer.state_dict(trainer)
     return types.SimpleNamespace(trainer=trainer, source=None, model=run.model,
                                  tokenizer=None, base_changed=False)
@@ -219,7 +220,7 @@ def test_checkpoint_and_merged_saves_stay_within_the_prediction(rehearsal, name,
     view = _trainer_view(run)
     with run.mode:
         with host_bytes() as saving:
-            nbtune.checkpoint.save_training_checkpoint(view, tmp_path / "checkpoint")
+            nbtune.checkpoint.save_checkpoint(view.trainer, tmp_path / "checkpoint")
         parts = [size for file, size in null_sink if not file.startswith("rng")]
         assert saving.peak <= run.host.checkpoint and max(parts) <= run.host.checkpoint
         if name == "full":  # 15 GiB of weights, 15 GiB of state: written in parts of ~1 GiB

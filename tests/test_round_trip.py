@@ -30,8 +30,8 @@ def live_tensor_bytes() -> int:
 
 def step_on(session, position):
     """One step on the batch at ``position`` of the data order (same shapes, same peak)."""
-    session._stream.epoch, session._stream.position = position
-    session._stream._order = session._stream._shuffle()
+    session.trainer.stream.epoch, session.trainer.stream.position = position
+    session.trainer.stream._order = session.trainer.stream._shuffle()
     return session.step()
 
 
@@ -46,7 +46,7 @@ def step_on(session, position):
 def test_round_trip_returns_memory_within_one_percent(away):
     session = small_session()
     session.step()  # optimizer state exists from the first update on
-    position = (session._stream.epoch, session._stream.position)
+    position = (session.trainer.stream.epoch, session.trainer.stream.position)
     first = step_on(session, position)
     before = live_tensor_bytes()
     back = {name: getattr(session.techniques, name) for name in away}
@@ -80,7 +80,7 @@ def test_optimizer_in_backward_round_trip_removes_its_hooks():
     session.step()
     session.set(optimizer_in_backward=False)
     before = {n: p.detach().clone() for n, p in session.model.named_parameters()}
-    batch = session._stream.next()
+    batch = session.trainer.stream.next()
     loss = session.model(batch["input_ids"]).sum()
     loss.backward()  # a backward outside any step: no hook may update a weight now
     assert all(torch.equal(before[n], p) for n, p in session.model.named_parameters())

@@ -151,7 +151,7 @@ def test_resume_with_other_data_is_refused_and_changes_nothing(tmp_path):
     session.step()
     session.save_checkpoint(tmp_path / "ckpt")
     other = small_session(batch_size=2)
-    other.train_examples = other.train_examples[:10]
+    other.data.train = other.train_examples[:10]
     with pytest.raises(ValueError, match="same data"):
         other.load_checkpoint(tmp_path / "ckpt")
     assert other.techniques.batch_size == 2 and other.history == []

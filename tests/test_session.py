@@ -109,10 +109,10 @@ def test_lr_change_keeps_optimizer_state():
 def test_batch_size_change_continues_through_the_epoch():
     session, reference = small_session(batch_size=4), small_session(batch_size=4)
     session.step()
-    reference._stream.next()
+    reference.trainer.stream.next()
     session.set(batch_size=2)
-    expected = reference._stream.next()["input_ids"][:2]
-    got = session._stream.next()["input_ids"]
+    expected = reference.trainer.stream.next()["input_ids"][:2]
+    got = session.trainer.stream.next()["input_ids"]
     assert torch.equal(got, expected[:, : got.shape[1]])
 
 
@@ -147,7 +147,7 @@ def test_optimizer_change_rebuilds_and_says_so(capsys):
 def test_bad_value_changes_nothing_and_names_the_fix():
     session = small_session()
     session.step()
-    before, optimizer, stream = session.techniques, session.optimizer, session._stream
+    before, optimizer, stream = session.techniques, session.optimizer, session.trainer.stream
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         session.set(batch_size=0, lr=1.0)
     with pytest.raises(DataError, match="Raise seq_len"):
@@ -155,7 +155,7 @@ def test_bad_value_changes_nothing_and_names_the_fix():
     with pytest.raises(TypeError, match="Unknown technique"):
         session.set(learning_rate=1.0)
     assert session.techniques is before
-    assert session.optimizer is optimizer and session._stream is stream
+    assert session.optimizer is optimizer and session.trainer.stream is stream
     session.step()  # still usable
 
 
@@ -185,8 +185,8 @@ def test_subscribers_hear_changes_and_steps():
     session = small_session()
     events = []
 
-    def listener(event, payload):
-        events.append(event)
+    def listener(event):
+        events.append(event.kind)
 
     session.subscribe(listener)
     session.set(lr=1e-4)

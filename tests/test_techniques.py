@@ -66,7 +66,7 @@ def test_chunked_loss_lowers_the_peak_at_the_loss():
 
 def test_chunked_loss_equals_plain_loss_and_gradient():
     session = small_session()
-    batch = session._stream.next()
+    batch = session.trainer.stream.next()
     hidden = session.model.hidden_states(batch["input_ids"])
     grads = []
     for chunks in (0, 5):
@@ -80,7 +80,7 @@ def test_chunked_loss_equals_plain_loss_and_gradient():
 
 def test_compiled_layers_and_loss_match_eager():
     session = small_session()
-    batch = session._stream.next()
+    batch = session.trainer.stream.next()
     model = session.model
     with torch.no_grad():
         eager = cross_entropy_sum(model.lm_head, model.hidden_states(batch["input_ids"]), batch["labels"])

@@ -216,7 +216,7 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
     """What the run of ``t`` holds on the host beside ``step`` (the device's side), by what
     nbtune's code does: see ``HostMemory``. The undo copy counts where "auto" keeps it on
     every step (CUDA: at most 256 MiB, or the optimizer in backward)."""
-    from ..trainer import UNDO_AUTO_BYTES
+    from ..undo import UNDO_AUTO_BYTES
 
     cuda = target == "cuda"
     dtype = _BYTES[t.dtype]
@@ -310,7 +310,7 @@ def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int
     """Build ``config`` of fake tensors the way a session would and track a steady step."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..models.hf import DTYPES
+    from ..models.filling import DTYPES
     from ..peft import cast_model
     from ..plan import transform_model
     from ..step import evaluate_sum, update

@@ -96,7 +96,7 @@ class _HighWaterTracker(MemTracker):
 
     def __init__(self) -> None:
         super().__init__()
-        self._mod_tracker = _StepPhase()
+        self._mod_tracker = _StepPhase()  # MemTracker's own attribute, replaced
         # (phase, micro-batch, part, layer index or None) -> Segment, in the order first seen
         self.segment: tuple = ("forward", 0, "start", None)
         self.segments: dict[tuple, Segment] = {}
@@ -106,6 +106,11 @@ class _HighWaterTracker(MemTracker):
     # what it saw on exit: two trackers in two threads would restore out of order. Only
     # FSDP2 resizes storages (its gathered weights), and a sharded run has no second thread,
     # so the patch is on for sharded models only.
+
+    @property
+    def phase(self) -> "_StepPhase":
+        """Which phase of the step runs now (set by the step's callbacks, read by hooks)."""
+        return self._mod_tracker
     def _track_resize(self) -> None:
         if self.track_resizes:
             super()._track_resize()
@@ -243,8 +248,8 @@ class CpuStepMemory:
         self._tracker.__exit__(*exc)
 
     def _enter(self, phase: str, part: str) -> None:
-        self._tracker._mod_tracker.phase = phase
-        self._tracker._mod_tracker.is_bw = phase != "forward"
+        self._tracker.phase.phase = phase
+        self._tracker.phase.is_bw = phase != "forward"
         self._tracker.segment = (phase, max(self._micro, 0), part, None)
 
     def before_forward(self) -> None:
@@ -279,14 +284,14 @@ def _layer_hooks(model: nn.Module, tracker: _HighWaterTracker) -> list:
 
     def move_to(part: str, index: int | None):
         def hook(module, *args) -> None:
-            if tracker._mod_tracker.phase == "forward":
+            if tracker.phase.phase == "forward":
                 tracker.segment = ("forward", tracker.segment[1], part, index)
         return hook
 
     def backward_from(part: str, index: int | None):
         """On a module's output: its gradient is ready when backward reaches the module."""
         def hook(module, args, output) -> None:
-            if tracker._mod_tracker.phase != "forward" or not output.requires_grad:
+            if tracker.phase.phase != "forward" or not output.requires_grad:
                 return
             key = ("backward", tracker.segment[1], part, index)
 

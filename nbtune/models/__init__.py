@@ -2,7 +2,8 @@
 
 from .config import ModelConfig
 from .decoder import CausalLM
-from .hf import load_model, save_model
+from .hf import save_model
+from .loading import load_model
 from .tokenizer import Tokenizer
 from .tiny import demo_model_dir
 

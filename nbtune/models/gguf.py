@@ -24,6 +24,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from .config import ModelConfig
 from .decoder import CausalLM
+from .filling import empty_model, fill_model, release_freed_heap
 from .tokenizer import Tokenizer
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture values read and written
@@ -200,7 +201,6 @@ def load_gguf_model(path: "str | os.PathLike | GGUFFile", dtype: torch.dtype = t
     """Read a GGUF file into nbtune's decoder, each tensor dequantized (to float32, then
     ``dtype``) as it is read; ``quantize`` as in ``load_model`` (NF4 for QLoRA)."""
     from ..peft import to_nf4
-    from .hf import _release_freed_heap, empty_model, fill_model
 
     file = _open(path)
     config = config_from_gguf(file)
@@ -209,7 +209,7 @@ def load_gguf_model(path: "str | os.PathLike | GGUFFile", dtype: torch.dtype = t
     for key, weight in gguf_weights(file, config, expected, dtype, device):
         if key in quantized:
             weight = to_nf4(weight, key)
-            _release_freed_heap()
+            release_freed_heap()
         loaded[key] = weight
     return fill_model(model, loaded, quantized, expected, str(path), GGUFError)
 

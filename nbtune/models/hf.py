@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 from pathlib import Path
@@ -11,18 +10,12 @@ from typing import Collection
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from torch import nn
 
 from ..atomic import write_atomically  # noqa: F401  (checkpoint.py imports it from here)
-from ..hub import resolve_model_folder
 from ..peft import dequantize, to_nf4
 from .config import ModelConfig
 from .decoder import CausalLM
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
+from .filling import empty_model, fill_model, release_freed_heap
 
 # safetensors dtype names -> torch (https://github.com/huggingface/safetensors, format spec)
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -113,101 +106,15 @@ def _read_tensor(f, offset: int, src: torch.dtype, shape: tuple[int, ...],
     return out
 
 
-def _release_freed_heap() -> None:
-    """Hand the freed pages in the middle of the C heap back to the system (glibc only).
-
-    glibc keeps freed heap memory mapped unless it lies at the top of the heap. A quantized
-    weight's dense copy and torchao's temporaries are freed below the NF4 parts that stay,
-    so without this the process kept up to the dense size of every weight read (peak 0.70
-    to 1.07 of the bf16 bytes measured, with 0.46 held; 0.61 with this).
-    """
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # another C library: nothing to do
-
-
-def _quantized_keys(model: CausalLM, names: Collection[str]) -> set[str]:
-    """State-dict keys of the decoder-layer Linear weights whose last name part is in ``names``.
-
-    Embeddings, norms and the head are never quantized (QLoRA keeps them in the model dtype).
-    """
-    keys = {f"{name}.weight" for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and name.startswith("model.layers.")
-            and name.rpartition(".")[2] in names}
-    if not keys:
-        raise ValueError(f"quantize={tuple(names)} names no Linear layer of the decoder layers; "
-                         "use projection names such as q_proj, v_proj or down_proj.")
-    return keys
-
-
-def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``dtype`` as a torch dtype: a name in ``DTYPES``, or a floating torch.dtype of 16+ bits."""
-    names = ", ".join(repr(name) for name in DTYPES)
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2:
-        return dtype  # float64 too (numerical checks); float8 kinds cannot hold trained weights
-    raise ValueError(f"dtype={dtype!r} is not one nbtune loads weights in. Pass one of {names} "
-                     "(or a torch dtype such as torch.bfloat16).")
-
-
-def empty_model(config: ModelConfig, quantize: Collection[str]):
-    """(model on the meta device, keys to store as NF4, the state-dict entries to fill).
-
-    No random weights are ever made; a tied head is not expected from the file."""
-    with torch.device("meta"):
-        model = CausalLM(config)
-    quantized = _quantized_keys(model, quantize) if quantize else set()
-    expected = dict(model.state_dict())
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-    return model, quantized, expected
-
-
-def fill_model(model: CausalLM, loaded: dict, quantized: set, expected: dict, where: str,
-               error: type[ValueError] = ValueError) -> CausalLM:
-    """Assign the read tensors (all of ``expected``, else ``error`` naming ``where``), freeze
-    the NF4 ones and tie the head."""
-    missing = sorted(set(expected) - set(loaded))
-    if missing:
-        raise error(f"{where} lacks weights for {missing[:4]}{' ...' if len(missing) > 4 else ''}: "
-                         "it does not describe a whole model of this shape.")
-    model.load_state_dict(loaded, assign=True, strict=False)
-    for key in quantized:
-        model.get_parameter(key).requires_grad_(False)  # NF4 weights are frozen by nature
-    model.tie_weights()
-    return model
-
-
-def load_model(path_or_id: str | os.PathLike, dtype: str | torch.dtype = "fp32",
-               device: str | torch.device = "cpu", revision: str | None = None,
-               quantize: Collection[str] = ()) -> CausalLM:
-    """Load a Hugging Face-format causal LM folder (or Hub repo id, or a ``.gguf`` file:
-    dequantized as read, see ``models.gguf``) into nbtune's decoder.
-
-    The model is built on the meta device (no random weights are ever made) and filled
-    tensor by tensor, each cast as it is read (see ``_read_tensor``), so host memory peaks
-    near one copy of the weights in the target dtype.
-
-    ``quantize`` names projections by their last name part, as ``Techniques.lora_targets``
-    does (``("q_proj", "v_proj")``): those weights become frozen NF4 (QLoRA's base) right
-    after each is read, so no more than one of them is ever dense. ``apply_lora(...,
-    quantize_base=True)`` then keeps them as they are.
-    """
-    dtype = _torch_dtype(dtype)  # before any file is read or fetched
-    from .gguf import GGUFFile, is_gguf, load_gguf_model
-
-    if isinstance(path_or_id, GGUFFile) or is_gguf(path_or_id):
-        return load_gguf_model(path_or_id, dtype, device, quantize)
-    folder = resolve_model_folder(path_or_id, revision)
+def load_folder(folder: Path, dtype: torch.dtype, device, quantize: Collection[str] = ()) -> CausalLM:
+    """A resolved HF folder's model: see ``load_model``."""
     config = ModelConfig.from_file(folder / "config.json")
     model, quantized, expected = empty_model(config, quantize)
     loaded: dict[str, torch.Tensor] = {}
     for key, tensor in folder_weights(folder, config, expected, dtype, device):
         if key in quantized:
             tensor = to_nf4(tensor, key)  # the dense copy is freed here...
-            _release_freed_heap()  # ...and its pages handed back to the system
+            release_freed_heap()  # ...and its pages handed back to the system
         loaded[key] = tensor
     return fill_model(model, loaded, quantized, expected, str(folder))
 
@@ -233,32 +140,6 @@ def folder_weights(folder: Path, config: ModelConfig, expected: dict, dtype: tor
                         f"{key} in {file.name} has shape {shape} but config.json "
                         f"implies {tuple(expected[key].shape)}: config and weights disagree.")
                 yield key, _read_tensor(f, begin, src_dtype, shape, dtype, buffer).to(device)
-
-
-@torch.no_grad()
-def reload_weights_(model: CausalLM, source) -> None:
-    """Write the base weights of ``source`` (a folder or parsed GGUF file, the one ``model``
-    was loaded from) into ``model``'s own tensors, one at a time: the model is back at its
-    weights as loaded, with no second copy on the device or the host. Dense models only
-    (full finetuning); a failure part-way leaves some weights reloaded and others not."""
-    from .gguf import GGUFFile, gguf_weights
-
-    targets = {k: v for k, v in model.state_dict(keep_vars=True).items()
-               if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
-    dtype = next(iter(targets.values())).dtype
-    device = next(iter(targets.values())).device
-    if isinstance(source, GGUFFile):
-        stream = gguf_weights(source, model.config, targets, dtype, device)
-    else:
-        stream = folder_weights(Path(source), model.config, targets, dtype, device)
-    written = set()
-    for key, tensor in stream:
-        targets[key].copy_(tensor)
-        written.add(key)
-    missing = sorted(set(targets) - written)
-    if missing:
-        raise ValueError(f"{source} lacks weights for {missing[:4]}: the model cannot be reloaded "
-                         "from it.")
 
 
 def plain_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ import io
 from matplotlib.figure import Figure
 
 from ..memory import CATEGORIES
+from ..units import format_bytes
 
 # One colour per category, the same in every chart.
 COLORS = {
@@ -36,11 +37,6 @@ def byte_unit(nbytes: float) -> tuple[str, int]:
         if nbytes >= size:
             return name, size
     return "B", 1
-
-
-def format_bytes(nbytes: float) -> str:
-    unit, size = byte_unit(nbytes)
-    return f"{nbytes / size:.1f} {unit}" if size > 1 else f"{int(nbytes)} B"
 
 
 def _legend(fig: Figure, axes, ncol: int = 4) -> None:
@@ -257,29 +253,47 @@ def ladder_figure(ladder) -> "ChartFigure":
     """A bar per configuration: its peak, split by what held memory at that moment, and
     the estimate beside it."""
     rows = list(ladder)
-    fig = ChartFigure(figsize=(9, 1.2 + 0.45 * max(len(rows), 1)))
-    if not rows:
-        return _empty(fig, "no configurations")
+    return breakdown_figure(
+        {r.label: r.at_peak for r in rows},
+        f"Technique ladder: peak memory per configuration ({ladder.device})",
+        totals=[r.peak for r in rows], notes=[r.error for r in rows],
+        estimates=[r.estimated_peak for r in rows])
+
+
+def breakdown_figure(bars: dict[str, dict], title: str, *, totals: list | None = None,
+                     notes: list | None = None, estimates: list | None = None,
+                     xlabel: str = "peak memory") -> "ChartFigure":
+    """A horizontal bar per entry of ``bars`` (label -> bytes per category), split by
+    category in the fixed colours, first on top: before and after a change, per rank, per
+    configuration. ``totals`` (default: the sum) is written at each bar's end, or the
+    entry's ``notes`` text where it has one; ``estimates`` are marked on the bars."""
+    labels = list(bars)
+    fig = ChartFigure(figsize=(9, 1.2 + 0.45 * max(len(labels), 1)))
+    if not labels:
+        return _empty(fig, "nothing to show")
+    totals = totals or [sum(bars[k].get(n, 0) for n in CATEGORIES) for k in labels]
+    notes = notes or [None] * len(labels)
+    estimates = estimates or [None] * len(labels)
     ax = fig.subplots()
-    top = max([r.peak for r in rows] + [r.estimated_peak or 0 for r in rows] + [1])
+    top = max(list(totals) + [e or 0 for e in estimates] + [1])
     unit, size = byte_unit(top)
-    y = list(range(len(rows)))[::-1]  # first row on top
-    left = [0.0] * len(rows)
+    y = list(range(len(labels)))[::-1]  # first on top
+    left = [0.0] * len(labels)
     for name in CATEGORIES:
-        widths = [r.at_peak.get(name, 0) / size for r in rows]
+        widths = [bars[k].get(name, 0) / size for k in labels]
         ax.barh(y, widths, left=left, height=0.6, color=COLORS[name], label=LABELS[name])
         left = [a + b for a, b in zip(left, widths)]
-    estimated = [(yi, r.estimated_peak / size) for yi, r in zip(y, rows) if r.estimated_peak]
-    if estimated:
-        ax.plot([e for _, e in estimated], [yi for yi, _ in estimated], linestyle="none",
+    marked = [(yi, e / size) for yi, e in zip(y, estimates) if e]
+    if marked:
+        ax.plot([e for _, e in marked], [yi for yi, _ in marked], linestyle="none",
                 marker="|", markersize=16, markeredgewidth=2, color=PEAK_COLOR, label="estimated peak")
-    for yi, r in zip(y, rows):
-        text = r.error or format_bytes(r.peak)
-        ax.text(r.peak / size + top / size * 0.01, yi, text, va="center", fontsize=8)
-    ax.set_yticks(y, [r.label for r in rows], fontsize=8)
-    ax.set_xlabel(f"peak memory ({unit})")
+    for yi, total, note in zip(y, totals, notes):
+        ax.text(total / size + top / size * 0.01, yi, note or format_bytes(total), va="center",
+                fontsize=8)
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.set_xlabel(f"{xlabel} ({unit})")
     ax.set_xlim(0, top / size * 1.18)
-    ax.set_title(f"Technique ladder: peak memory per configuration ({ladder.device})", fontsize=10)
+    ax.set_title(title, fontsize=10)
     _legend(fig, (ax,), ncol=3)
     fig.subplots_adjust(left=0.3, right=0.97, top=1 - 0.45 / fig.get_figheight(),
                         bottom=min(0.45, 0.95 / fig.get_figheight()))

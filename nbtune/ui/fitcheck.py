@@ -1,14 +1,20 @@
 """Will it fit? The panel's badge, recomputed off the kernel's thread as sliders move.
 
 A request waits ``delay`` seconds for the next one (a slider drag sends many), then one
-worker thread estimates the newest techniques only; results are cached by techniques, so
-moving a slider back is instant. No widgets here: the panel passes a callback.
+worker thread estimates the newest techniques only; the last ``CACHE_SIZE`` results are
+kept by techniques, so moving a slider back is instant. No widgets here: the panel passes a
+callback. ``close()`` ends the worker; at interpreter exit every open check is closed and its
+worker joined, so no thread is inside torch while the interpreter tears down (that aborted
+scripts that made a panel: "terminate called without an active exception").
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
+from collections import OrderedDict
 from typing import Callable
 
 from ..fitting import fit_badge
@@ -28,18 +34,36 @@ class FitCheck:
                  estimator=estimate) -> None:
         self.config, self.device, self.delay = config, device, delay
         self._show, self._estimate = show, estimator
-        self._cache: dict[Techniques, object] = {}
+        self._cache: OrderedDict[Techniques, object] = OrderedDict()
+        self._closed = False
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._latest: tuple | None = None  # (techniques, budget, asked at)
         self._worker: threading.Thread | None = None
         self._busy = False  # the worker is estimating
         self.estimates = 0  # estimator calls made (cache hits not counted)
+        _OPEN.add(self)
+
+    CACHE_SIZE = 64
+
+    def close(self, timeout: float = 120.0) -> None:
+        """No more requests; wait (at most ``timeout``) for an estimate under way to end."""
+        with self._lock:
+            self._closed, self._latest = True, None
+            worker = self._worker
+            self._wake.notify_all()
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout)
+        _OPEN.discard(self)
 
     def request(self, techniques: Techniques, budget) -> None:
         asked = time.monotonic()
         with self._lock:
+            if self._closed:
+                return
             memory = self._cache.get(techniques)
+            if memory is not None:
+                self._cache.move_to_end(techniques)
             if memory is None:
                 self._latest = (techniques, budget, asked)
                 if self._worker is None or not self._worker.is_alive():
@@ -66,7 +90,7 @@ class FitCheck:
         while True:
             with self._lock:
                 while self._latest is None:
-                    if not self._wake.wait(timeout=30) and self._latest is None:
+                    if self._closed or (not self._wake.wait(timeout=30) and self._latest is None):
                         self._worker = None
                         return  # idle: the thread ends, a later request starts another
                 asked_last = self._latest[2]
@@ -86,6 +110,8 @@ class FitCheck:
                         memory = ValueError(f"{type(err).__name__}: {err}")  # no traceback kept
                     with self._lock:
                         self._cache[techniques] = memory
+                        while len(self._cache) > self.CACHE_SIZE:
+                            self._cache.popitem(last=False)
                 self._deliver(techniques, budget, memory, asked)
             finally:
                 with self._lock:
@@ -104,3 +130,23 @@ class FitCheck:
             self._show(techniques, budget, None, seconds, str(err))
             return
         self._show(techniques, budget, badge, seconds, None)
+
+
+_OPEN: "weakref.WeakSet[FitCheck]" = weakref.WeakSet()
+_THREADS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+
+
+def in_background(target: Callable[[], None], name: str) -> threading.Thread:
+    """Start ``target`` in a daemon thread that interpreter exit waits for (a search)."""
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    _THREADS.add(thread)
+    thread.start()
+    return thread
+
+
+@atexit.register
+def _close_all() -> None:
+    for check in list(_OPEN):
+        check.close()
+    for thread in list(_THREADS):
+        thread.join(120.0)

@@ -1,10 +1,13 @@
 """The control panel: ipywidgets bound both ways to ``session.techniques``, plus the chart.
 
-Widget -> session: a changed control calls ``session.set``; if the value is refused the
-control snaps back and the reason is shown. Session -> widget: the panel subscribes to
-the session, so ``session.set(...)`` from code moves the controls too.
+Widget -> session: a changed control asks the session's runner (``runner.set``); if the value
+is refused the control snaps back and the reason is shown. Session -> widget: the panel
+subscribes to the runner's events, so ``session.set(...)`` from code moves the controls too.
+What the session says shows in the panel's status line: a widget callback never prints
+(printed output from a callback lands in JupyterLab's log console, where nobody looks).
+``close()`` unsubscribes and ends the fit check's worker.
 
-Run trains in the background (``session.start``): the kernel stays free, so Stop and the
+Run trains in the background (``runner.start``): the kernel stays free, so Stop and the
 controls keep working; a change made while it runs shows as pending until the training
 thread applies it at the next step boundary. Chart and status are ipywidgets updated from
 that thread (no display handles), which JupyterLab, Notebook 7, VS Code and Colab render.
@@ -18,10 +21,13 @@ import time
 
 import ipywidgets as w
 
+from ..runner import (Message, PendingChanged, Refused, RunFinished, RunStarted, StepDone,
+                      TechniquesChanged)
 from ..techniques import CHOICE_HELP, DTYPES, HELP, LORA_TARGETS, METHODS, NO_EFFECT, OPTIMIZERS
-from .charts import draw_memory, figure_png, format_bytes
+from ..units import format_bytes
+from .charts import draw_memory, figure_png
 from ..fitting import APPLY_IN_CODE, CARDS, HOST_RAM
-from .fitcheck import FitCheck
+from .fitcheck import FitCheck, in_background
 from .live import PacedRedraw
 from .status import run_status
 from matplotlib.figure import Figure
@@ -121,6 +127,7 @@ class Panel(w.VBox):
 
     def __init__(self, session) -> None:
         self.session = session
+        self.runner = session.runner
         self._local = threading.local()  # which thread is moving controls to match the session
         self.controls = _controls(session)
         self._labels = {name: control.description for name, control in self.controls.items()}
@@ -144,7 +151,7 @@ class Panel(w.VBox):
             tooltip="What the rented card costs per hour: the status shows the cost so far "
                     "and to finish (0: not shown)")
         self.step_button.on_click(lambda _: self._guarded(self._step))
-        self.run_button.on_click(lambda _: self._guarded(self.session.start, self.steps.value))
+        self.run_button.on_click(lambda _: self._guarded(self.runner.start, self.steps.value))
         self.stop_button.on_click(lambda _: self._guarded(self._stop))
         self.price.observe(self._on_price, names="value")
         budget_help = ("The card and host to check the current toggles against: the estimate of "
@@ -171,6 +178,7 @@ class Panel(w.VBox):
         self._fitcheck = FitCheck(session.model.config, self._show_badge, device="cuda")
         self.last_fit_seconds: float | None = None  # request -> badge, for the benchmark
         self.status = w.HTML()  # replies to clicks: applied, pending, refused and why
+        self._lines: list[str] = []  # what the status line shows
         self.progress = w.HTML()  # the run: step, loss, speed, time and cost
         self.chart = w.Image(format="png")
         self._figure = Figure(figsize=(9, 4))
@@ -194,11 +202,20 @@ class Panel(w.VBox):
         self._applied = session.techniques  # what "applied" compares the next change with
         self._sync_from(session.techniques)
         self._check_fit()
-        session.subscribe(self._on_session)
+        self._subscription = self.runner.subscribe(self._on_event)
+        self._search = None  # the fit search's thread, while it runs
         self._run_seen = session.current_run
         if session.current_run is not None:
             self._running(True)
         self._redraw(force=True)
+
+    def close(self) -> None:
+        """Detach from the session (no more events) and end the fit check's worker."""
+        self._subscription.close()
+        self._fitcheck.close()
+        if self._search is not None:
+            self._search.join()
+        super().close()
 
     # widget -> session
     def _on_control(self, change) -> None:
@@ -206,9 +223,9 @@ class Panel(w.VBox):
             return  # this thread is moving the control to match the session
         name = next(n for n, c in self.controls.items() if c is change["owner"])
         try:
-            self.session.set(**{name: change["new"]})
+            self.runner.set({name: change["new"]})
         except Exception as err:  # noqa: BLE001 - every reply is shown here, never lost
-            self._sync_from(self.session._planned())  # snap back: nothing was applied
+            self._sync_from(self.runner.planned)  # snap back: nothing was applied
             self._say(f"⚠ {name}: {err}", error=True)
 
     def _on_price(self, change) -> None:
@@ -224,7 +241,7 @@ class Panel(w.VBox):
     def _step(self) -> None:
         self.step_button.disabled = True
         try:
-            self.session.step()
+            self.runner.step()
         finally:
             self.step_button.disabled = False
             self._redraw(force=True)
@@ -235,32 +252,34 @@ class Panel(w.VBox):
             self._say("stopping after the step under way…")
 
     # session -> widget (events of a background run arrive from its thread)
-    def _on_session(self, event: str, payload) -> None:
-        if event in ("techniques", "refused", "pending"):
+    def _on_event(self, event) -> None:
+        if isinstance(event, (TechniquesChanged, Refused, PendingChanged)):
             self._check_fit()
-        if event in ("techniques", "refused"):
-            self._sync_from(self.session._planned())
-            if event == "techniques":  # a "pending" event follows with what is left, if anything
-                changed = sorted(payload.changed(self._applied))
-                self._applied = payload
-                self._say("applied: " + _labels([{k: getattr(payload, k) for k in changed}])
+        if isinstance(event, (TechniquesChanged, Refused)):
+            self._sync_from(self.runner.planned)
+            if isinstance(event, TechniquesChanged):  # a pending event follows, if anything is left
+                new = event.techniques
+                changed = sorted(new.changed(self._applied))
+                self._applied = new
+                self._say("applied: " + _labels([{k: getattr(new, k) for k in changed}])
                           if changed else "applied")
-        elif event == "pending" and payload:
-            self._sync_from(self.session._planned())
-            self._say(f"pending until the next step: {_labels(payload)}")
-        elif event == "message":
-            self._say(payload, error="not applied" in payload or "stopped at step" in payload)
-        elif event == "start":
-            self._run_seen = payload
+        elif isinstance(event, PendingChanged) and event.pending:
+            self._sync_from(event.planned)
+            self._say(f"pending until the next step: {_labels(list(event.pending))}")
+        elif isinstance(event, Message):
+            self._say(event.text, error="not applied" in event.text or "stopped at step" in event.text,
+                      more=True)
+        elif isinstance(event, RunStarted):
+            self._run_seen = event.run
             self._running(True)
-        elif event == "step":
+        elif isinstance(event, StepDone):
             self._redraw()
             self._show_progress()
-        elif event == "run":
+        elif isinstance(event, RunFinished):
             self._redraw(force=True)  # throttling may have skipped the last step's drawing
             self._running(False, final=self._last_run())
             run = self._last_run()
-            if run is None or payload is not run.reports:
+            if run is None or event.run is not run:
                 return  # a synchronous run: its numbers are in the progress line already
             self._run_seen = None
             if run.stopped:
@@ -271,10 +290,10 @@ class Panel(w.VBox):
     # will it fit?
     def _check_fit(self) -> None:
         self.badge.value = "<span style='color:#777'>estimating…</span>"
-        self._fitcheck.request(self.session._planned(), self.budget.value)
+        self._fitcheck.request(self.runner.planned, self.budget.value)
 
     def _show_badge(self, techniques, budget, badge, seconds, error) -> None:
-        if techniques != self.session._planned() or budget != self.budget.value:
+        if techniques != self.runner.planned or budget != self.budget.value:
             return  # an answer to an older question
         self.last_fit_seconds = seconds
         if badge is None:
@@ -301,11 +320,11 @@ class Panel(w.VBox):
             message = result.message.replace(APPLY_IN_CODE, "Apply uses it.")
             self._say(message, error=not result.fits)
 
-        threading.Thread(target=search, name="nbtune-fit", daemon=True).start()
+        self._search = in_background(search, "nbtune-fit")
 
     def _apply_fit(self) -> None:
         if self._fit_changes:
-            self.session.set(**self._fit_changes)
+            self.runner.set(self._fit_changes)
         self.fit_apply.layout.display = "none"
         self._fit_changes = None
 
@@ -373,9 +392,12 @@ class Panel(w.VBox):
                                    f"{format_bytes(last.memory.peak)}, "
                                    f"{last.tokens_per_second:,.0f} tokens/s")
 
-    def _say(self, text: str, error: bool = False) -> None:
-        color = "#b00" if error else "#333"
-        self.status.value = _wrapped(html.escape(text), color)
+    def _say(self, text: str, error: bool = False, more: bool = False) -> None:
+        """Show a reply in the status line; ``more``: below the reply before (what the
+        session said about it: a reset optimizer, a skipped row), the last three kept."""
+        line = f"<div style='color:{'#b00' if error else '#333'}'>{html.escape(text)}</div>"
+        self._lines = (self._lines[-2:] if more else []) + [line]
+        self.status.value = _wrapped("".join(self._lines))
 
 
 def _wrapped(body: str, color: str = "#333", size: str = "100%") -> str:
@@ -409,7 +431,7 @@ def _budgets(session) -> list[tuple[str, object]]:
 
 
 def _labels(changes: list[dict]) -> str:
-    from ..ladder import label_of
+    from ..techniques import label_of
 
     return "; ".join(label_of(c) for c in changes)
 
@@ -427,19 +449,25 @@ class RunView(w.HBox):
                                     layout=w.Layout(width="90px"))
         self.stop_button.on_click(lambda _: self._stop())
         super().__init__([self.bar, self.stop_button, self.line])
-        session.subscribe(self._on_session)
+        self._subscription = session.subscribe(self._on_event)
         self._update()
+
+    def close(self) -> None:
+        self._subscription.close()
+        super().close()
 
     def _stop(self) -> None:
         self.run.stop(wait=False)
         self.stop_button.disabled = True
         self.stop_button.description = "Stopping"
 
-    def _on_session(self, event: str, payload) -> None:
-        if event in ("step", "run"):
+    def _on_event(self, event) -> None:
+        if isinstance(event, (StepDone, RunFinished)):
             self._update()
-        elif event == "message" and self.run.running:
-            self.line.value = _wrapped(html.escape(payload))
+            if isinstance(event, RunFinished) and event.run is self.run:
+                self._subscription.close()  # its run is over: nothing more to show
+        elif isinstance(event, Message) and self.run.running:
+            self.line.value = _wrapped(html.escape(event.text))
 
     def _update(self) -> None:
         run = self.run

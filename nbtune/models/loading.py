@@ -1,0 +1,62 @@
+"""Loading a model from wherever it lives: an HF folder, a Hub repo id or a ``.gguf`` file.
+Above both readers (``hf``, ``gguf``), which share ``filling`` and never import each other."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Collection
+
+import torch
+
+from ..hub import resolve_model_folder
+from .decoder import CausalLM
+from .filling import torch_dtype
+from .gguf import GGUFFile, gguf_weights, is_gguf, load_gguf_model
+from .hf import folder_weights, load_folder
+
+
+def load_model(path_or_id: str | os.PathLike, dtype: str | torch.dtype = "fp32",
+               device: str | torch.device = "cpu", revision: str | None = None,
+               quantize: Collection[str] = ()) -> CausalLM:
+    """Load a Hugging Face-format causal LM folder (or Hub repo id, or a ``.gguf`` file:
+    dequantized as read, see ``models.gguf``) into nbtune's decoder.
+
+    The model is built on the meta device (no random weights are ever made) and filled
+    tensor by tensor, each cast as it is read (see ``_read_tensor``), so host memory peaks
+    near one copy of the weights in the target dtype.
+
+    ``quantize`` names projections by their last name part, as ``Techniques.lora_targets``
+    does (``("q_proj", "v_proj")``): those weights become frozen NF4 (QLoRA's base) right
+    after each is read, so no more than one of them is ever dense. ``apply_lora(...,
+    quantize_base=True)`` then keeps them as they are.
+    """
+    dtype = torch_dtype(dtype)  # before any file is read or fetched
+    if isinstance(path_or_id, GGUFFile) or is_gguf(path_or_id):
+        return load_gguf_model(path_or_id, dtype, device, quantize)
+    folder = resolve_model_folder(path_or_id, revision)
+    return load_folder(folder, dtype, device, quantize)
+
+
+@torch.no_grad()
+def reload_weights_(model: CausalLM, source) -> None:
+    """Write the base weights of ``source`` (a folder or parsed GGUF file, the one ``model``
+    was loaded from) into ``model``'s own tensors, one at a time: the model is back at its
+    weights as loaded, with no second copy on the device or the host. Dense models only
+    (full finetuning); a failure part-way leaves some weights reloaded and others not."""
+    targets = {k: v for k, v in model.state_dict(keep_vars=True).items()
+               if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    dtype = next(iter(targets.values())).dtype
+    device = next(iter(targets.values())).device
+    if isinstance(source, GGUFFile):
+        stream = gguf_weights(source, model.config, targets, dtype, device)
+    else:
+        stream = folder_weights(Path(source), model.config, targets, dtype, device)
+    written = set()
+    for key, tensor in stream:
+        targets[key].copy_(tensor)
+        written.add(key)
+    missing = sorted(set(targets) - written)
+    if missing:
+        raise ValueError(f"{source} lacks weights for {missing[:4]}: the model cannot be reloaded "
+                         "from it.")

@@ -1,0 +1,495 @@
+"""Run control: who may touch the training state, the changes queued during a run, the one
+training loop, and the events views and logs listen to.
+
+The ``Runner`` sits between the front ends (``Session``, the panel, ``nbtune train``) and the
+``Trainer``. Its loop reads top to bottom: apply what was queued -> decide whether this step
+is measured -> ``trainer.step`` -> record -> tell the subscribers. A message is an event like
+any other; the runner never prints. Whoever wants messages printed subscribes a printer (a
+cell's command, the CLI's logger); a widget shows them in its own status line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import hardware
+from .memory.sampling import MemorySampler
+from .oom import OutOfMemory
+from .overhead import OverheadBudget
+from .step import StepReport
+from .techniques import Techniques, label_of
+from .units import format_bytes
+
+
+class BusyError(RuntimeError):
+    """The session is training in a background run: the command would race with it."""
+
+
+# ---- events --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Event:
+    """Something subscribers hear about; ``kind`` names it in one word."""
+
+    kind = "event"
+
+
+@dataclass(frozen=True)
+class StepDone(Event):
+    report: StepReport
+    kind = "step"
+
+
+@dataclass(frozen=True)
+class TechniquesChanged(Event):
+    techniques: Techniques  # now applied
+    kind = "techniques"
+
+
+@dataclass(frozen=True)
+class PendingChanged(Event):
+    pending: tuple  # the changes still queued, oldest first
+    planned: Techniques  # what they lead to
+    kind = "pending"
+
+
+@dataclass(frozen=True)
+class Message(Event):
+    text: str
+    thread: int  # the thread it was said on: a command prints only its own
+    kind = "message"
+
+
+@dataclass(frozen=True)
+class Refused(Event):
+    changes: dict  # a queued change that could not be applied at the step boundary
+    error: BaseException
+    kind = "refused"
+
+
+@dataclass(frozen=True)
+class RunStarted(Event):
+    run: "BackgroundRun"
+    kind = "started"
+
+
+@dataclass(frozen=True)
+class RunFinished(Event):
+    reports: tuple  # the steps the run completed
+    run: "BackgroundRun | None"  # None for a run in the caller's thread
+    kind = "finished"
+
+
+class Subscription:
+    """A subscriber's handle: ``close()`` and it hears nothing more."""
+
+    def __init__(self, runner: "Runner", callback: Callable[[Event], None]) -> None:
+        self.runner, self.callback = runner, callback
+
+    def close(self) -> None:
+        self.runner.unsubscribe(self)
+
+    def __enter__(self) -> "Subscription":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---- a run in the background ----------------------------------------------------------------
+
+class BackgroundRun:
+    """A run of ``start(steps)``: trains in a background thread, between steps applies the
+    changes queued with ``set`` and stops when asked.
+
+    ``reports`` grows as steps complete; ``error`` is what ended the run early, if anything;
+    ``messages`` what the run said. In a notebook it shows itself as a progress bar with a
+    Stop button (``show``, set by the session).
+    """
+
+    def __init__(self, steps: int, on_oom: str, target: Callable[["BackgroundRun"], None]) -> None:
+        self.steps, self.on_oom = steps, on_oom
+        self.reports: list[StepReport] = []
+        self.messages: list[str] = []
+        self.error: BaseException | None = None
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self.stop_requested: float | None = None  # monotonic time Stop was asked for
+        self.show: Callable[[], object] | None = None  # the widget a notebook displays
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=target, args=(self,), name="nbtune-run", daemon=True)
+
+    @property
+    def running(self) -> bool:
+        return self.thread.is_alive()
+
+    @property
+    def stopped(self) -> bool:
+        """True when the run ended because ``stop`` was asked before its last step."""
+        return self.stop_event.is_set() and len(self.reports) < self.steps
+
+    def stop(self, wait: bool = True, timeout: float | None = None) -> "BackgroundRun":
+        """Stop at the next step boundary (the step under way completes); ``wait`` for it."""
+        if self.stop_requested is None:
+            self.stop_requested = time.monotonic()
+        self.stop_event.set()
+        if wait:
+            self.wait(timeout)
+        return self
+
+    def wait(self, timeout: float | None = None) -> list[StepReport]:
+        """Block until the run ends (Ctrl-C here stops it); re-raise what ended it early."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while self.thread.is_alive():  # short joins: Ctrl-C reaches the waiting thread
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return self.reports
+                self.thread.join(0.1 if left is None else min(0.1, left))
+        except KeyboardInterrupt:
+            self.stop(wait=False)
+            self.thread.join()
+            return self.reports
+        if self.error is not None:
+            raise self.error
+        return self.reports
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else ("stopped" if self.stopped else
+                                                  "failed" if self.error else "finished")
+        said = f"; last said: {self.messages[-1]}" if self.messages else ""
+        return f"<BackgroundRun {len(self.reports)}/{self.steps} steps, {state}{said}>"
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.show() if self.show is not None else repr(self))
+
+
+def check_run_args(name: str, steps, on_oom: str) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"{name}(steps={steps!r}): steps must be a positive int, e.g. {name}(50).")
+    if on_oom not in ("raise", "adapt"):
+        raise ValueError(f"on_oom={on_oom!r} is not 'raise' or 'adapt'.")
+
+
+# ---- the runner -----------------------------------------------------------------------------
+
+class Runner:
+    """Run control for one ``Trainer``: the claim on its state, the pending queue, the loop
+    (in the caller's thread or a ``BackgroundRun``), out-of-memory adaptation, the memory
+    sampler and the events."""
+
+    MAX_ADAPT = 3  # on_oom="adapt" changes techniques at most this often per run
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.overhead = OverheadBudget()  # what memory tracking and live charts may cost
+        self.sampler = MemorySampler(self.overhead)
+        self._lock = threading.Lock()
+        self._subscribers: list[Subscription] = []
+        self._run: BackgroundRun | None = None  # while one trains
+        self._last_run: BackgroundRun | None = None
+        self._pending: list[dict] = []  # set(...) changes waiting for the next step boundary
+        self._busy: threading.Thread | None = None  # a thread inside a synchronous command
+        self._dtype_noted: str | None = None  # the dtype whose speed on this device was checked
+
+    # ---- events ----------------------------------------------------------------------------
+
+    def subscribe(self, callback: Callable[[Event], None]) -> Subscription:
+        """Call ``callback(event)`` for every event from now on, until the returned
+        subscription is closed. Events of a background run come from its thread."""
+        subscription = Subscription(self, callback)
+        with self._lock:
+            self._subscribers.append(subscription)
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        with self._lock:
+            if subscription in self._subscribers:
+                self._subscribers.remove(subscription)
+
+    def emit(self, event: Event) -> None:
+        with self._lock:
+            subscribers = list(self._subscribers)
+        for subscription in subscribers:
+            try:
+                subscription.callback(event)
+            except Exception as err:  # noqa: BLE001 - a broken view must not stop training
+                if not isinstance(event, Message):
+                    self.say(f"a subscriber failed on a {event.kind} event: "
+                             f"{type(err).__name__}: {err}")
+
+    def say(self, text: str) -> None:
+        run = self._run
+        if run is not None and threading.current_thread() is run.thread:
+            run.messages.append(text)
+        self.emit(Message(text, threading.get_ident()))
+
+    def relay(self) -> None:
+        """Say what the trainer noted (a reset optimizer, skipped rows, no undo copy)."""
+        for note in self.trainer.take_notes():
+            self.say(note)
+
+    def changed(self) -> None:
+        """The state was replaced wholesale (loaded, recovered): measure the next step, tell."""
+        self.relay()
+        self.sampler.stale = True
+        self.emit(TechniquesChanged(self.trainer.techniques))
+
+    # ---- who may touch the training state ---------------------------------------------------
+
+    @contextlib.contextmanager
+    def claim(self, action: str):
+        """Run a command on the training state from this thread, or refuse it: a background
+        run owns the model, optimizer and data until it ends."""
+        me = threading.current_thread()
+        with self._lock:
+            run = self._run
+            if run is not None and me is not run.thread:
+                raise BusyError(
+                    f"{action}: a background run is training ({len(run.reports)} of {run.steps} "
+                    "steps done). Stop it with session.stop() or wait for it with "
+                    "session.wait(), then try again. (session.set(...) is fine meanwhile: it is "
+                    "applied at the next step boundary.)")
+            if self._busy is not None and self._busy is not me:
+                raise BusyError(f"{action}: another thread ({self._busy.name}) is running a "
+                                "command on this session; wait for it to finish.")
+            outer, self._busy = self._busy, me
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy = outer
+
+    # ---- changes -----------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> list[dict]:
+        """Changes made with ``set`` during a background run, not applied yet (oldest first)."""
+        with self._lock:
+            return [dict(changes) for changes in self._pending]
+
+    @property
+    def planned(self) -> Techniques:
+        """The techniques once every queued change is applied (the current ones if none)."""
+        with self._lock:
+            queued = list(self._pending)
+        t = self.trainer.techniques
+        for changes in queued:
+            t = t.replace(**changes)
+        return t
+
+    def set(self, changes: dict) -> Techniques:
+        """Apply ``changes`` now, all or nothing; during a background run, check them now and
+        queue them for the next step boundary. Returns the techniques they lead to."""
+        with self._lock:
+            run = self._run
+            queue = run is not None and threading.current_thread() is not run.thread
+        if queue:
+            planned = self.planned.replace(**changes)  # bad values refused here and now
+            self.check(planned)
+            with self._lock:
+                self._pending.append(dict(changes))
+            self.emit(PendingChanged(tuple(self.pending), self.planned))
+            return planned
+        with self.claim("set"):
+            return self.apply(changes)
+
+    def check(self, t: Techniques) -> None:
+        """Refuse, before the step boundary, what can be known now: device rules, model
+        limits, what the data can do."""
+        from .plan import check
+
+        problems = check(t, self.trainer.model, self.trainer.device.type)
+        problems += self.trainer.data.problems(t)
+        if problems:
+            raise ValueError(" ".join(problems))
+
+    def apply(self, changes: dict) -> Techniques:
+        new = self.trainer.techniques.replace(**changes)  # validates the whole combination first
+        try:
+            changed = self.trainer.set(new)
+        except BaseException:
+            self.relay()
+            raise
+        if changed:
+            self.sampler.stale = True  # the next step is measured: it shows what the change did
+            self.emit(TechniquesChanged(new))
+        self.relay()  # after the change itself: what it did (an optimizer reset) follows it
+        return new
+
+    def apply_pending(self) -> None:
+        """Apply the queued changes in order, each all or nothing (training thread)."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                changes = self._pending[0]  # stays listed (and planned) until applied
+            try:
+                self.apply(changes)
+            except Exception as err:  # noqa: BLE001 - one refused change does not end the run
+                with self._lock:
+                    self._pending.pop(0)
+                self.say(f"{label_of(changes)} was not applied: {err}")
+                self.emit(Refused(dict(changes), err))
+            else:
+                with self._lock:
+                    self._pending.pop(0)
+            self.emit(PendingChanged(tuple(self.pending), self.planned))
+
+    # ---- steps -------------------------------------------------------------------------------
+
+    def step(self) -> StepReport:
+        """One step, always measured (unless memory tracking is "off")."""
+        with self.claim("step"):
+            return self._step(sampled=False)
+
+    def _step(self, sampled: bool) -> StepReport:
+        self._note_slow_dtype()
+        device = self.trainer.device.type
+        track = self.sampler.should_track(device, sampled)
+        try:
+            report = self.trainer.step(track)
+        except BaseException as err:
+            self.relay()
+            report = getattr(err, "nbtune_report", None)  # the step stood, its evaluation failed
+            if report is not None:
+                self.sampler.record(report.seconds, track, device)
+                self.emit(StepDone(report))
+            raise
+        self.relay()
+        self.sampler.record(report.seconds, track, device)
+        self.emit(StepDone(report))
+        return report
+
+    def _note_slow_dtype(self) -> None:
+        """At the first step in a new dtype: say so if this CPU runs it far slower than fp32."""
+        dtype = self.trainer.techniques.dtype
+        if dtype == self._dtype_noted:
+            return
+        self._dtype_noted = dtype
+        if dtype == "bf16" and self.trainer.device.type == "cpu":
+            slow = hardware.bf16_slowdown()
+            if slow > hardware.SLOW_BF16:
+                self.say(f"bf16 matmuls run {slow:.0f}x slower than fp32 on this CPU (no native "
+                         f"bf16; torch sees {torch.backends.cpu.get_cpu_capability()}), so these "
+                         "steps will be slow. bf16 still halves the memory shown; dtype='fp32' "
+                         "trains faster here.")
+
+    def loop(self, steps: int, on_oom: str, reports: list, run: BackgroundRun | None = None,
+             shown: Callable[[StepReport], None] | None = None) -> list[StepReport]:
+        """The one training loop: until ``steps`` steps completed (or the background run is
+        stopped), apply what was queued, take a step, record it and show it."""
+        adapted = 0
+        while len(reports) < steps:
+            if run is not None:
+                self.apply_pending()
+                if run.stop_event.is_set():
+                    break
+            try:
+                reports.append(self._step(sampled=True))
+            except BaseException as err:
+                stood = getattr(err, "nbtune_report", None)
+                if stood is not None:
+                    reports.append(stood)  # recorded before its evaluation failed
+                if not isinstance(err, OutOfMemory) or stood is not None:
+                    raise
+                if on_oom != "adapt" or not err.suggestions or adapted == self.MAX_ADAPT:
+                    raise
+                best, adapted = err.suggestions[0], adapted + 1
+                self.say(f"out of memory in the {err.phase} phase: set {best.label} "
+                         f"(predicted peak {format_bytes(err.predicted or 0)} -> "
+                         f"{format_bytes(best.peak)}) and retried the step.")
+                self.apply(best.changes)
+                continue
+            if shown is not None:
+                shown(reports[-1])
+        return reports
+
+    def run(self, steps: int, on_oom: str = "raise",
+            shown: Callable[[StepReport], None] | None = None) -> list[StepReport]:
+        """``steps`` steps in this thread. Ctrl-C ends the run cleanly after the step under
+        way was rolled back (or, if its update was being written, completed first)."""
+        check_run_args("run", steps, on_oom)
+        history = self.trainer.history
+        with self.claim("run"):
+            start, reports = len(history), []
+            try:
+                self.loop(steps, on_oom, reports, shown=shown)
+            except KeyboardInterrupt:
+                reports[:] = self.trainer.history[start:]
+                self.say(f"interrupted: stopped after {len(reports)} of {steps} steps; the "
+                         "session is as it was after the last completed step.")
+        self.emit(RunFinished(tuple(reports), None))
+        return reports
+
+    # ---- the background run ---------------------------------------------------------------
+
+    def start(self, steps: int, on_oom: str = "raise") -> BackgroundRun:
+        """Train ``steps`` steps in a background thread; returns the ``BackgroundRun`` at once."""
+        check_run_args("start", steps, on_oom)
+        with self._lock:
+            if self._run is not None:
+                raise BusyError(f"start: a background run is already training "
+                                f"({len(self._run.reports)} of {self._run.steps} steps done): "
+                                "session.stop() it or session.wait() for it first.")
+            if self._busy is not None:
+                raise BusyError(f"start: another thread ({self._busy.name}) is running a "
+                                "command on this session; wait for it to finish.")
+            self.trainer.check_usable()  # a damaged session says so here, not in the thread
+            run = self._run = BackgroundRun(steps, on_oom, self._background)
+        try:
+            run.thread.start()
+        except BaseException:
+            with self._lock:
+                self._run = None
+            raise
+        self.emit(RunStarted(run))
+        return run
+
+    def _background(self, run: BackgroundRun) -> None:
+        try:
+            self.loop(run.steps, run.on_oom, run.reports, run=run)
+        except BaseException as err:  # noqa: BLE001 - kept for wait() and shown
+            run.error = err
+            self.say(f"the run stopped at step {len(self.trainer.history)}: "
+                     f"{type(err).__name__}: {err}")
+        finally:
+            try:
+                while True:  # nothing stays pending once the run has ended
+                    self.apply_pending()
+                    with self._lock:
+                        if not self._pending:
+                            self._run = None  # set() applies directly from here on
+                            break
+            finally:
+                run.finished = time.monotonic()
+                with self._lock:
+                    self._run = None
+                    self._last_run = run
+                self.emit(RunFinished(tuple(run.reports), run))
+
+    def stop(self, wait: bool = True) -> BackgroundRun | None:
+        run = self._run
+        return run.stop(wait=wait) if run is not None else None
+
+    def wait(self, timeout: float | None = None) -> list[StepReport]:
+        run = self._run or self._last_run
+        return run.wait(timeout) if run is not None else []
+
+    @property
+    def current(self) -> BackgroundRun | None:
+        """The background run while it trains, else None."""
+        return self._run
+
+    @property
+    def last(self) -> BackgroundRun | None:
+        """The background run that ended last, if any."""
+        return self._last_run

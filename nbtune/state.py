@@ -1,0 +1,129 @@
+"""Pieces of the training state that checkpoints, resumes and the trainer share: the RNG,
+the weights as saved (NF4 as its parts), their checks, and the base model's fingerprint.
+
+Its own floor, below the trainer and the checkpoint forms, so neither imports the other
+for them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+from torch import nn
+
+from .peft import adapter_state_dict, is_nf4
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    out = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return out
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    cuda = sorted((k for k in state if k.startswith("cuda")), key=lambda k: int(k[4:]))
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([state[k] for k in cuda])
+
+
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Weights under their parameter names, without the tied head; an NF4 weight as its parts
+    (``<name>.nf4.<part>``), so it comes back bit for bit (dequantized and quantized again it
+    would differ)."""
+    out = {}
+    for name, value in model.state_dict().items():
+        if is_nf4(value):
+            parts, _ = value.__tensor_flatten__()
+            out.update({f"{name}.nf4.{part}": getattr(value, part) for part in parts})
+        else:
+            out[name] = value.detach()
+    if model.config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)  # one tensor with the embedding
+    return out
+
+
+def _expected_weights(model: nn.Module, full: bool) -> dict[str, tuple]:
+    """name -> shape of what ``full_weights`` / ``adapter_state_dict`` give for ``model``."""
+    if full:
+        out = {}
+        for name, value in model.state_dict().items():
+            if is_nf4(value):
+                parts, _ = value.__tensor_flatten__()
+                out.update({f"{name}.nf4.{p}": tuple(getattr(value, p).shape) for p in parts})
+            else:
+                out[name] = tuple(value.shape)
+        if model.config.tie_word_embeddings:
+            out.pop("lm_head.weight", None)
+        return out
+    return {k: tuple(v.shape) for k, v in adapter_state_dict(model).items()}
+
+
+def check_weights(model: nn.Module, weights: dict, full: bool) -> None:
+    """Refuse weights whose names or shapes differ from what ``model`` holds."""
+    expected = _expected_weights(model, full)
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    wrong = [f"{k} {tuple(weights[k].shape)} (this model: {expected[k]})"
+             for k in sorted(set(expected) & set(weights)) if tuple(weights[k].shape) != expected[k]]
+    if missing or extra or wrong:
+        parts = ([f"missing {missing[:3]}"] if missing else []) + \
+                ([f"unknown {extra[:3]}"] if extra else []) + ([f"shape {wrong[:3]}"] if wrong else [])
+        raise ValueError(f"The saved weights do not fit this model ({'; '.join(parts)}): it was "
+                         "saved from another model or other LoRA settings.")
+
+
+# State entries that have the shape of their parameter, in torch, bitsandbytes and torchao
+# optimizers (torchao's quantized ones report the logical shape).
+_PARAM_SHAPED_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "state1", "state2")
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse optimizer state whose per-weight tensors do not have their weight's shape."""
+    for param, entry in optimizer.state.items():
+        for key in _PARAM_SHAPED_STATE:
+            value = entry.get(key)
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"The saved optimizer state's {key} has shape {tuple(value.shape)} for a weight "
+                    f"of shape {tuple(param.shape)}: it was saved from another model or other "
+                    "LoRA settings. Nothing was loaded.")
+
+
+@torch.no_grad()
+def write_weights(model: nn.Module, weights: dict, full: bool) -> None:
+    """Copy checked weights into the model's own tensors (no allocation)."""
+    if not full:
+        params = dict(model.named_parameters())
+        for key, value in weights.items():
+            params[key.removeprefix("base_model.model.")].copy_(value)
+        return
+    for name, value in model.state_dict(keep_vars=True).items():
+        if is_nf4(value):
+            for part in value.__tensor_flatten__()[0]:
+                getattr(value, part).copy_(weights[f"{name}.nf4.{part}"])
+        elif name in weights:
+            value.copy_(weights[name])
+
+
+def base_fingerprint(model: nn.Module) -> str:
+    """A short hash of the config and samples of the weights QLoRA never quantizes.
+
+    Embeddings and norms stay dense in every method, and values are rounded to bf16 before
+    hashing, so the same base loaded in fp32 or bf16, dense or NF4, gives the same print,
+    while another model of the same shape does not. Cheap: a few hundred values per tensor.
+    """
+    digest = hashlib.sha256()
+    config = {k: v for k, v in model.config.to_hf().items() if k != "torch_dtype"}
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, param in model.named_parameters():
+        if not (name.endswith("embed_tokens.weight") or "norm" in name) or is_nf4(param):
+            continue
+        flat = param.detach().reshape(-1)
+        count = min(256, flat.numel())
+        index = (torch.arange(count) * (flat.numel() - 1) // max(count - 1, 1)).to(flat.device)
+        sample = flat[index].to(torch.bfloat16).float().cpu()
+        digest.update(name.encode() + str(tuple(param.shape)).encode() + sample.numpy().tobytes())
+    return digest.hexdigest()[:16]

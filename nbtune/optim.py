@@ -60,14 +60,14 @@ def _optimizer_factory(techniques: Techniques) -> Callable[[list], torch.optim.O
     if name == "sgd":
         return partial(torch.optim.SGD, **kwargs)
     if name in _BITSANDBYTES:
-        import bitsandbytes.optim
+        from .quiet import import_quietly
 
-        base = getattr(bitsandbytes.optim, _BITSANDBYTES[name])
+        base = getattr(import_quietly("bitsandbytes.optim"), _BITSANDBYTES[name])
         return partial(type(base.__name__, (_FlatBitsandbytesState, base), {}), **kwargs)
     if name in _TORCHAO:
-        from .quiet import import_torchao
+        from .quiet import import_quietly
 
-        base = getattr(import_torchao("torchao.optim"), _TORCHAO[name])
+        base = getattr(import_quietly("torchao.optim"), _TORCHAO[name])
         return partial(type(base.__name__, (_TorchaoFloatLrFlatState, base), {}), **kwargs)
     raise ValueError(f"optimizer {name!r} is not built by this version.")
 
@@ -280,9 +280,9 @@ def _cpu_offload_optimizer(params: list[nn.Parameter], techniques: Techniques):
     if techniques.optimizer not in ("adamw", "sgd"):
         raise ValueError("cpu_offload_optimizer wraps a torch optimizer: choose optimizer='adamw' "
                          "or 'sgd'.")
-    from .quiet import import_torchao
+    from .quiet import import_quietly
 
-    CPUOffloadOptimizer = import_torchao("torchao.optim").CPUOffloadOptimizer
+    CPUOffloadOptimizer = import_quietly("torchao.optim").CPUOffloadOptimizer
 
     class Offloaded(CPUOffloadOptimizer):
         """Adds what the session needs: ``state`` (all inner optimizers') and ``release``,

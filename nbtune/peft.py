@@ -26,9 +26,9 @@ _NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
 
 def _nf4():
     """torchao's NF4 module, imported on first use: it adds ~1.5 s to ``import nbtune``."""
-    from .quiet import import_torchao
+    from .quiet import import_quietly
 
-    return import_torchao(_NF4_MODULE)
+    return import_quietly(_NF4_MODULE)
 
 
 def is_nf4(tensor) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
-PARAMETER_KINDS = ("trainable", "frozen", "quantized")
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -106,10 +105,6 @@ class MemoryBreakdown:
     def highest(self) -> int:
         """The most held at one moment, training step or held-out evaluation."""
         return max(self.peak, self.eval_peak)
-
-    @property
-    def parameter_kinds(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in PARAMETER_KINDS}
 
     @property
     def largest_at_peak(self) -> str:

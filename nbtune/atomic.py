@@ -27,6 +27,7 @@ Standard library only, so a bare process can import this file alone (the kill te
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -44,7 +45,7 @@ try:
 except ImportError:  # Windows
     fcntl = None
 
-__all__ = ["write_atomically", "looks_like_a_save", "recover", "remove_stale_temporaries"]
+__all__ = ["write_atomically", "write_file_atomically", "looks_like_a_save", "recover", "remove_stale_temporaries"]
 
 RENAME_EXCHANGE = 2  # <linux/fs.h>
 TMP_TAG, OLD_TAG = "nbtune-tmp", "nbtune-old"
@@ -444,3 +445,36 @@ def write_atomically(folder: str | os.PathLike, write: Callable[[Path], object])
         parent.close()
         _IN_PROGRESS.discard(tmp_name)
     return given
+
+
+def write_file_atomically(path: str | os.PathLike, content: str | bytes,
+                          may_replace: Callable[[Path], bool] | None = None) -> Path:
+    """Write one file so that ``path`` holds the whole old or the whole new content.
+
+    The bytes go to a fresh temporary file beside it (created exclusively, never through a
+    link), are synced, and are renamed over ``path``; the rename replaces a link itself
+    rather than writing where it points. An existing ``path`` is replaced only if
+    ``may_replace(path)`` says it is ours to replace (default: never for a link or a folder).
+    """
+    path = Path(path)
+    if os.path.lexists(path):
+        if path.is_symlink() or not path.is_file():
+            raise FileExistsError(f"{path} exists and is {'a link' if path.is_symlink() else 'not a file'}: "
+                                  "nbtune does not write through it. Choose another path.")
+        if may_replace is not None and not may_replace(path):
+            raise FileExistsError(f"{path} exists and was not written by nbtune: it is left as "
+                                  "it is. Choose another path, or move the file away first.")
+    data = content.encode("utf-8") if isinstance(content, str) else content
+    tmp = path.with_name(_temp_name(path.name, TMP_TAG))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path

@@ -124,29 +124,38 @@ def main(argv: list[str] | None = None) -> int:
     ladder.add_argument("--out", default=None, help="folder for ladder.json")
     ladder.add_argument("--device", default=None)
     args = parser.parse_args(argv)
-    if args.command == "ladder":
-        from .headless import ladder as run_ladder
-        from .runfile import RunFileError
+    try:
+        if args.command == "ladder":
+            from .headless import ladder as run_ladder
 
-        try:
             run_ladder(args.run_file, steps=args.steps, out=args.out, device=args.device)
-        except RunFileError as err:
-            print(f"nbtune ladder: {err}", file=sys.stderr)
-            return 2
-        return 0
-    if args.command == "demo":
-        return run_demo(args)
-    if args.command == "train":
-        return run_train(args, parser)
+            return 0
+        if args.command == "demo":
+            return run_demo(args)
+        if args.command == "train":
+            return run_train(args, parser)
+    except BAD_INPUT as err:  # a file's content, a path or a setting: no traceback
+        print(f"nbtune {args.command}: {_one_message(err)}", file=sys.stderr)
+        return 2
     return 2
+
+
+# What bad input raises: nbtune's own errors (all ValueError) and the operating system's
+# refusals of a path (missing, read-only, too long, a file where a folder is needed).
+BAD_INPUT = (ValueError, OSError)
+
+
+def _one_message(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        return (f"{err.filename}: {err.strerror}. Check the path, that its folder exists and is "
+                "writable, and that the name is not too long.")
+    return str(err)
 
 
 def run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import yaml
 
-    from .data import DataError
     from .headless import train
-    from .runfile import RunFileError
 
     overrides = {}
     for item in args.set:
@@ -160,12 +169,8 @@ def run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         overrides.update({"run.epochs": args.epochs, "run.steps": None})
     if args.checkpoint_every is not None:
         overrides["run.checkpoint_every"] = args.checkpoint_every
-    try:
-        return train(args.run_file, overrides=overrides, out=args.out, resume=args.resume,
-                     device=args.device, progress=not args.no_progress)
-    except (RunFileError, DataError, FileNotFoundError) as err:  # the file's content: no traceback
-        print(f"nbtune train: {err}", file=sys.stderr)
-        return 2
+    return train(args.run_file, overrides=overrides, out=args.out, resume=args.resume,
+                 device=args.device, progress=not args.no_progress)
 
 
 if __name__ == "__main__":

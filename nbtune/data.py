@@ -34,6 +34,7 @@ from pathlib import Path
 import jinja2
 import torch
 
+from . import files
 from .hub import resolve_data_file
 from .models.tokenizer import Tokenizer
 
@@ -154,6 +155,18 @@ def _chat_spans(example: Example, tokenizer: Tokenizer) -> tuple[str, list[tuple
     return full, spans
 
 
+def _check_text(texts: list[str], where: str) -> None:
+    """Refuse text no tokenizer can take: a lone surrogate (JSON's "\\ud800" escapes allow
+    one) is not Unicode text and fails deep inside the tokenizer."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise DataError(f"{where}: character {err.start} is a lone surrogate "
+                            f"(U+{ord(text[err.start]):04X}), which is not text; the row was "
+                            "written by a broken encoder. Fix or drop the row.") from None
+
+
 def _row_to_example(row, where: str) -> Example:
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}.")
@@ -173,6 +186,7 @@ def _row_to_example(row, where: str) -> Example:
                             "nothing to learn from it. Add one or drop the row.")
         while pairs[-1][0] != "assistant":  # nothing to learn after the last answer
             pairs.pop()
+        _check_text([content for _, content in pairs], where)
         return Example(tuple(pairs), where=where)
     missing = [k for k in ("instruction", "output") if k not in row]
     if missing:
@@ -186,6 +200,7 @@ def _row_to_example(row, where: str) -> Example:
     if not row["output"]:
         raise DataError(f"{where}: 'output' is empty, so there is nothing to learn from the row.")
     instruction, input = row["instruction"], row.get("input", "")
+    _check_text([instruction, input, row["output"]], where)
     messages = (("user", _user_text(instruction, input)), ("assistant", row["output"]))
     return Example(messages, instruction=(instruction, input), where=where)
 
@@ -221,6 +236,23 @@ def _decode(path: Path, raw: bytes) -> str:
             f"iconv -f latin1 -t utf-8 {path.name} > fixed.jsonl.") from err
 
 
+def _check_lines(path: Path, raw: bytes) -> None:
+    """Refuse a line longer than any row can use, before it is decoded or tokenized (one
+    huge line is encoded whole by the tokenizer, whose memory grows with it)."""
+    cap = files.limit("row_bytes")
+    if len(raw) <= cap:
+        return
+    start, line = 0, 1
+    while start < len(raw):
+        end = raw.find(b"\n", start)
+        end = len(raw) if end < 0 else end
+        if end - start > cap:
+            raise DataError(f"{path}: line {line} is {end - start:,} bytes, longer than any "
+                            f"training row can use (limit {cap:,}: {files.LIMITS['row_bytes'][1]}). "
+                            "Split or shorten it.")
+        start, line = end + 1, line + 1
+
+
 def _missing_file_hint(name: str) -> str:
     hint = f" Check the path (a relative path starts from the current folder, {Path.cwd()})."
     parts = name.split("/")
@@ -249,16 +281,21 @@ def load_examples(path: str | Path) -> list[Example]:
                         "(pandas: df.to_json('data.jsonl', orient='records', lines=True)), or load "
                         "it with datasets.load_dataset and pass the Dataset (ds['train']).")
     try:
-        raw = path.read_bytes()
+        raw = files.read_bytes(path, "data", "data_bytes")  # a pipe or device is refused, not read
+    except files.FileRefused as err:
+        raise DataError(str(err)) from None
     except OSError as err:
         raise DataError(f"{path}: cannot read the data file ({err.strerror or err}). Check that "
                         "it is a readable file.") from err
+    _check_lines(path, raw)
     text = _decode(path, raw)
     if path.suffix == ".json":
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as err:
             raise DataError(f"{path}: line {err.lineno}: not valid JSON ({err.msg}).") from err
+        except RecursionError:
+            raise DataError(f"{path}: nested deeper than any data row is; the file is damaged.") from None
         if not isinstance(rows, list):
             lists = [k for k, v in rows.items() if isinstance(v, list)] if isinstance(rows, dict) else []
             hint = (f" It holds an object whose {', '.join(map(repr, lists))} "
@@ -268,7 +305,9 @@ def load_examples(path: str | Path) -> list[Example]:
         examples = [_row_to_example(row, f"{path}: row {i + 1}") for i, row in enumerate(rows)]
     else:
         examples = []
-        for lineno, line in enumerate(text.splitlines(), start=1):
+        # JSON Lines ends a line at \n only (str.splitlines would also cut at U+2028, which
+        # JSON allows inside strings).
+        for lineno, line in enumerate(text.split("\n"), start=1):
             if not line.strip():
                 continue
             try:
@@ -276,6 +315,9 @@ def load_examples(path: str | Path) -> list[Example]:
             except json.JSONDecodeError as err:
                 raise DataError(f"{path}: line {lineno}: not valid JSON ({err.msg} at column "
                                 f"{err.colno}). Each line must be one JSON object.") from err
+            except RecursionError:
+                raise DataError(f"{path}: line {lineno}: nested deeper than any data row is; "
+                                "the line is damaged.") from None
             examples.append(_row_to_example(row, f"{path}: line {lineno}"))
     if not examples:
         raise DataError(f"{path}: the file holds no rows.")
@@ -373,6 +415,16 @@ class Sample:
     positions: torch.Tensor | None = None  # [T] position within its own example (packed)
 
 
+_LONGEST: list = [None, 1]  # [the last tokenizer backend asked about, its longest token]
+
+
+def _longest_token(tokenizer: Tokenizer) -> int:
+    """Characters in the vocabulary's longest token (remembered for the last tokenizer)."""
+    if _LONGEST[0] is not tokenizer.backend:
+        _LONGEST[:] = [tokenizer.backend, max(map(len, tokenizer.backend.get_vocab()), default=1)]
+    return _LONGEST[1]
+
+
 def tokenize(example: Example, tokenizer: Tokenizer, seq_len: int) -> Sample | None:
     """Token ids and shifted labels, cut to ``seq_len``; None if no trained token survives."""
     if tokenizer.chat_template is not None:
@@ -383,7 +435,10 @@ def tokenize(example: Example, tokenizer: Tokenizer, seq_len: int) -> Sample | N
         text = prompt + example.messages[-1][1]
         spans, eos = [(len(prompt), len(text))], [tokenizer.eos_id]
     # The whole text is encoded at once, as transformers does; a token is trained when it
-    # starts inside an assistant span.
+    # starts inside an assistant span. A text far longer than seq_len tokens can hold is cut
+    # first (no token is longer than the longest in the vocabulary), so one huge row is not
+    # encoded whole: the tokenizer's memory grows with it and can abort the process.
+    text = text[:(seq_len + 2) * _longest_token(tokenizer) + 4096]
     ids, offsets = tokenizer.encode_with_offsets(text)
     trained = [any(lo <= start < hi for lo, hi in spans) for start, _ in offsets]
     trained += [True] * len(eos)

@@ -23,6 +23,22 @@ import torch.distributed as dist
 from torch import nn
 
 
+def _env_int(name: str, default: str | None, least: int) -> int:
+    """A torchrun variable as a number, refused with what to do when it is not one."""
+    text = os.environ.get(name, default)
+    if text is None:
+        raise ValueError(f"WORLD_SIZE is set but {name} is not: start the job with torchrun, "
+                         "which sets both.")
+    try:
+        value = int(text)
+    except ValueError:
+        value = least - 1
+    if value < least:
+        raise ValueError(f"{name}={text!r} is not a whole number of at least {least}: start the "
+                         f"job with torchrun, or unset {name}.")
+    return value
+
+
 @dataclass(frozen=True)
 class Sharding:
     """FSDP2 settings (the run file's ``distributed:`` section)."""
@@ -42,10 +58,13 @@ class Parallel:
     @classmethod
     def from_env(cls, sharding: Sharding | None = None) -> "Parallel | None":
         """The job torchrun started (``WORLD_SIZE`` > 1), with its process group up; else None."""
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = _env_int("WORLD_SIZE", "1", 1)
         if world < 2:
             return None
-        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        rank, local = _env_int("RANK", None, 0), _env_int("LOCAL_RANK", "0", 0)
+        if rank >= world:
+            raise ValueError(f"RANK={rank} but WORLD_SIZE={world}: a rank is below the world "
+                             "size. Start the job with torchrun, which sets both.")
         if not dist.is_initialized():
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if torch.cuda.is_available():

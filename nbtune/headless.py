@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
-from . import runfile
+from . import files, runfile
+from .atomic import write_file_atomically
 from .units import format_bytes
 
 CHECKPOINTS = "checkpoints"
@@ -67,9 +69,16 @@ class _Loggers:
         self.path = out / name
         kept = []
         if resumed_at and self.path.exists():  # lines past the checkpoint are re-done
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resumed_at]
-        self.path.write_text("".join(line + "\n" for line in kept))
+            for number, line in enumerate(files.read_text(self.path, "metrics log", "state_bytes")
+                                          .split("\n"), 1):
+                try:
+                    if line.strip() and json.loads(line)["step"] <= resumed_at:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):
+                    raise runfile.RunFileError(
+                        f"{self.path}, line {number}: not a metrics line nbtune wrote; the file "
+                        "is damaged. Move it away to resume (the checkpoint holds the run).") from None
+        write_file_atomically(self.path, "".join(line + "\n" for line in kept))
         self.file = self.path.open("a")
         self.tensorboard = None
         if "tensorboard" in settings.log and rank == 0:
@@ -137,6 +146,28 @@ def _line(report) -> str:
             f"{report.tokens_per_second:7.0f} tok/s  peak {format_bytes(memory.peak)}{mark}")
 
 
+OURS = ".nbtune-run"  # marks an output folder nbtune train made: only such a folder is reused
+
+
+def check_out(out_dir: Path, run_file: Path) -> None:
+    """Refuse an output folder that is a file, holds the run file, or holds files nbtune did
+    not write: the run writes run.yaml, summary.json and more there, over what is in it."""
+    if os.path.lexists(out_dir) and not out_dir.is_dir():
+        raise runfile.RunFileError(f"The output folder {out_dir} is a file: choose a folder with "
+                                   "--out or run.out.")
+    if not out_dir.is_dir():
+        return
+    folder = out_dir.resolve()
+    if folder == run_file.resolve().parent or folder in run_file.resolve().parents:
+        raise runfile.RunFileError(f"The output folder {out_dir} holds the run file {run_file}, "
+                                   "which the run would write over: set run.out (or --out) to a "
+                                   "folder of its own, e.g. out: nbtune-run.")
+    if any(out_dir.iterdir()) and not (out_dir / OURS).is_file() and not (out_dir / METRICS).is_file():
+        raise runfile.RunFileError(f"The output folder {out_dir} holds files nbtune did not write; "
+                                   "they are left as they are. Choose a new or empty folder with "
+                                   "--out or run.out.")
+
+
 def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: str | None,
           progress: bool = True) -> int:
     """Run a run file; returns the process exit code (0 done, 130 interrupted)."""
@@ -150,6 +181,7 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
     settings = config.run
     out_dir = Path(out) if out is not None else Path(config.path(settings.out))
     check_loggers(settings)
+    check_out(out_dir, Path(path))
     if not resume and ((out_dir / METRICS).exists() or checkpoints(out_dir)):
         raise runfile.RunFileError(
             f"{out_dir} already holds a run ({METRICS} or {CHECKPOINTS}/): pass --resume to continue "
@@ -170,11 +202,12 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
                           else None)
         if lead:
             out_dir.mkdir(parents=True, exist_ok=True)
+            write_file_atomically(out_dir / OURS, json.dumps({"written_by": "nbtune train"}))
             effective = config.model_copy(update={
                 "run": settings.model_copy(update={"out": str(out_dir.resolve())}),
                 "model": config.path(config.model), "data": config.data.model_copy(update={
                     "train": config.path(config.data.train), "heldout": config.path(config.data.heldout)})})
-            (out_dir / "run.yaml").write_text(runfile.dump(effective))
+            write_file_atomically(out_dir / "run.yaml", runfile.dump(effective))
         if parallel is not None:
             parallel.barrier()
         return _run(session, path, out, out_dir, settings, resume, parallel, rank, say, started,
@@ -262,7 +295,7 @@ def _run(session, path, out, out_dir, settings, resume, parallel, rank, say, sta
     if evaluate:
         summary["heldout_accuracy_after"] = session.evaluate()
         say(f"held-out accuracy after: {summary['heldout_accuracy_after']:.0%}")
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_file_atomically(out_dir / "summary.json", json.dumps(summary, indent=2))
     say(f"done: {len(session.history)} steps, loss {summary['loss_first']:.3f} -> "
           f"{summary['loss_last']:.3f} (mean of steps {len(losses) - len(window) + 1}-{len(losses)}), peak "
           f"{format_bytes(summary['peak_bytes'])}, {summary['seconds']:.0f} s; saved "

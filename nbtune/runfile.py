@@ -24,7 +24,11 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from . import files
+from .atomic import write_file_atomically
 from .techniques import Techniques
+
+HEADER = "# nbtune run file:"  # the first line of every run file nbtune writes
 
 SAVE_CHOICES = ("hf", "merged", "gguf")  # hf: full weights or the PEFT adapter; merged: LoRA folded in
 LOGGERS = ("tensorboard",)
@@ -153,16 +157,32 @@ def _message(error: dict) -> str:
     return f"{error['msg']}{shown}."
 
 
+def _check_events(text: str, path: Path) -> None:
+    """Refuse aliases (``*name``: a few lines of them expand to billions of values once
+    loaded) and more YAML than any run file holds, before the YAML becomes data."""
+    for count, event in enumerate(yaml.parse(text)):
+        if isinstance(event, yaml.AliasEvent):
+            raise RunFileError(f"{path}, line {event.start_mark.line + 1}: YAML aliases (*name) are "
+                               "not allowed in run files; write the value out.")
+        if count > files.limit("run_file_nodes"):
+            raise RunFileError(f"{path}: more than {files.limit('run_file_nodes')} YAML nodes; a run "
+                               "file is a page of settings. It is damaged or crafted.")
+
+
 def load(source: str | Path, overrides: dict | None = None) -> RunConfig:
     """Read and check a run file; ``overrides`` (dotted keys, ``{"run.steps": 5}``) win over it.
 
     Every problem is reported at once, each with its line, in one ``RunFileError``.
     """
     path = Path(source)
-    if not path.is_file():
+    if not path.exists():
         raise RunFileError(f"{path}: no such run file. Write one with session.save_config({str(path)!r}).")
-    text = path.read_text(encoding="utf-8")
     try:
+        text = files.read_text(path, "run file", "run_file_bytes")
+    except files.FileRefused as err:
+        raise RunFileError(str(err)) from None
+    try:
+        _check_events(text, path)
         tree = yaml.compose(text)
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
@@ -217,9 +237,18 @@ def dump(config: RunConfig) -> str:
     """The run file's text: every field, defaults included, so the file says it all."""
     body = config.model_dump(mode="json")
     body["techniques"]["lora_targets"] = list(body["techniques"]["lora_targets"])
-    header = ("# nbtune run file: nbtune train THIS_FILE [--steps N] [--out DIR] [--resume]\n"
+    header = (f"{HEADER} nbtune train THIS_FILE [--steps N] [--out DIR] [--resume]\n"
               "# Relative paths are relative to this file's folder.\n")
     return header + yaml.safe_dump(body, sort_keys=False, default_flow_style=None, width=100)
+
+
+def written_by_nbtune(path: Path) -> bool:
+    """Whether ``path`` is a run file nbtune wrote (its first line), so it may be replaced."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(HEADER)) == HEADER.encode()
+    except OSError:
+        return False
 
 
 def write_rows(examples, path: Path) -> None:
@@ -232,7 +261,7 @@ def write_rows(examples, path: Path) -> None:
         else:
             row = {"messages": [{"role": r, "content": c} for r, c in example.messages]}
         lines.append(json.dumps(row, ensure_ascii=False))
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_file_atomically(path, "\n".join(lines) + "\n")
 
 
 def relative(path: str, folder: Path) -> str:
@@ -284,6 +313,10 @@ def save_config(session, path: str | Path, **changes) -> Path:
             data[split] = files[split]
         else:  # rows given in code: the run file needs them as a file
             rows_file = folder / f"{path.stem}.{split}.jsonl"
+            if rows_file.exists() and not (path.exists() and written_by_nbtune(path)):
+                raise FileExistsError(f"{rows_file} exists and was not written by save_config "
+                                      f"for {path.name}: it is left as it is. Choose another "
+                                      "run file name.")
             write_rows(rows, rows_file)
             data[split] = rows_file.name
     if session.demo_name is not None:
@@ -295,8 +328,6 @@ def save_config(session, path: str | Path, **changes) -> Path:
     config = RunConfig.model_validate({
         **model, "memory_tracking": session.memory_tracking,
         "data": data, "techniques": session.techniques.as_dict(), "run": settings.model_dump()})
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(dump(config), encoding="utf-8")
-    tmp.replace(path)
+    write_file_atomically(path, dump(config), may_replace=written_by_nbtune)
     session.run_settings = settings
     return path

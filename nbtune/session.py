@@ -27,7 +27,7 @@ from .models.decoder import CausalLM
 from .models.gguf import GGUFFile, gguf_tokenizer, is_gguf
 from .runner import BackgroundRun, Event, Message, Runner, Subscription
 from .step import StepReport
-from .techniques import Techniques
+from .techniques import Techniques, as_techniques
 from .trainer import Trainer
 from .undo import ROLLBACK_MODES
 
@@ -54,18 +54,6 @@ def demo_data_file(split: str, demo: str = "tiny") -> Path:
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def as_techniques(value) -> Techniques:
-    """``Techniques`` from a Techniques, a dict of fields or None (the defaults)."""
-    if value is None:
-        return Techniques()
-    if isinstance(value, Techniques):
-        return value
-    if isinstance(value, dict):
-        return Techniques().replace(**value)
-    raise TypeError(f"techniques must be an nt.Techniques (or a dict of its fields), got "
-                    f"{type(value).__name__}: write techniques=nt.Techniques(method='lora', ...).")
 
 
 class Session:
@@ -252,8 +240,8 @@ class Session:
         return self.trainer.techniques
 
     @techniques.setter
-    def techniques(self, value: Techniques) -> None:
-        value = as_techniques(value)
+    def techniques(self, value: Techniques | dict) -> None:
+        value = as_techniques(value, self.techniques)  # a dict: those fields, on top of ours
         self.set(**{name: getattr(value, name) for name in value.changed(self.techniques)})
 
     @_command(exclusive=False)

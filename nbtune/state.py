@@ -6,6 +6,8 @@ for them."""
 
 from __future__ import annotations
 
+import re
+
 import hashlib
 import json
 
@@ -20,6 +22,39 @@ def rng_state() -> dict[str, torch.Tensor]:
     if torch.cuda.is_available():
         out.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     return out
+
+
+def rng_problem(rng) -> str | None:
+    """Why ``set_rng_state`` could not apply ``rng`` here (None if it can): the names and
+    dtypes ``rng_state`` writes, the sizes this PyTorch's generators have."""
+    if not isinstance(rng, dict) or not all(isinstance(v, torch.Tensor) for v in rng.values()):
+        return "the RNG state is not a mapping of names to tensors"
+    names = sorted(rng)
+    odd = [n for n in names if n != "cpu" and not re.fullmatch(r"cuda(0|[1-9][0-9]*)", n)]
+    if "cpu" not in rng or odd:
+        return f"it holds {names}, but an RNG state is a 'cpu' tensor and a 'cuda<N>' tensor per GPU"
+    for name in names:
+        tensor = rng[name]
+        if tensor.dtype != torch.uint8 or tensor.dim() != 1:
+            return (f"the RNG state {name!r} is {tensor.dtype} of shape {tuple(tensor.shape)}, "
+                    "but RNG states are 1-D torch.uint8")
+    expected = torch.get_rng_state().numel()
+    if rng["cpu"].numel() != expected:
+        return f"the CPU RNG state has {rng['cpu'].numel()} bytes, but this PyTorch's has {expected}"
+    cuda = sorted((n for n in names if n != "cpu"), key=lambda n: int(n[4:]))
+    if cuda != [f"cuda{i}" for i in range(len(cuda))]:
+        return f"the GPU RNG states are {cuda}, not cuda0, cuda1, ... in order"
+    if cuda and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if len(cuda) > count:
+            return (f"it holds the RNG states of {len(cuda)} GPUs and this machine shows "
+                    f"{count}: resume where as many GPUs are visible")
+        size = torch.cuda.get_rng_state().numel()
+        wrong = [n for n in cuda if rng[n].numel() != size]
+        if wrong:
+            return (f"the GPU RNG state {wrong[0]!r} has {rng[wrong[0]].numel()} bytes, but "
+                    f"this PyTorch's has {size}")
+    return None
 
 
 def set_rng_state(state: dict[str, torch.Tensor]) -> None:

@@ -315,3 +315,17 @@ def label_of(changes: dict) -> str:
         else:
             parts.append(f"{name}={value}")
     return ", ".join(parts)
+
+
+def as_techniques(value, base: "Techniques | None" = None) -> Techniques:
+    """``Techniques`` from a Techniques, a dict of fields (on top of ``base``, default the
+    defaults) or None (``base``)."""
+    base = base if base is not None else Techniques()
+    if value is None:
+        return base
+    if isinstance(value, Techniques):
+        return value
+    if isinstance(value, dict):
+        return base.replace(**value)
+    raise TypeError(f"techniques must be an nt.Techniques (or a dict of its fields), got "
+                    f"{type(value).__name__}: write techniques=nt.Techniques(method='lora', ...).")

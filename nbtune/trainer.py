@@ -47,7 +47,7 @@ from .plan import (REBUILDS_DATA, REBUILDS_MODEL, REBUILDS_OPTIMIZER, RETUNES_MO
 from .step import StepReport, held_out_loss, train_step
 from .techniques import Techniques
 from .state import (base_fingerprint, check_optimizer_state, check_weights, full_weights,
-                    rng_state, set_rng_state, write_weights)
+                    rng_problem, rng_state, set_rng_state, write_weights)
 from .undo import ROLLBACK_MODES, UndoCopy, copy_bytes, undo_units, undo_wanted
 
 
@@ -292,6 +292,10 @@ class Trainer:
         if missing:
             raise ValueError(f"The training state lacks {sorted(missing)}: it was not made by "
                              "Trainer.state_dict or a complete checkpoint.")
+        problem = rng_problem(state["rng"])  # the RNG is set last: checked first
+        if problem:
+            raise ValueError(f"The training state's RNG cannot be restored: {problem}. Nothing "
+                             "was loaded.")
         if state["base_fingerprint"] != self.base_fingerprint:
             raise ValueError("This training state was made from a different base model (its "
                              "fingerprint of the base weights and config differs): load it into "

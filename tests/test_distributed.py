@@ -79,7 +79,9 @@ def test_sharded_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path):
     torchrun(path, tmp_path / "cut", "--steps", "2")
     first = json.loads((tmp_path / "cut" / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
     assert first["sharded"] and first["world"] == 2
-    assert (tmp_path / "cut" / "checkpoints" / "step-00000002" / "shards").is_dir()
+    folder = tmp_path / "cut" / "checkpoints" / "step-00000002"  # each rank its own files, no pickle
+    assert {p.name for p in folder.iterdir()} == {"trainer_state.json", "rank0.json", "rank1.json"} | {
+        f"{kind}.rank{rank}.safetensors" for kind in ("model", "optimizer", "rng") for rank in (0, 1)}
     done = torchrun(path, tmp_path / "cut", "--resume")
     assert "resumed from" in done.stdout
     assert [m["loss"] for m in metrics(tmp_path / "cut")] == [m["loss"] for m in metrics(tmp_path / "whole")]

@@ -20,7 +20,7 @@ PACKAGE = Path(nt.__file__).parent
 # Unlisted modules under a listed package take the package's layer.
 LAYERS = [
     # 0. basics: words, sizes, the model and its files, data, memory accounting, techniques
-    ["units", "techniques", "host", "hardware", "overhead", "atomic", "hub", "scoring",
+    ["units", "files", "techniques", "host", "hardware", "overhead", "atomic", "hub", "scoring",
      "generate", "models", "data", "memory.accounting", "memory.breakdown", "memory.tracker",
      "memory.sampling", "memory.snapshot", "memory", "peft", "optim", "activations", "plan",
      "step", "loss", "undo", "state", "datasets", "quiet"],

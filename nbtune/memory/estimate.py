@@ -31,7 +31,7 @@ from torch import nn
 
 from ..models.config import ModelConfig
 from ..models.decoder import CausalLM
-from ..techniques import PAGED_OPTIMIZERS, Techniques
+from ..techniques import PAGED_OPTIMIZERS, Techniques, as_techniques
 from .accounting import optimizer_state_bytes, parameter_bytes
 from .breakdown import HostMemory, MemoryBreakdown
 from .tracker import _ACT, Segment, breakdown_of
@@ -180,7 +180,7 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     from ..plan import check
 
     config = resolve_config(model)
-    t = techniques or Techniques()
+    t = as_techniques(techniques)  # a dict of fields too, as Session takes
     target = torch.device(device).type
     if target not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: nbtune estimates for 'cpu' or 'cuda'.")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .. import files
 
 # HF `model_type` values this decoder implements, and what each one switches on.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -13,6 +15,15 @@ ROPE_TYPES = ("default", "linear", "llama3", None)
 # The transformers class each model_type is saved as (config.json's "architectures").
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# What each rope_scaling type needs (transformers' rope initialisers read these).
+ROPE_FACTORS = {"linear": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings")}
+# Field -> the limit in files.LIMITS that bounds it (no real model is larger).
+DIMENSION_LIMITS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
+                    "intermediate_size": "intermediate_size", "num_layers": "num_hidden_layers",
+                    "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+                    "head_dim": "head_dim", "max_position_embeddings": "max_position_embeddings"}
 # config.json keys without which the shapes are unknown (no sensible default exists).
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads")
@@ -100,17 +111,38 @@ class ModelConfig:
                 f"model_type {self.model_type!r} is not supported; nbtune implements "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}. Pick a checkpoint of one of these families."
             )
+        for name, limit in DIMENSION_LIMITS.items():  # before any size is computed from them
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} is {value!r}, but it must be a positive whole number.")
+            cap, why = files.LIMITS[limit]
+            if value > cap:
+                raise ValueError(f"{name} is {value}, larger than any real model's (limit {cap}: "
+                                 f"{why}); the config is damaged or crafted.")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads}) for grouped-query attention."
             )
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} is {value!r}, but it must be a positive finite number.")
         if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, dict):
+                raise ValueError(f"rope_scaling is {self.rope_scaling!r}, not a mapping of settings.")
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ROPE_TYPES:
                 raise ValueError(
                     f"rope_scaling type {kind!r} is not supported; nbtune implements "
                     f"{', '.join(t for t in ROPE_TYPES if t)}.")
+            for name in ROPE_FACTORS.get(kind, ()):  # refused now, not at the first step
+                value = self.rope_scaling.get(name)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                        or not math.isfinite(value) or value <= 0:
+                    raise ValueError(f"rope_scaling ({kind}) needs {name} as a positive number, "
+                                     f"but it is {value!r}.")
 
     @property
     def num_parameters(self) -> int:
@@ -182,18 +214,14 @@ class ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"{path}: no such file. A model folder needs its config.json "
                                     "beside the *.safetensors weights; copy or download it too.")
         try:
-            hf = json.loads(path.read_bytes().decode("utf-8-sig"))
-        except UnicodeDecodeError as err:
-            raise ConfigError(f"{path} is not a text (UTF-8) file, so it is not a config.json. "
-                              "Download the checkpoint's config.json again.") from err
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path} is not valid JSON (line {err.lineno}, column {err.colno}: "
-                              f"{err.msg}). Fix it or download the checkpoint's config.json "
-                              "again.") from err
+            hf = files.read_json(path, "config.json", "config_bytes", kind=None,
+                                 fix="download the checkpoint's config.json again")
+        except files.FileRefused as err:
+            raise ConfigError(str(err)) from None
         return cls.from_hf(hf, source=str(path))
 
     def to_hf(self) -> dict:

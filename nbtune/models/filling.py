@@ -4,6 +4,7 @@ the meta device, which weights QLoRA stores as NF4, and the model filled from wh
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Collection
 
 import torch
@@ -14,6 +15,21 @@ from .decoder import CausalLM
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+ALLOW_NONFINITE = "NBTUNE_ALLOW_NONFINITE"  # set to 1 to load NaN/inf weights (debugging)
+
+
+def check_finite(key: str, tensor: torch.Tensor, source, error: type = ValueError) -> None:
+    """Refuse a weight holding NaN or infinity, naming it and its file: trained on, it would
+    surface steps later as a NaN loss that looks like a bad learning rate."""
+    if os.environ.get(ALLOW_NONFINITE) == "1" or not tensor.is_floating_point():
+        return
+    if not torch.isfinite(tensor).all():
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise error(f"{key} in {source} holds {bad} NaN or infinite values: the file is damaged "
+                    "(or was saved from a diverged run). Download or save it again; to load it "
+                    f"anyway for debugging, set {ALLOW_NONFINITE}=1.")
 
 
 def release_freed_heap() -> None:

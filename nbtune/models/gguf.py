@@ -13,7 +13,9 @@ else is refused with the way out.
 from __future__ import annotations
 
 import importlib.util
+import mmap
 import os
+import struct
 from pathlib import Path
 from typing import Collection
 
@@ -22,9 +24,10 @@ import torch
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
+from .. import files
 from .config import ModelConfig
 from .decoder import CausalLM
-from .filling import empty_model, fill_model, release_freed_heap
+from .filling import check_finite, empty_model, fill_model, release_freed_heap
 from .tokenizer import Tokenizer
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture values read and written
@@ -77,9 +80,10 @@ class GGUFError(ValueError):
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
-    """True for an existing file whose name ends in .gguf."""
+    """True for an existing file (or anything but a folder: a pipe is refused when read)
+    whose name ends in .gguf."""
     path = Path(path).expanduser()
-    return path.suffix.lower() == ".gguf" and path.is_file()
+    return path.suffix.lower() == ".gguf" and path.exists() and not path.is_dir()
 
 
 def smollm2_path() -> Path:
@@ -106,8 +110,13 @@ class GGUFFile:
         from gguf import GGUFReader
 
         self.path = Path(path).expanduser()
-        if not self.path.is_file():
+        if not self.path.exists():
             raise FileNotFoundError(f"{self.path}: no such GGUF file.")
+        try:
+            files.regular_file(self.path, "GGUF", "gguf_bytes")
+        except files.FileRefused as err:
+            raise GGUFError(str(err)) from None
+        check_layout(self.path)  # before the reader, which trusts every count it reads
         try:
             reader = GGUFReader(str(self.path))
             self.meta = {name: field.contents() for name, field in reader.fields.items()}
@@ -118,6 +127,119 @@ class GGUFFile:
 
     def __str__(self) -> str:
         return str(self.path)
+
+
+# GGUF metadata value types of fixed size -> struct format (gguf.GGUFValueType's numbering)
+_FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+          11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_INTEGER_TENSORS = ("I8", "I16", "I32", "I64")  # weights are floating point, quantized or not
+
+
+def check_layout(path: Path) -> None:
+    """Walk a GGUF file's header with every count bounded before the gguf reader sees it.
+
+    The reader loops over each declared array item and each tensor, so a metadata array
+    declared 2**60 long runs for ever; counts are checked here against the bytes left and
+    ``files.LIMITS``. Tensors must lie inside the data section, aligned, not overlapping,
+    and be floating point (quantized or not).
+    """
+    from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
+
+    def bad(what: str) -> GGUFError:
+        return GGUFError(f"{path} is damaged, crafted or not a GGUF file: {what}. Download or "
+                         "export it again.")
+
+    max_items, max_string = files.limit("gguf_array_items"), files.limit("gguf_string_bytes")
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            raise bad(f"it is {size} bytes, shorter than a GGUF header")
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with data:
+        def take(fmt: str, at: int):
+            if at + struct.calcsize(fmt) > size:
+                raise bad(f"it ends inside its header (byte {at})")
+            return struct.unpack_from(fmt, data, at)
+
+        def string(at: int) -> tuple[str, int]:
+            (length,) = take("<Q", at)
+            if length > min(max_string, size - at - 8):
+                raise bad(f"a string at byte {at} claims {length} bytes")
+            raw = bytes(data[at + 8:at + 8 + length])
+            try:
+                return raw.decode("utf-8"), at + 8 + length
+            except UnicodeDecodeError:
+                raise bad(f"the string at byte {at} is not UTF-8") from None
+
+        def value(kind: int, at: int, depth: int = 0) -> tuple[object, int]:
+            if kind in _FIXED:
+                return take(_FIXED[kind], at)[0], at + struct.calcsize(_FIXED[kind])
+            if kind == _STRING:
+                return string(at)
+            if kind == _ARRAY and depth == 0:
+                item, count = take("<IQ", at)
+                at += 12
+                least = struct.calcsize(_FIXED[item]) if item in _FIXED else 8  # a string: its length
+                if count > max_items or count * least > size - at:
+                    raise bad(f"an array at byte {at - 12} declares {count} items, more than "
+                              f"the file holds (limit {max_items})")
+                if item in _FIXED:
+                    return None, at + count * least
+                for _ in range(count):
+                    _, at = value(item, at, depth + 1)
+                return None, at
+            raise bad(f"unknown metadata type {kind} at byte {at}")
+
+        magic, version, tensors, entries = take("<4sIQQ", 0)
+        if magic != b"GGUF":
+            raise bad("it does not start with GGUF")
+        if version not in (2, 3):
+            raise bad(f"GGUF version {version} (nbtune reads 2 and 3)")
+        if tensors > max_items or entries > max_items or (tensors + entries) * 12 > size:
+            raise bad(f"it declares {tensors} tensors and {entries} metadata entries")
+        at, alignment = 24, GGUF_DEFAULT_ALIGNMENT
+        for _ in range(entries):
+            key, at = string(at)
+            (kind,) = take("<I", at)
+            found, at = value(kind, at + 4)
+            if key == "general.alignment":
+                alignment = found
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise bad(f"general.alignment is {alignment!r}, not a power of two")
+        spans = []
+        for _ in range(tensors):
+            name, at = string(at)
+            (dims,) = take("<I", at)
+            if not 1 <= dims <= 4:
+                raise bad(f"tensor {name!r} has {dims} dimensions (GGUF allows 1 to 4)")
+            shape = take(f"<{dims}Q", at + 4)
+            kind, offset = take("<IQ", at + 4 + 8 * dims)
+            at += 4 + 8 * dims + 12
+            try:
+                ggml = GGMLQuantizationType(kind)
+            except ValueError:
+                raise bad(f"tensor {name!r} has unknown type {kind}") from None
+            if ggml.name in _INTEGER_TENSORS:
+                raise bad(f"tensor {name!r} holds integers ({ggml.name}); model weights are "
+                          "floating point")
+            block, type_size = GGML_QUANT_SIZES[ggml]
+            count = 1
+            for n in shape:
+                count *= n
+            if not all(shape) or count % block or count > size:
+                raise bad(f"tensor {name!r} has shape {list(shape)}, which is empty, not a whole "
+                          f"number of {ggml.name} blocks, or larger than the file")
+            spans.append((offset, offset + count // block * type_size, name))
+        start = at + (-at) % alignment
+        for offset, end, name in spans:
+            if offset % alignment or start + end > size:
+                raise bad(f"tensor {name!r} lies {'outside the file' if start + end > size else 'unaligned'}"
+                          f" (offset {offset}, alignment {alignment})")
+        spans.sort()
+        for (_, end, first), (offset, _, second) in zip(spans, spans[1:]):
+            if offset < end:
+                raise bad(f"tensors {first!r} and {second!r} overlap")
 
 
 def _open(source) -> GGUFFile:
@@ -238,7 +360,9 @@ def gguf_weights(file: GGUFFile, config: ModelConfig, expected: dict, dtype: tor
         if values.shape != tuple(expected[key].shape):
             raise GGUFError(f"{tensor.name} in {path} has shape {values.shape} but the metadata "
                             f"implies {tuple(expected[key].shape)}: the file is damaged.")
-        yield key, torch.from_numpy(np.array(values, copy=True)).to(device=device, dtype=dtype)
+        weight = torch.from_numpy(np.array(values, copy=True))
+        check_finite(tensor.name, weight, path, GGUFError)
+        yield key, weight.to(device=device, dtype=dtype)
 
 
 def gguf_tokenizer(path: "str | os.PathLike | GGUFFile") -> Tokenizer:
@@ -253,11 +377,23 @@ def gguf_tokenizer(path: "str | os.PathLike | GGUFFile") -> Tokenizer:
     if pre not in PRE_TOKENIZERS:
         raise GGUFError(f"{path}: pre-tokenizer {pre!r} is not one nbtune knows "
                         f"({', '.join(PRE_TOKENIZERS)}); load the model's Hub release instead.")
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-    backend = _HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                                      ignore_merges=pre == "llama-bpe"))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens or ())
+    merges = meta.get("tokenizer.ggml.merges") or []
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens) \
+            or not isinstance(types, list) or len(types) != len(tokens) \
+            or not all(isinstance(k, int) for k in types) \
+            or not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+        raise GGUFError(f"{path}: its tokenizer metadata is damaged (tokenizer.ggml.tokens, "
+                        "token_type or merges is not a list of the right kind and length). "
+                        "Download or export the file again.")
+    try:
+        backend = _HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                                          merges=[tuple(m.split(" ", 1)) for m in merges],
+                                          ignore_merges=pre == "llama-bpe"))
+    except Exception as err:  # the tokenizers library raises its own Exception
+        raise GGUFError(f"{path}: its tokenizer metadata cannot be built into a tokenizer "
+                        f"({err}). Download or export the file again.") from None
     backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
     if pre == "qwen2":
         backend.normalizer = normalizers.NFC()  # as Qwen's tokenizer.json does
@@ -282,7 +418,8 @@ def gguf_tokenizer(path: "str | os.PathLike | GGUFFile") -> Tokenizer:
     eot = token("eot_token_id")
     return Tokenizer(backend, bos if add_bos else None, eos, pad, config,
                      chat_template=meta.get("tokenizer.chat_template"),
-                     stop_ids=[eot] if eot is not None else ())
+                     stop_ids=[eot] if eot is not None else (),
+                     template_origin=f"{path} (tokenizer.chat_template)")
 
 
 # ---- out --------------------------------------------------------------------------------

@@ -11,11 +11,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .. import files
 from ..atomic import write_atomically  # noqa: F401  (checkpoint.py imports it from here)
 from ..peft import dequantize, to_nf4
 from .config import ModelConfig
 from .decoder import CausalLM
-from .filling import empty_model, fill_model, release_freed_heap
+from .filling import check_finite, empty_model, fill_model, release_freed_heap
 
 # safetensors dtype names -> torch (https://github.com/huggingface/safetensors, format spec)
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -27,19 +28,25 @@ CAST_CHUNK_BYTES = 16 << 20  # source bytes read per step when casting: the only
 def _weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        absent = [s for s in shards if not (folder / s).exists()]
+        weight_map = files.read_json(index, "safetensors index", "index_bytes").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise files.FileRefused(f"{index} has no weight_map of tensor names to file names: "
+                                    "it is damaged. Download the checkpoint again.")
+        shards = [files.inside(folder, s, "weight shard") for s in sorted(set(weight_map.values()))]
+        absent = [s.name for s in shards if not s.exists()]
         if absent:
             raise FileNotFoundError(f"{index} names shards that are not there: {', '.join(absent)}. "
                                     "Download or copy the whole checkpoint.")
-        return [folder / s for s in shards]
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
+    else:
+        shards = [files.inside(folder, p.name, "weight file") for p in sorted(folder.glob("*.safetensors"))]
+    if not shards:
         pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
         hint = (f" It holds {', '.join(pickles)}: nbtune never loads pickle files; convert "
                 "them to safetensors first.") if pickles else ""
         raise FileNotFoundError(f"No *.safetensors weights in {folder}.{hint}")
-    return files
+    for shard in shards:
+        files.regular_file(shard, "safetensors", "gguf_bytes")
+    return shards
 
 
 def _entries(file: Path) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
@@ -139,7 +146,13 @@ def folder_weights(folder: Path, config: ModelConfig, expected: dict, dtype: tor
                     raise ValueError(
                         f"{key} in {file.name} has shape {shape} but config.json "
                         f"implies {tuple(expected[key].shape)}: config and weights disagree.")
-                yield key, _read_tensor(f, begin, src_dtype, shape, dtype, buffer).to(device)
+                if not src_dtype.is_floating_point:
+                    raise ValueError(f"{key} in {file} is stored as {src_dtype} integers, but model "
+                                     "weights are floating point: the file is damaged or not "
+                                     "these weights. Download it again.")
+                tensor = _read_tensor(f, begin, src_dtype, shape, dtype, buffer)
+                check_finite(key, tensor, file)
+                yield key, tensor.to(device)
 
 
 def plain_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:

@@ -1,17 +1,21 @@
 """tokenizer.json through the `tokenizers` library, with the special tokens a trainer needs
-and the model's chat template, rendered with jinja2 the way transformers renders it."""
+and the model's chat template, rendered with jinja2 the way transformers renders it.
+
+The files come from strangers: they are read through ``nbtune.files`` (regular files of
+bounded size, inside the model folder), and the chat template is compiled and rendered within
+the budget of ``template.py``.
+"""
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Iterable
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+
+from .. import files
+from .template import ChatTemplate, TemplateBudgetError, compile_chat_template  # noqa: F401
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves (and first looks for) it
 # The named special tokens transformers hands to a chat template (its SPECIAL_TOKENS_ATTRIBUTES).
@@ -23,8 +27,27 @@ def _token_text(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
+def _read_json(folder: Path, name: str, what: str, limit_name: str) -> dict:
+    """A JSON object file of the model folder through the trust boundary; {} when absent."""
+    path = files.inside(folder, name, what)
+    return files.read_json(path, what, limit_name) if path.exists() else {}
+
+
+def _backend(path: Path) -> _HFTokenizer:
+    """tokenizer.json through ``nbtune.files``; a file the `tokenizers` library cannot read is
+    nbtune's error naming the file (the library raises a bare Exception, or a Rust panic)."""
+    text = files.read_text(path, "tokenizer file", "json_bytes")
+    try:
+        return _HFTokenizer.from_str(text)
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as err:  # noqa: BLE001 -- pyo3's PanicException is a BaseException
+        files.parse_json(text, path, "tokenizer file")  # not JSON at all: says where it breaks
+        reason = " ".join(str(err).split())[:300]
+        raise files.FileRefused(
+            f"{path} is not a tokenizer file the tokenizers library can read ({reason}). It is "
+            "damaged or truncated: download it again (or save it again with transformers' "
+            "save_pretrained); if a newer transformers wrote it, upgrade tokenizers.") from None
 
 
 def _config_template(cfg: dict) -> str | None:
@@ -43,35 +66,6 @@ def _ids(value) -> list[int]:
     return list(value) if isinstance(value, list) else [value]
 
 
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile like transformers' ``_compile_jinja_template`` so templates render identically.
-
-    The sandbox matters: templates come from the Hub and are untrusted code. ``tojson`` is
-    replaced because jinja's own escapes HTML characters, which transformers' does not.
-    """
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    def strftime_now(format):
-        return datetime.now().strftime(format)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as err:
-        raise ValueError(f"The chat template is not valid Jinja (line {err.lineno}: {err.message}); "
-                         "fix chat_template in tokenizer_config.json or chat_template.jinja.") from err
-
-
 class Tokenizer:
     """Encode/decode, the BOS / EOS / padding / stop ids and the chat template of one model.
 
@@ -83,7 +77,8 @@ class Tokenizer:
 
     def __init__(self, backend: _HFTokenizer, bos_id: int | None, eos_id: int | None,
                  pad_id: int | None = None, config: dict | None = None, *,
-                 chat_template: str | None = None, stop_ids: Iterable[int] = ()) -> None:
+                 chat_template: str | None = None, stop_ids: Iterable[int] = (),
+                 template_origin: str | None = None) -> None:
         if eos_id is None:
             raise ValueError("The tokenizer has no end-of-sequence token: set eos_token in "
                              "tokenizer_config.json so generation knows where to stop.")
@@ -92,7 +87,8 @@ class Tokenizer:
         self.pad_id = pad_id if pad_id is not None else eos_id
         self.config = dict(config or {})
         self.stop_ids = frozenset([eos_id, *stop_ids])
-        self.chat_template = chat_template if chat_template is not None else _config_template(self.config)
+        self.set_chat_template(chat_template if chat_template is not None
+                               else _config_template(self.config), template_origin)
 
     @property
     def chat_template(self) -> str | None:
@@ -101,8 +97,18 @@ class Tokenizer:
 
     @chat_template.setter
     def chat_template(self, source: str | None) -> None:
-        # Compiled once here, not per row: compiling costs far more than rendering.
-        self._compiled = compile_chat_template(source) if source is not None else None
+        self.set_chat_template(source)
+
+    def set_chat_template(self, source: str | None, origin: str | None = None) -> None:
+        """Compile ``source`` (once here, not per row: compiling costs far more than rendering);
+        ``origin`` names where it came from (a file) in the errors of its budget."""
+        if source is not None and not isinstance(source, str):
+            kind = {bool: "true/false", int: "number", float: "number", dict: "JSON object",
+                    list: "JSON array"}.get(type(source), type(source).__name__)
+            raise files.FileRefused(f"{origin or 'chat_template'}: the chat template is a {kind}, "
+                                    "not text. Fix chat_template in tokenizer_config.json, or "
+                                    "download the file again.")
+        self._compiled = compile_chat_template(source, origin) if source is not None else None
         self._chat_template = source
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -126,29 +132,37 @@ class Tokenizer:
     @classmethod
     def from_folder(cls, folder: str | Path) -> "Tokenizer":
         folder = Path(folder)
-        path = folder / "tokenizer.json"
+        path = files.inside(folder, "tokenizer.json", "tokenizer file")
         if not path.exists():
             raise FileNotFoundError(f"No tokenizer.json in {folder}; nbtune reads the fast "
                                     "tokenizer format only.")
-        backend = _HFTokenizer.from_file(str(path))
-        cfg = _read_json(folder / "tokenizer_config.json")
-        model_cfg = _read_json(folder / "config.json")
-        gen_cfg = _read_json(folder / "generation_config.json")
-        template_file = folder / CHAT_TEMPLATE_FILE  # takes priority, as in transformers 5
-        template = (template_file.read_text(encoding="utf-8") if template_file.exists()
-                    else _config_template(cfg))
+        backend = _backend(path)
+        cfg = _read_json(folder, "tokenizer_config.json", "tokenizer config", "json_bytes")
+        model_cfg = _read_json(folder, "config.json", "config.json", "config_bytes")
+        gen_cfg = _read_json(folder, "generation_config.json", "generation config", "config_bytes")
+        template_file = files.inside(folder, CHAT_TEMPLATE_FILE, "chat template")
+        if template_file.exists():  # takes priority, as in transformers 5
+            data = files.read_bytes(template_file, "chat template", "template_bytes")
+            try:  # a byte-order mark is kept, as transformers keeps it
+                template = data.decode("utf-8")
+            except UnicodeDecodeError:  # nbtune's error, naming the file and the byte
+                template = files.read_text(template_file, "chat template", "template_bytes")
+            origin = str(template_file)
+        else:
+            template = _config_template(cfg)
+            origin = f"{folder / 'tokenizer_config.json'} (chat_template)"
 
         def token_id(name: str) -> int | None:
             text = _token_text(cfg.get(f"{name}_token"))
-            if text is not None and backend.token_to_id(text) is not None:
+            if isinstance(text, str) and backend.token_to_id(text) is not None:
                 return backend.token_to_id(text)
             value = model_cfg.get(f"{name}_token_id")
-            return value[0] if isinstance(value, list) else value
+            return (value[0] if value else None) if isinstance(value, list) else value
 
         bos = token_id("bos") if cfg.get("add_bos_token", True) else None
         stops = _ids(model_cfg.get("eos_token_id")) + _ids(gen_cfg.get("eos_token_id"))
         return cls(backend, bos, token_id("eos"), token_id("pad"), cfg, chat_template=template,
-                   stop_ids=stops)
+                   stop_ids=stops, template_origin=origin)
 
     @property
     def vocab_size(self) -> int:

@@ -465,8 +465,9 @@ def write_file_atomically(path: str | os.PathLike, content: str | bytes,
             raise FileExistsError(f"{path} exists and was not written by nbtune: it is left as "
                                   "it is. Choose another path, or move the file away first.")
     data = content.encode("utf-8") if isinstance(content, str) else content
+    mode = stat.S_IMODE(os.stat(path).st_mode) if os.path.lexists(path) else 0o666  # as before
     tmp = path.with_name(_temp_name(path.name, TMP_TAG))
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -477,4 +478,9 @@ def write_file_atomically(path: str | os.PathLike, content: str | bytes,
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    parent = _open_dir(path.parent)
+    with contextlib.suppress(OSError):  # the rename itself reaches the disk
+        if parent is not None:
+            os.fsync(parent)
+    _close(parent)
     return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -135,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return run_train(args, parser)
     except BAD_INPUT as err:  # a file's content, a path or a setting: no traceback
+        if os.environ.get("NBTUNE_DEBUG") == "1" or (isinstance(err, OSError) and err.filename is None):
+            raise  # asked for, or not about a path (a network error): the traceback helps
         print(f"nbtune {args.command}: {_one_message(err)}", file=sys.stderr)
         return 2
     return 2
@@ -142,11 +145,12 @@ def main(argv: list[str] | None = None) -> int:
 
 # What bad input raises: nbtune's own errors (all ValueError) and the operating system's
 # refusals of a path (missing, read-only, too long, a file where a folder is needed).
+# NBTUNE_DEBUG=1 shows the traceback instead.
 BAD_INPUT = (ValueError, OSError)
 
 
 def _one_message(err: BaseException) -> str:
-    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+    if isinstance(err, OSError) and err.strerror:
         return (f"{err.filename}: {err.strerror}. Check the path, that its folder exists and is "
                 "writable, and that the name is not too long.")
     return str(err)

@@ -287,7 +287,8 @@ def load_examples(path: str | Path) -> list[Example]:
     except OSError as err:
         raise DataError(f"{path}: cannot read the data file ({err.strerror or err}). Check that "
                         "it is a readable file.") from err
-    _check_lines(path, raw)
+    if path.suffix != ".json":  # JSON Lines: one row a line (a .json list may be one line)
+        _check_lines(path, raw)
     text = _decode(path, raw)
     if path.suffix == ".json":
         try:

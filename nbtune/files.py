@@ -13,7 +13,6 @@ Standard library only: the loaders import this, never the other way round.
 from __future__ import annotations
 
 import json
-import math
 import os
 import stat
 from pathlib import Path
@@ -31,9 +30,10 @@ LIMITS: dict[str, tuple[int, str]] = {
     "template_bytes": (1 * MiB, "chat templates: the longest real ones are ~20 KiB"),
     "run_file_bytes": (1 * MiB, "a run file is a page of YAML"),
     "run_file_nodes": (10_000, "YAML nodes in a run file: aliases can multiply a tiny file"),
-    "data_bytes": (64 * GiB, "a dataset file; read row by row, so only its rows count"),
+    "data_bytes": (8 * GiB, "a dataset file is read whole into memory; split a larger one"),
     "row_bytes": (16 * MiB, "one JSONL row: far above any seq_len; the tokenizer encodes it whole"),
     "gguf_bytes": (1 << 40, "a GGUF file: a 405B model in f16 is ~800 GiB"),
+    "weights_bytes": (1 << 40, "one safetensors file: shards are ~5 GiB, a whole 405B ~800 GiB"),
     "gguf_array_items": (1 << 24, "a GGUF metadata array: a 256k vocabulary has 2.6e5 tokens"),
     "gguf_string_bytes": (16 * MiB, "one GGUF metadata string: a chat template is ~20 KiB"),
     # model dimensions (config.json or GGUF metadata)
@@ -100,8 +100,8 @@ def regular_file(path, what: str, limit_name: str) -> int:
                           "only. Give the path of the file itself.")
     cap, why = LIMITS[limit_name]
     if info.st_size > cap:
-        raise FileRefused(f"{path} is {_size(info.st_size)}, more than a {what} can plausibly be "
-                          f"(limit {_size(cap)}: {why}). It is damaged or not a {what}.")
+        raise FileRefused(f"{path} is {_size(info.st_size)}, more than nbtune reads as a {what} "
+                          f"file (limit {_size(cap)}: {why}).")
     return info.st_size
 
 
@@ -149,41 +149,33 @@ def read_json(path, what: str, limit_name: str = "config_bytes", kind: type | No
 
 
 def root_of(folder) -> Path:
-    """Where links in ``folder`` may point: the folder itself, or for a Hugging Face cache
-    snapshot (``models--org--name/snapshots/<rev>``, whose files link to ``../../blobs``)
+    """Where links in ``folder`` may point: the folder itself, or inside a Hugging Face cache
+    snapshot (``models--org--name/snapshots/<rev>/...``, whose files link to ``../../blobs``)
     the repository's cache folder."""
     folder = Path(folder).resolve()
-    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
-        return folder.parent.parent
+    for parent in folder.parents:
+        if parent.name == "snapshots" and parent.parent.name.startswith("models--"):
+            return parent.parent
     return folder
 
 
-def inside(folder, name, what: str) -> Path:
-    """``folder / name``, refused if the name or a link it follows leads outside ``folder``
-    (a crafted index or template could otherwise read any file on the machine)."""
+def inside(folder, name, what: str, links: bool = False) -> Path:
+    """``folder / name``, refused if the name leads outside ``folder`` (``..``, an absolute
+    path: a crafted index could otherwise point anywhere) or, unless ``links``, if a link it
+    follows does. ``links=True`` is for weights, which download tools link into their cache
+    (``snapshot_download(local_dir=...)``) and which must parse as safetensors anyway; text
+    that could leak into a prompt (a chat template) must really lie inside."""
     folder = Path(folder)
-    if not isinstance(name, str) or not name or os.path.isabs(name) or "\x00" in name:
+    if not isinstance(name, str) or not name or os.path.isabs(name) or "\x00" in name \
+            or ".." in Path(name).parts:
         raise FileRefused(f"{folder}: the {what} {name!r} is not a file name inside the folder. "
                           "The folder is damaged or crafted.")
     path = folder / name
+    if links:
+        return path
     root = root_of(folder)
     resolved = path.resolve()
     if resolved != root and root not in resolved.parents:
         raise FileRefused(f"{path}: the {what} leads outside {folder} (to {resolved}). nbtune "
                           "reads only files inside the model folder; copy the file in.")
     return path
-
-
-def check_dimension(name: str, value, source) -> None:
-    """A model dimension refused when no real model could have it."""
-    cap, why = LIMITS[name]
-    if isinstance(value, int) and not isinstance(value, bool) and value > cap:
-        raise FileRefused(f"{source}: {name} is {value}, larger than any real model's (limit "
-                          f"{cap}: {why}). The config is damaged or crafted.")
-
-
-def check_positive_number(name: str, value, source) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value <= 0:
-        raise FileRefused(f"{source}: {name} is {value!r}, but it must be a positive finite "
-                          "number. Fix it in the config or download the file again.")

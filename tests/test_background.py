@@ -3,6 +3,7 @@ steps in order, the final state equal to the same changes made between synchrono
 and every command that would race with the training thread refused."""
 
 import _thread
+import signal
 import threading
 import time
 
@@ -171,10 +172,16 @@ def test_an_error_in_the_thread_ends_the_run_and_leaves_the_twin_state(monkeypat
 
 
 def test_ctrl_c_while_waiting_stops_the_run():
+    # A shell starts background jobs with SIGINT ignored, and then interrupt_main does nothing:
+    # give the test the handler a terminal has, so it cannot wait for ever.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     s = small_session()
     run = s.start(10_000)
     threading.Timer(0.5, _thread.interrupt_main).start()
-    reports = run.wait()
+    try:
+        reports = run.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert not run.running and run.stopped and reports == run.reports
     assert len(s.history) == len(reports)
 

@@ -341,6 +341,7 @@ HOSTILE = {
     "power_tower": ("{{ 9**(9**9) }}", {"template_int_bits"}),
     "integer_squaring": ("{% set ns = namespace(x=3) %}{% for i in range(64) %}"
                          "{% set ns.x = ns.x * ns.x %}{% endfor %}", {"template_int_bits"}),
+    "range_past_the_sandbox": ("{% for i in range(10**6) %}{% endfor %}", {"template_steps"}),
     "nested_ranges": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
                       "{% endfor %}", {"template_steps", "template_render_ms"}),
     "nested_ranges_writing": ("{% for i in range(100000) %}{% for j in range(100000) %}{{ j }}"
@@ -443,11 +444,12 @@ def test_a_template_linked_from_outside_the_folder_is_refused(tokenizer_folder, 
     (folder / "chat_template.jinja").symlink_to(outside)
     with pytest.raises(files.FileRefused, match="chat_template.jinja: the chat template leads outside"):
         Tokenizer.from_folder(folder)
+    # tokenizer.json may link out (snapshot_download(local_dir=...) links it into the cache):
+    # it is parsed, never shown, so only a template must really lie inside
     (folder / "chat_template.jinja").unlink()
     (folder / "tokenizer.json").rename(tmp_path / "tokenizer.json")
     (folder / "tokenizer.json").symlink_to(tmp_path / "tokenizer.json")
-    with pytest.raises(files.FileRefused, match="tokenizer.json: the tokenizer file leads outside"):
-        Tokenizer.from_folder(folder)
+    assert Tokenizer.from_folder(folder).encode("hi") == Tokenizer.from_folder(tokenizer_folder).encode("hi")
 
 
 def test_a_hugging_face_cache_snapshot_may_link_to_its_blobs(tokenizer_folder, tmp_path):

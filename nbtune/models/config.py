@@ -113,11 +113,11 @@ class ModelConfig:
             )
         for name, limit in DIMENSION_LIMITS.items():  # before any size is computed from them
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} is {value!r}, but it must be a positive whole number.")
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:  # config.json's names
+                raise ValueError(f"{limit} is {value!r}, but it must be a positive whole number.")
             cap, why = files.LIMITS[limit]
             if value > cap:
-                raise ValueError(f"{name} is {value}, larger than any real model's (limit {cap}: "
+                raise ValueError(f"{limit} is {value}, larger than any real model's (limit {cap}: "
                                  f"{why}); the config is damaged or crafted.")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(

@@ -227,7 +227,7 @@ def check_layout(path: Path) -> None:
             count = 1
             for n in shape:
                 count *= n
-            if not all(shape) or count % block or count > size:
+            if not all(shape) or count % block or count // block * type_size > size:
                 raise bad(f"tensor {name!r} has shape {list(shape)}, which is empty, not a whole "
                           f"number of {ggml.name} blocks, or larger than the file")
             spans.append((offset, offset + count // block * type_size, name))
@@ -406,7 +406,7 @@ def gguf_tokenizer(path: "str | os.PathLike | GGUFFile") -> Tokenizer:
 
     def token(key: str) -> int | None:
         value = meta.get(f"tokenizer.ggml.{key}")
-        return int(value) if value is not None and 0 <= value < len(tokens) else None
+        return value if isinstance(value, int) and 0 <= value < len(tokens) else None
 
     bos, eos, pad, unk = token("bos_token_id"), token("eos_token_id"), token("padding_token_id"), \
         token("unknown_token_id")

@@ -32,20 +32,21 @@ def _weight_files(folder: Path) -> list[Path]:
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise files.FileRefused(f"{index} has no weight_map of tensor names to file names: "
                                     "it is damaged. Download the checkpoint again.")
-        shards = [files.inside(folder, s, "weight shard") for s in sorted(set(weight_map.values()))]
+        shards = [files.inside(folder, s, "weight shard", links=True)
+                  for s in sorted(set(weight_map.values()))]
         absent = [s.name for s in shards if not s.exists()]
         if absent:
             raise FileNotFoundError(f"{index} names shards that are not there: {', '.join(absent)}. "
                                     "Download or copy the whole checkpoint.")
     else:
-        shards = [files.inside(folder, p.name, "weight file") for p in sorted(folder.glob("*.safetensors"))]
+        shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
         hint = (f" It holds {', '.join(pickles)}: nbtune never loads pickle files; convert "
                 "them to safetensors first.") if pickles else ""
         raise FileNotFoundError(f"No *.safetensors weights in {folder}.{hint}")
     for shard in shards:
-        files.regular_file(shard, "safetensors", "gguf_bytes")
+        files.regular_file(shard, "safetensors", "weights_bytes")
     return shards
 
 
@@ -90,25 +91,30 @@ def _read_into(f, target: torch.Tensor) -> None:
 
 
 def _read_tensor(f, offset: int, src: torch.dtype, shape: tuple[int, ...],
-                 dtype: torch.dtype, buffer: torch.Tensor) -> torch.Tensor:
+                 dtype: torch.dtype, buffer: torch.Tensor, key: str = "") -> torch.Tensor:
     """One tensor read straight into its final dtype, with no full source-dtype copy.
 
     Plain reads go through the page cache, which the kernel may drop, not this process's
     memory. Without a cast the bytes land in the result itself; with one they pass through
     ``buffer`` (uint8), chunk by chunk. The caller keeps one buffer for the whole load: a
     fresh one per tensor leaves holes in the heap that outlive the load (+50% measured).
+    ``key``: check the stored values (before any cast) are finite, naming it in the error.
     """
     out = torch.empty(shape, dtype=dtype, device="cpu")
     flat = out.view(-1)
     f.seek(offset)
     if src == dtype:
         _read_into(f, flat)
+        if key:
+            check_finite(key, flat, f.name)
         return out
     buffer = buffer.view(src)
     step = buffer.numel()
     for start in range(0, flat.numel(), step):
         part = buffer[: min(step, flat.numel() - start)]
         _read_into(f, part)
+        if key:
+            check_finite(key, part, f.name)
         flat[start:start + part.numel()].copy_(part)
     return out
 
@@ -150,9 +156,7 @@ def folder_weights(folder: Path, config: ModelConfig, expected: dict, dtype: tor
                     raise ValueError(f"{key} in {file} is stored as {src_dtype} integers, but model "
                                      "weights are floating point: the file is damaged or not "
                                      "these weights. Download it again.")
-                tensor = _read_tensor(f, begin, src_dtype, shape, dtype, buffer)
-                check_finite(key, tensor, file)
-                yield key, tensor.to(device)
+                yield key, _read_tensor(f, begin, src_dtype, shape, dtype, buffer, key).to(device)
 
 
 def plain_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:

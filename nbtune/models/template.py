@@ -995,6 +995,11 @@ class ChatTemplate:
             return "".join(parts)
         except RecursionError:
             raise budget.refuse("recurses deeper than Python allows", "template_depth") from None
+        except OverflowError as err:
+            if "Range too big" not in str(err):  # jinja's sandbox refuses long range() so
+                self._env.handle_exception()
+            raise budget.refuse("asks for a range longer than jinja's sandbox allows",
+                                "template_steps", "100,000 items in one range") from None
         except TemplateBudgetError:
             raise
         except Exception:

@@ -82,6 +82,17 @@ class Tokenizer:
         if eos_id is None:
             raise ValueError("The tokenizer has no end-of-sequence token: set eos_token in "
                              "tokenizer_config.json so generation knows where to stop.")
+        size = backend.get_vocab_size(with_added_tokens=True)
+        stop_ids = list(stop_ids)
+        named = {"bos": bos_id, "eos": eos_id, "pad": pad_id,
+                 **{f"stop ({i})": v for i, v in enumerate(stop_ids)}}
+        for name, value in named.items():  # an id past the vocabulary indexes past the embedding
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value < size):
+                raise ValueError(f"The tokenizer's {name} token id is {value!r}, which is not a "
+                                 f"token of its {size}-token vocabulary: config.json, "
+                                 "generation_config.json or tokenizer_config.json is damaged. "
+                                 "Download the model's files again.")
         self.backend = backend
         self.bos_id, self.eos_id = bos_id, eos_id
         self.pad_id = pad_id if pad_id is not None else eos_id
@@ -132,7 +143,7 @@ class Tokenizer:
     @classmethod
     def from_folder(cls, folder: str | Path) -> "Tokenizer":
         folder = Path(folder)
-        path = files.inside(folder, "tokenizer.json", "tokenizer file")
+        path = files.inside(folder, "tokenizer.json", "tokenizer file", links=True)  # parsed, never shown
         if not path.exists():
             raise FileNotFoundError(f"No tokenizer.json in {folder}; nbtune reads the fast "
                                     "tokenizer format only.")

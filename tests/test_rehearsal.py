@@ -238,6 +238,7 @@ def test_loading_reads_one_tensor_at_a_time(tmp_path):
     size: checked on the tiny model's folder, each tensor sent to the stand-in device."""
     from nbtune.models import demo_model_dir
     from nbtune.models.config import ModelConfig
+    from nbtune.models.filling import CHECK_BYTES
     from nbtune.models.hf import CAST_CHUNK_BYTES, empty_model, folder_weights
 
     folder = demo_model_dir()
@@ -247,7 +248,7 @@ def test_loading_reads_one_tensor_at_a_time(tmp_path):
     with host_bytes() as reading:  # each weight goes to the stand-in device as it is read
         moved = dict(folder_weights(folder, config, expected, torch.bfloat16, "meta"))
     assert moved.keys() == expected.keys()
-    assert reading.peak <= largest + CAST_CHUNK_BYTES
+    assert reading.peak <= largest + CAST_CHUNK_BYTES + CHECK_BYTES  # the NaN check: scalars only
     predicted = nt.estimate(config, nt.Techniques(dtype="bf16", batch_size=1, seq_len=32),
                             device="cuda").host
-    assert predicted.loading == largest + CAST_CHUNK_BYTES
+    assert predicted.loading == largest + CAST_CHUNK_BYTES + CHECK_BYTES

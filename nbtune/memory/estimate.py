@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from ..models.config import ModelConfig
+from ..models.filling import CHECK_BYTES
+from ..models.hf import CAST_CHUNK_BYTES
 from ..models.decoder import CausalLM
 from ..techniques import PAGED_OPTIMIZERS, Techniques, as_techniques
 from .accounting import optimizer_state_bytes, parameter_bytes
@@ -239,9 +241,10 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
         paged=step.outside if cuda else 0,
         cpu_optimizer=cpu_optimizer,
         undo=undo,
-        # one tensor at a time, in the training dtype (plus the cast's 16 MiB chunk); on a CPU
-        # the loaded weights stay (they are the step's parameters, counted in ``step``)
-        loading=largest + (16 << 20),
+        # one tensor at a time, in the training dtype (plus the cast's 16 MiB chunk and the
+        # finiteness check's scalars); on a CPU the loaded weights stay (they are the step's
+        # parameters, counted in ``step``)
+        loading=largest + CAST_CHUNK_BYTES + CHECK_BYTES,
         # safetensors moves a file's CUDA tensors to the host together: the largest file
         # (a checkpoint is written in files of at most PART_BYTES, or one larger tensor)
         checkpoint=max(_part(weights_file, largest), _part(state - step.outside, largest * 2))

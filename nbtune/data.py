@@ -416,16 +416,6 @@ class Sample:
     positions: torch.Tensor | None = None  # [T] position within its own example (packed)
 
 
-_LONGEST: list = [None, 1]  # [the last tokenizer backend asked about, its longest token]
-
-
-def _longest_token(tokenizer: Tokenizer) -> int:
-    """Characters in the vocabulary's longest token (remembered for the last tokenizer)."""
-    if _LONGEST[0] is not tokenizer.backend:
-        _LONGEST[:] = [tokenizer.backend, max(map(len, tokenizer.backend.get_vocab()), default=1)]
-    return _LONGEST[1]
-
-
 def tokenize(example: Example, tokenizer: Tokenizer, seq_len: int) -> Sample | None:
     """Token ids and shifted labels, cut to ``seq_len``; None if no trained token survives."""
     if tokenizer.chat_template is not None:
@@ -439,7 +429,7 @@ def tokenize(example: Example, tokenizer: Tokenizer, seq_len: int) -> Sample | N
     # starts inside an assistant span. A text far longer than seq_len tokens can hold is cut
     # first (no token is longer than the longest in the vocabulary), so one huge row is not
     # encoded whole: the tokenizer's memory grows with it and can abort the process.
-    text = text[:(seq_len + 2) * _longest_token(tokenizer) + 4096]
+    text = text[:(seq_len + 2) * tokenizer.longest_token + 4096]
     ids, offsets = tokenizer.encode_with_offsets(text)
     trained = [any(lo <= start < hi for lo, hi in spans) for start, _ in offsets]
     trained += [True] * len(eos)

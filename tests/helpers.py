@@ -1,4 +1,8 @@
-"""Small builders shared by the tests: a tiny demo-shaped session on a few rows."""
+"""Small builders shared by the tests: a tiny demo-shaped session on a few rows, a torchrun job."""
+
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -35,3 +39,13 @@ def tiny_llama(folder, tie: bool, **save):
 
 def param_bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
+
+
+def torchrun(run_file, out, *flags):
+    """`nbtune train run_file` on two gloo ranks; must succeed."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", "-m", "nbtune", "train", str(run_file),
+                           "--out", str(out), *flags],
+                          capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    return done

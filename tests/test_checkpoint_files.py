@@ -6,8 +6,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ import nbtune.checkpoint
 from nbtune.checkpoint import CheckpointRefused
 from nbtune.distributed import Parallel, Sharding
 
-from helpers import small_session
+from helpers import small_session, torchrun
 
 RUN = ("demo: tiny\ntechniques: {batch_size: 4, seq_len: 96, lr: 1e-3}\n"
        "run: {steps: 4, checkpoint_every: 2, save: [hf]}\n")
@@ -81,15 +79,6 @@ def no_pickle_in(folder) -> list[str]:
 
 
 # ---- sharded, under torchrun: nothing is unpickled ------------------------------------------
-
-def torchrun(run_file, out, *flags):
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2", "-m", "nbtune", "train", str(run_file),
-                           "--out", str(out), *flags],
-                          capture_output=True, text=True, timeout=600, env={**os.environ})
-    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
-    return done
-
 
 def test_a_sharded_checkpoint_holds_no_pickle_and_a_planted_one_never_runs_on_resume(tmp_path):
     run_file = tmp_path / "run.yaml"

@@ -1,7 +1,6 @@
 """FSDP2 under torchrun, proven on CPU with two gloo ranks against one process on the same run file."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ from nbtune import cli, runfile
 from nbtune.distributed import Parallel, Sharding, check_sharding, shard_model
 from nbtune.models import demo_model_dir, load_model
 
-from helpers import tiny_llama
+from helpers import tiny_llama, torchrun
 
 RUN = "demo: tiny\ntechniques: {{{techniques}}}\nrun: {{steps: {steps}, checkpoint_every: 2, save: [hf]}}\n"
 FULL = "batch_size: 4, seq_len: 96, lr: 1e-3"
@@ -26,15 +25,6 @@ def run_file(tmp_path, techniques, steps=4):
     path = tmp_path / "run.yaml"
     path.write_text(RUN.format(techniques=techniques, steps=steps))
     return path
-
-
-def torchrun(path, out, *flags):
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2", "-m", "nbtune", "train", str(path),
-                           "--out", str(out), *flags],
-                          capture_output=True, text=True, timeout=600, env={**os.environ})
-    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
-    return done
 
 
 def metrics(out, name="metrics.jsonl"):

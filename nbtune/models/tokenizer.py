@@ -8,6 +8,7 @@ the budget of ``template.py``.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Iterable
@@ -15,7 +16,7 @@ from typing import Iterable
 from tokenizers import Tokenizer as _HFTokenizer
 
 from .. import files
-from .template import ChatTemplate, TemplateBudgetError, compile_chat_template  # noqa: F401
+from .template import compile_chat_template
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves (and first looks for) it
 # The named special tokens transformers hands to a chat template (its SPECIAL_TOKENS_ATTRIBUTES).
@@ -174,6 +175,12 @@ class Tokenizer:
         stops = _ids(model_cfg.get("eos_token_id")) + _ids(gen_cfg.get("eos_token_id"))
         return cls(backend, bos, token_id("eos"), token_id("pad"), cfg, chat_template=template,
                    stop_ids=stops, template_origin=origin)
+
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """Characters in the vocabulary's longest token: how much text ``n`` tokens can cover
+        at most (data cuts a huge row to that before encoding it)."""
+        return max(map(len, self.backend.get_vocab()), default=1)
 
     @property
     def vocab_size(self) -> int:

@@ -15,6 +15,7 @@ from .session import Session  # noqa: E402
 from .ladder import Ladder  # noqa: E402
 from .fitting import (CARDS, HOST_RAM, FitResult, fit, fit_badge, parse_budget,  # noqa: E402
                       parse_machine, relative_cost)
+from .longest import LongestContext, longest_context  # noqa: E402
 from .oom import OutOfMemory, SimulatedCard  # noqa: E402
 from .step import NonFiniteError, StepReport  # noqa: E402
 from .trainer import DamagedStateError, HostMemoryError  # noqa: E402
@@ -22,7 +23,7 @@ from .techniques import Techniques  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["BackgroundRun", "BusyError", "CARDS", "DamagedStateError", "DataError", "FitResult",
-           "HOST_RAM", "HostMemory", "HostMemoryError", "Ladder", "MemoryBreakdown", "ModelConfig",
+           "HOST_RAM", "HostMemory", "HostMemoryError", "Ladder", "LongestContext", "MemoryBreakdown", "ModelConfig",
            "NonFiniteError", "OutOfMemory", "Session", "SimulatedCard", "StepReport", "Techniques",
-           "estimate", "fit", "fit_badge", "load_model", "parse_budget", "parse_machine",
+           "estimate", "fit", "fit_badge", "load_model", "longest_context", "parse_budget", "parse_machine",
            "relative_cost", "save_model", "smollm2_path"]

@@ -18,6 +18,13 @@ def set_activation_checkpointing(model: nn.Module, every: int) -> int:
     return sum(layer.checkpointed for layer in layers)
 
 
+def set_tiling(model: nn.Module, tokens: int) -> None:
+    """Run each decoder layer's norm + MLP ``tokens`` tokens at a time (0: whole sequence),
+    each tile recomputed in backward (``decoder.tiled``)."""
+    for layer in model.model.layers:
+        layer.tile_tokens = tokens
+
+
 def set_compiled(model: nn.Module, on: bool) -> None:
     """torch.compile each decoder layer in place (names and weights unchanged), or undo it."""
     for layer in model.model.layers:

@@ -206,6 +206,9 @@ COSTS: dict[str, tuple[float, str]] = {
     "cpu_offload_adapters": (0.03, "rough: LoRA adapters are about 1% of the weights, little to move"),
     "chunked_loss": (0.01, "measured 2% faster compiled (8998 -> 9174); eager it adds a few launches: "
                            "nearly free"),
+    "tiling": (0.1, "rough: each tile's norm + MLP runs its forward once more in backward; the MLP is "
+                    "about 2/3 of a layer's forward at short sequences and less as attention grows "
+                    "with the sequence (measured by benchmarks/long_context.py)"),
     "optimizer_in_backward": (0.0, "measured 1% faster (7210 -> 7309): the same updates, made earlier"),
     "optimizer_8bit": (0.05, "measured +5% (7301 -> 6960 with 8-bit AdamW)"),
     "optimizer_4bit": (0.07, "rough: as 8-bit, with more unpacking"),
@@ -256,6 +259,8 @@ def cost_terms(t: Techniques, device: str = "cuda", *, num_layers: int | None = 
         out["cpu_offload_optimizer"] = COSTS[key][0]
     if t.chunked_loss > 1:
         out["chunked_loss"] = COSTS["chunked_loss"][0]
+    if t.tile_tokens and t.tile_tokens < t.seq_len:
+        out["tiling"] = COSTS["tiling"][0]
     if t.optimizer_in_backward:
         out["optimizer_in_backward"] = COSTS["optimizer_in_backward"][0]
     if t.optimizer in _EIGHT_BIT:
@@ -299,7 +304,7 @@ def relative_cost(t: Techniques, device: str = "cuda", *, num_layers: int | None
 # batch_size * grad_accum kept) leaves the maths as it was, up to float rounding order.
 PLACEMENT_FIELDS = frozenset({"activation_checkpointing", "chunked_loss", "batch_size", "grad_accum",
                               "optimizer_in_backward", "activation_offloading",
-                              "cpu_offload_optimizer", "compile"})
+                              "cpu_offload_optimizer", "compile", "tile_tokens"})
 # Same optimizer maths, different placement: paging moves state, it does not change it.
 _SAME_OPTIMIZER = {"paged_adamw8bit": "adamw8bit"}
 

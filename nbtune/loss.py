@@ -21,7 +21,10 @@ from torch.utils.checkpoint import checkpoint
 from .data import IGNORE
 
 
-def _chunk_loss(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _chunk_loss(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                norm: nn.Module | None = None) -> torch.Tensor:
+    if norm is not None:
+        hidden = norm(hidden)
     logits = lm_head(hidden).float()  # [B, t, V], upcast for a stable softmax
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
                            reduction="sum")
@@ -33,13 +36,25 @@ def _compiled_chunk_loss():
     return torch.compile(_chunk_loss)
 
 
+def loss_pieces(tokens: int, chunks: int = 0, tile_tokens: int = 0) -> int:
+    """How many pieces a sequence of ``tokens`` is taken in: ``chunks`` of it, or pieces of
+    at most ``tile_tokens`` (sequence tiling), whichever makes more."""
+    tiles = -(-tokens // tile_tokens) if tile_tokens else 0
+    return max(chunks, tiles, 1)
+
+
 def cross_entropy_sum(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
-                      chunks: int = 0, compiled: bool = False) -> torch.Tensor:
-    """Sum of token losses; ``hidden`` [B, T, D] is projected by ``lm_head`` in ``chunks`` parts."""
+                      chunks: int = 0, compiled: bool = False, *, norm: nn.Module | None = None,
+                      tile_tokens: int = 0) -> torch.Tensor:
+    """Sum of token losses; ``hidden`` [B, T, D] is projected by ``lm_head`` in
+    ``loss_pieces`` parts. ``norm`` (the final norm, when ``hidden`` is taken before it)
+    runs inside each part: in pieces, it keeps only its slice of ``hidden`` for backward
+    too, rather than a float32 copy of the whole sequence."""
     loss = _compiled_chunk_loss() if compiled else _chunk_loss
-    if chunks <= 1:
-        return loss(lm_head, hidden, labels)
+    pieces = loss_pieces(hidden.shape[1], chunks, tile_tokens)
+    if pieces <= 1:
+        return loss(lm_head, hidden, labels, norm)
     total = hidden.new_zeros((), dtype=torch.float32)
-    for h, y in zip(hidden.chunk(chunks, dim=1), labels.chunk(chunks, dim=1)):
-        total = total + checkpoint(loss, lm_head, h, y, use_reentrant=False)
+    for h, y in zip(hidden.chunk(pieces, dim=1), labels.chunk(pieces, dim=1)):
+        total = total + checkpoint(loss, lm_head, h, y, norm, use_reentrant=False)
     return total

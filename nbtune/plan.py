@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .activations import set_activation_checkpointing, set_compiled
+from .activations import set_activation_checkpointing, set_compiled, set_tiling
 from .models.filling import DTYPES
 from .peft import (NF4_BLOCK, apply_lora, cast_model, has_lora, is_nf4, merge_lora,
                    replace_adapters, set_lora_options)
@@ -19,7 +19,8 @@ from .techniques import Techniques
 
 # Which built component each toggle invalidates. Anything not listed is read live each step.
 REBUILDS_MODEL = frozenset({"dtype", "method", "lora_rank", "lora_targets"})
-RETUNES_MODEL = frozenset({"lora_alpha", "lora_dropout", "activation_checkpointing", "compile"})
+RETUNES_MODEL = frozenset({"lora_alpha", "lora_dropout", "activation_checkpointing", "tile_tokens",
+                           "compile"})
 REBUILDS_DATA = frozenset({"seq_len", "batch_size", "seed", "packing"})
 REBUILDS_OPTIMIZER = REBUILDS_MODEL | {"optimizer", "optimizer_in_backward", "cpu_offload_optimizer"}
 
@@ -83,6 +84,7 @@ def transform_model(model: nn.Module, new: Techniques, previous: Techniques | No
         elif new.method in ("lora", "qlora"):
             set_lora_options(model, new.lora_alpha, new.lora_dropout)
     set_activation_checkpointing(model, new.checkpoint_every)
+    set_tiling(model, new.tile_tokens)
     if previous is None or previous.compile != new.compile:
         set_compiled(model, new.compile)
     model.train()

@@ -11,7 +11,7 @@ from torch import nn
 
 from .activations import OffloadActivations
 from .data import IGNORE
-from .loss import cross_entropy_sum
+from .loss import cross_entropy_sum, loss_pieces
 from .memory import MemoryBreakdown, track_step
 from .optim import OptimizerInBackward
 
@@ -46,7 +46,7 @@ class EvalReport:
 
 
 def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
-                  loss_chunks: int = 0, optimizer: torch.optim.Optimizer | None = None,
+                  loss_chunks: int = 0, tile_tokens: int = 0, optimizer: torch.optim.Optimizer | None = None,
                   device: torch.device | None = None, track: bool = True) -> EvalReport:
     """Mean token loss over ``batches`` without gradients (eval mode: no dropout).
 
@@ -62,7 +62,8 @@ def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
     model.eval()
     try:
         with tracker as memory:
-            total = evaluate_sum(model, batches, memory, loss_chunks=loss_chunks, device=device)
+            total = evaluate_sum(model, batches, memory, loss_chunks=loss_chunks,
+                                 tile_tokens=tile_tokens, device=device)
     finally:
         model.train(was_training)
     return EvalReport(loss=float(total) / max(trained, 1), tokens=trained,
@@ -71,7 +72,8 @@ def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
 
 @torch.no_grad()
 def evaluate_sum(model: nn.Module, batches: list[dict[str, torch.Tensor]], memory, *,
-                 loss_chunks: int = 0, device: torch.device | None = None) -> torch.Tensor:
+                 loss_chunks: int = 0, tile_tokens: int = 0,
+                 device: torch.device | None = None) -> torch.Tensor:
     """Summed token loss of ``batches``, moved to ``device`` one at a time (a tensor: the
     estimator runs it on fake ones)."""
     total = torch.zeros((), dtype=torch.float32)
@@ -81,7 +83,8 @@ def evaluate_sum(model: nn.Module, batches: list[dict[str, torch.Tensor]], memor
             batch = {k: v.to(device) for k, v in batch.items()}
         hidden = model.hidden_states(batch["input_ids"], positions=batch.get("positions"),
                                      document_ids=batch.get("document_ids"))
-        total += cross_entropy_sum(model.lm_head, hidden, batch["labels"], loss_chunks).float().cpu()
+        total += cross_entropy_sum(model.lm_head, hidden, batch["labels"], loss_chunks,
+                                   tile_tokens=tile_tokens).float().cpu()
         del hidden
     return total
 
@@ -109,7 +112,7 @@ def finite_guard(step: int, lr: float):
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                micro_batches: list[dict[str, torch.Tensor]], pad_id: int, step: int, *,
-               loss_chunks: int = 0, offload_activations: bool = False,
+               loss_chunks: int = 0, tile_tokens: int = 0, offload_activations: bool = False,
                max_grad_norm: float = 0.0, compiled_loss: bool = False,
                track: bool = True, phase: list | None = None, critical=None,
                parallel=None, undo=None) -> StepReport:
@@ -136,6 +139,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     tracker = track_step(model, optimizer, *inputs) if track else _Untracked()
     with _Phases(tracker, phase if phase is not None else [None]) as memory:
         total = update(model, optimizer, micro_batches, trained, memory, loss_chunks=loss_chunks,
+                       tile_tokens=tile_tokens,
                        offload_activations=offload_activations, max_grad_norm=max_grad_norm,
                        compiled_loss=compiled_loss, guard=finite_guard(step, lr),
                        critical=critical, parallel=parallel, undo=undo)
@@ -195,7 +199,8 @@ class _Untracked(contextlib.nullcontext):
 
 def update(model: nn.Module, optimizer: torch.optim.Optimizer,
            micro_batches: list[dict[str, torch.Tensor]], trained: int, memory, *,
-           loss_chunks: int = 0, offload_activations: bool = False, max_grad_norm: float = 0.0,
+           loss_chunks: int = 0, tile_tokens: int = 0, offload_activations: bool = False,
+           max_grad_norm: float = 0.0,
            compiled_loss: bool = False, offload_to: str | None = None,
            guard=None, critical=None, parallel=None, undo=None) -> torch.Tensor:
     """The step's tensor work, telling ``memory`` its phases; returns the loss (a tensor).
@@ -212,18 +217,21 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
     for batch in micro_batches:
         memory.before_forward()
         offload = OffloadActivations(model, to=offload_to) if offload_activations else None
+        pieces = loss_pieces(batch["input_ids"].shape[1], loss_chunks, tile_tokens)
         with offload or contextlib.nullcontext():
             hidden = model.hidden_states(batch["input_ids"], positions=batch.get("positions"),
-                                         document_ids=batch.get("document_ids"))
-            if loss_chunks <= 1:  # the whole batch's logits are saved: offloaded too
+                                         document_ids=batch.get("document_ids"),
+                                         normed=pieces <= 1)
+            if pieces <= 1:  # the whole batch's logits are saved: offloaded too
                 loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"], 0,
                                          compiled_loss) / trained
-        if loss_chunks > 1:
-            # Chunks are checkpointed: they save only their slice of ``hidden``, already held.
-            # (Under the offload hooks, recomputing a chunk on a LoRA model failed torch's
-            # checkpoint metadata check.)
-            loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"], loss_chunks,
-                                     compiled_loss) / trained
+        if pieces > 1:
+            # Pieces are checkpointed: they save only their slice of ``hidden`` (taken before
+            # the final norm, which each piece applies), already held. (Under the offload
+            # hooks, recomputing a chunk on a LoRA model failed torch's checkpoint metadata
+            # check.)
+            loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"], pieces,
+                                     compiled_loss, norm=model.model.norm) / trained
         memory.after_forward()
         if undo is not None:
             undo.stage()

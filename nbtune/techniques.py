@@ -46,6 +46,9 @@ HELP = {
                              "memory, pays off with checkpointing on.",
     "chunked_loss": "Project to the vocabulary and take the loss N chunks at a time: the full "
                     "logits are never held at once (0 = off).",
+    "tile_tokens": "Sequence tiling: run each layer's norm + MLP, and the final norm, head and "
+                   "loss, N tokens at a time, recomputing each tile in backward: no "
+                   "[tokens, intermediate] tensor is ever whole, for long contexts (0 = off).",
     "compile": "torch.compile each layer and the loss: faster steps after a slow first one.",
     "max_grad_norm": "Clip the global gradient norm to this value (0 = no clipping).",
     "lora_rank": "Rank of the LoRA adapters: more capacity, more trainable weights.",
@@ -107,6 +110,7 @@ class Techniques:
     cpu_offload_optimizer: bool = False
     activation_offloading: bool = False
     chunked_loss: int = 0  # number of chunks the loss is taken in; 0 or 1 = in one go
+    tile_tokens: int = 0  # sequence tiling: MLP and loss this many tokens at a time; 0 = off
     compile: bool = False
     max_grad_norm: float = 0.0  # 0 = no clipping
     weight_decay: float = 0.0
@@ -155,7 +159,7 @@ class Techniques:
                        f"got {ac!r}.")
         if not isinstance(self.lora_dropout, (int, float)) or not 0.0 <= self.lora_dropout < 1.0:
             out.append(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}.")
-        for name in ("warmup_steps", "chunked_loss", "eval_every"):
+        for name in ("warmup_steps", "chunked_loss", "tile_tokens", "eval_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 out.append(f"{name} must be an int >= 0, got {value!r}.")
@@ -191,6 +195,8 @@ class Techniques:
             parts.append("activations offloaded")
         if self.chunked_loss > 1:
             parts.append(f"loss in {self.chunked_loss} chunks")
+        if self.tile_tokens:
+            parts.append(f"tiles of {self.tile_tokens} tokens")
         optimizer = {"adamw": "AdamW", "sgd": "SGD", "adamw8bit": "AdamW 8-bit",
                      "paged_adamw8bit": "paged AdamW 8-bit", "paged_adamw": "paged AdamW",
                      "ao_adamw8bit": "torchao AdamW 8-bit", "ao_adamw4bit": "torchao AdamW 4-bit"}

@@ -195,7 +195,8 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = t.lr_at(number)
             report = train_step(self.model, self.optimizer, batches, self.data.pad_id, step=number,
-                                loss_chunks=t.chunked_loss, offload_activations=t.activation_offloading,
+                                loss_chunks=t.chunked_loss, tile_tokens=t.tile_tokens,
+                                offload_activations=t.activation_offloading,
                                 max_grad_norm=t.max_grad_norm, compiled_loss=t.compile, track=track,
                                 phase=phase, critical=self._critical if undo is None else None,
                                 parallel=self.parallel, undo=undo)
@@ -239,6 +240,7 @@ class Trainer:
             if not batches:
                 return report
             result = held_out_loss(self.model, batches, loss_chunks=t.chunked_loss,
+                                   tile_tokens=t.tile_tokens,
                                    optimizer=self.optimizer, device=self.device,
                                    track=track or self._eval_peak is None)
         except BaseException as err:

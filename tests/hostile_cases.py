@@ -13,6 +13,7 @@ import json
 import math
 import os
 import struct
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -48,6 +49,7 @@ def run(name: str) -> dict:
                   "module": type(err).__module__, "message": str(err)}
     result["folder"] = str(folder)
     result["payload_ran"] = any(folder.rglob(MARKER)) or (Path(tempfile.gettempdir()) / MARKER).exists()
+    shutil.rmtree(folder, ignore_errors=True)  # the case's files, its symlinks not followed
     return result
 
 

@@ -36,7 +36,7 @@ def measured(config: ModelConfig, t: nt.Techniques, batch_size: int, seq_len: in
         batch["positions"] = torch.arange(seq_len).expand(batch_size, seq_len).contiguous()
     for _ in range(2):
         report = train_step(session.model, session.optimizer, [batch] * t.grad_accum, pad_id=-1,
-                            step=1, loss_chunks=t.chunked_loss,
+                            step=1, loss_chunks=t.chunked_loss, tile_tokens=t.tile_tokens,
                             offload_activations=t.activation_offloading,
                             max_grad_norm=t.max_grad_norm)
     return report.memory
@@ -53,6 +53,8 @@ TINY_COMBOS = [
     dict(packing=True, optimizer="sgd"),
     dict(optimizer="adamw8bit"),
     dict(dtype="bf16", optimizer="ao_adamw8bit"),
+    dict(tile_tokens=32, activation_checkpointing=True),
+    dict(method="lora", tile_tokens=40, chunked_loss=2),
 ]
 
 

@@ -198,9 +198,9 @@ def check_chunked_loss(session, ctx):
     widths = []
     original = nbtune.loss._chunk_loss
 
-    def counting(lm_head, hidden, labels):
+    def counting(lm_head, hidden, labels, *rest):
         widths.append(hidden.shape[1])
-        return original(lm_head, hidden, labels)
+        return original(lm_head, hidden, labels, *rest)
 
     ctx.monkeypatch.setattr(nbtune.loss, "_chunk_loss", counting)
     report = session.step()
@@ -209,6 +209,23 @@ def check_chunked_loss(session, ctx):
     assert max(widths) == math.ceil(T / ctx.value)  # no call ever saw the whole sequence
     # The forward chunks (the first ones; backward recomputes them) tile the sequence.
     assert sum(widths[: ctx.value]) == T
+
+
+def check_tile_tokens(session, ctx):
+    widths = {"mlp": [], "head": []}
+    hooks = [session.model.model.layers[-1].mlp.register_forward_pre_hook(
+                 lambda m, args: widths["mlp"].append(args[0].shape[1])),
+             session.model.lm_head.register_forward_pre_hook(
+                 lambda m, args: widths["head"].append(args[0].shape[1]))]
+    report = session.step()
+    for hook in hooks:
+        hook.remove()
+    T = report.shape[1]
+    assert T > ctx.value
+    # no call saw the whole sequence; forward covers it once, backward's recompute again
+    for seen in widths.values():
+        assert seen and max(seen) <= ctx.value and sum(seen) == 2 * T
+    assert max(widths["mlp"]) == ctx.value  # the MLP in tiles of exactly that, the last short
 
 
 def check_max_grad_norm(session, ctx):
@@ -318,6 +335,7 @@ TABLE: dict[str, Row] = {
     "cpu_offload_optimizer": Row(True, cuda_only=True),  # CUDA only: refused on CPU
     "activation_offloading": Row(True, check_activation_offloading, maths=False),
     "chunked_loss": Row(4, check_chunked_loss, maths=False),
+    "tile_tokens": Row(32, check_tile_tokens, maths=False),
     "compile": Row(True, cuda_only=True),  # CUDA only: refused on CPU
     "max_grad_norm": Row(0.05, check_max_grad_norm, base=SGD),
     "weight_decay": Row(20.0, check_weight_decay),

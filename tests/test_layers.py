@@ -27,7 +27,7 @@ LAYERS = [
     # 1. the state's forms on disk and across ranks
     ["distributed", "checkpoint"],
     # 2. prediction
-    ["memory.estimate", "oom", "fitting"],
+    ["memory.estimate", "oom", "fitting", "longest"],
     # 3. the training state
     ["trainer"],
     # 4. run control and what drives it (and the charts a ladder draws)

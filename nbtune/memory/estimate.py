@@ -337,6 +337,7 @@ def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int
         memory = CpuStepMemory(built, optimizer, *inputs, by_layer=by_layer)
         with memory:
             update(built, optimizer, batches, trained, memory, loss_chunks=t.chunked_loss,
+                   tile_tokens=t.tile_tokens,
                    offload_activations=t.activation_offloading,
                    max_grad_norm=t.max_grad_norm, offload_to=offload)
         eval_peak = 0
@@ -344,7 +345,8 @@ def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int
             evaluation = CpuStepMemory(built, optimizer, *inputs)
             built.eval()
             with evaluation:
-                evaluate_sum(built, batches[:1], evaluation, loss_chunks=t.chunked_loss)
+                evaluate_sum(built, batches[:1], evaluation, loss_chunks=t.chunked_loss,
+                             tile_tokens=t.tile_tokens)
             eval_peak = evaluation.result().peak
     return _FakeStep(dict(memory.segments), optimizer_state_bytes(optimizer),
                      parameter_bytes(built), optimizer_state_bytes(optimizer, torch.device("meta")),

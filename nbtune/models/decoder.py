@@ -180,6 +180,22 @@ class MLP(nn.Module):
         return self.down_proj(SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
 
 
+def tiled(fn, x: torch.Tensor, tile: int) -> torch.Tensor:
+    """``fn(x)`` for a position-wise ``fn``, ``tile`` tokens (dim -2) at a time.
+
+    With gradients on, each tile runs under non-reentrant checkpointing: forward keeps only
+    the tile's input (a view of ``x``) and backward recomputes the tile's intermediates when
+    it reaches them, so none of ``fn``'s ``[tokens, ...]`` temporaries (the MLP's
+    ``[tokens, intermediate]``) ever exists for the whole sequence. ``tile`` 0: in one go.
+    """
+    if not tile or x.shape[-2] <= tile:
+        return fn(x)
+    parts = x.split(tile, dim=-2)
+    if torch.is_grad_enabled():
+        return torch.cat([checkpoint(fn, part, use_reentrant=False) for part in parts], dim=-2)
+    return torch.cat([fn(part) for part in parts], dim=-2)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -189,6 +205,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         # Set by nbtune.activations: recompute this layer in backward instead of saving.
         self.checkpointed = False
+        # Set by nbtune.activations: run the norm + MLP this many tokens at a time (0: whole).
+        self.tile_tokens = 0
 
     def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None) -> torch.Tensor:
         if self.checkpointed and torch.is_grad_enabled():
@@ -197,7 +215,10 @@ class DecoderLayer(nn.Module):
 
     def _forward(self, x, cos, sin, mask, cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + tiled(self._feed_forward, x, self.tile_tokens)
+
+    def _feed_forward(self, x):
+        return self.mlp(self.post_attention_layernorm(x))
 
 
 class Backbone(nn.Module):
@@ -237,12 +258,13 @@ class CausalLM(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
                       document_ids: torch.Tensor | None = None,
-                      cache: KVCache | None = None) -> torch.Tensor:
+                      cache: KVCache | None = None, normed: bool = True) -> torch.Tensor:
         """Final-norm hidden states [B, T, D]; the loss projects them to the vocabulary.
 
         ``positions`` [B, T] and ``document_ids`` [B, T] describe packed sequences (each
         document restarts its positions and sees only itself); ``cache`` holds the keys
-        and values of earlier tokens during generation.
+        and values of earlier tokens during generation. ``normed=False`` leaves the final
+        norm to the caller (a chunked loss applies it chunk by chunk, with the head).
         """
         T = input_ids.shape[1]
         past = cache.length if cache is not None else 0
@@ -260,7 +282,7 @@ class CausalLM(nn.Module):
         cos, sin = rope_tables(self.config, positions, h.dtype)
         for layer in self.model.layers:
             h = layer(h, cos, sin, mask, cache)
-        return self.model.norm(h)
+        return self.model.norm(h) if normed else h
 
     def forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         return self.lm_head(self.hidden_states(input_ids, **kwargs))

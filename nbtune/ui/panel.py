@@ -66,6 +66,7 @@ def _controls(session) -> dict[str, w.ValueWidget]:
         "activation_checkpointing": slider(w.IntSlider, "checkpoint every N layers", min=0, max=layers),
         "activation_offloading": toggle("offload activations to CPU"),
         "chunked_loss": slider(w.IntSlider, "loss in N chunks", min=0, max=16),
+        "tile_tokens": slider(w.IntSlider, "tiles of N tokens", min=0, max=limit, step=16),
         "optimizer": w.Dropdown(options=OPTIMIZERS, description="optimizer", style=style, layout=wide(),
                                 description_allow_html=True),
         "optimizer_in_backward": toggle("optimizer step in backward"),
@@ -89,7 +90,8 @@ def _controls(session) -> dict[str, w.ValueWidget]:
 # Controls grouped by concern, one tab each.
 TABS = {"Method & adapter": ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
         "Precision": ("dtype", "compile"),
-        "Activations": ("activation_checkpointing", "activation_offloading", "chunked_loss"),
+        "Activations": ("activation_checkpointing", "activation_offloading", "chunked_loss",
+                        "tile_tokens"),
         "Optimizer": ("optimizer", "optimizer_in_backward", "cpu_offload_optimizer", "lr",
                       "warmup_steps", "weight_decay", "max_grad_norm"),
         "Batch": ("batch_size", "seq_len", "packing", "grad_accum"),

@@ -290,6 +290,7 @@ def worker_nbtune(shape, config, folder, steps, device, rollback="auto", track=F
         method=method, dtype=config.get("dtype", "fp32"), batch_size=shape["batch"],
         seq_len=shape["seq"], lr=LR, activation_checkpointing=bool(config.get("checkpointing")),
         chunked_loss=8 if config.get("chunked_loss") else 0,
+        tile_tokens=int(config.get("tile_tokens", 0)),  # long_context.py's sequence tiling
         optimizer_in_backward=bool(config.get("optimizer_in_backward")),
         activation_offloading=bool(config.get("offloading")),
         optimizer="adamw8bit" if config.get("adamw8bit") else "adamw",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -34,48 +36,102 @@ def set_compiled(model: nn.Module, on: bool) -> None:
             layer._compiled_call_impl = None  # what nn.Module.compile sets
 
 
+class _Parked:
+    """One saved tensor parked in host memory: where it came from, its host copy, the event
+    its copy ends at (CUDA), and its copy back to the device once prefetched."""
+
+    __slots__ = ("device", "host", "done", "index", "fetched", "__weakref__")
+
+    def __init__(self, device, host, done, index: int) -> None:
+        self.device, self.host, self.done, self.index = device, host, done, index
+        self.fetched = None  # (device tensor, event) once a prefetch has started
+
+
+def prefetch_window(index: int, packed: int, layers: int) -> range:
+    """Which parked tensors to start bringing back when tensor ``index`` (in pack order) is
+    unpacked: about one decoder layer's worth just before it, since backward goes through
+    the layers from the last to the first (``packed`` tensors were parked by ``layers``)."""
+    ahead = max(1, -(-packed // max(layers, 1)))
+    return range(max(0, index - ahead), index)
+
+
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """Within this context, tensors saved for backward are copied to CPU memory and the
     originals released; backward brings each back when it needs it.
 
     Parameters are never copied (they stay put anyway), nor tensors below ``min_bytes``.
-    On CUDA the copies go to pinned memory on a side stream, overlapping with compute; on
-    CPU there is nothing to gain, but the same copy path runs (and is what the CPU tests
-    prove equal). ``to="meta"`` (the estimator, on fake tensors) keeps only the shape:
-    the tensor leaves the device and comes back empty.
+    With checkpointing on, what is saved is each checkpointed layer's input (torch's
+    non-reentrant checkpoint saves its inputs through these hooks), so only those leave
+    the card. On CUDA the copies go to pinned memory on a side stream, overlapping with
+    compute, and backward prefetches: unpacking one tensor starts copying back the ones
+    saved just before it, about a layer's worth (``prefetch_window``), on the side stream,
+    so the next layer's input is on its way while this layer recomputes. On CPU there is
+    nothing to gain, but the same copy path runs (and is what the CPU tests prove equal).
+    ``to="meta"`` (the estimator, on fake tensors) keeps only the shape: the tensor leaves
+    the device and comes back empty, prefetched as on CUDA (so the device bytes of the
+    tensors in flight are counted).
     """
 
     def __init__(self, model: nn.Module, min_bytes: int = 1024, to: str | None = None) -> None:
         keep = {p.untyped_storage()._cdata for p in model.parameters()}
         device = next(model.parameters()).device
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        layers = len(getattr(getattr(model, "model", None), "layers", ())) or 1
+        parked: list = []  # weak references, in pack order: what backward may prefetch
+        self.log: list[tuple[str, int]] = []  # ("fetch" | "unpack", index): for the tests
 
         def pack(t: torch.Tensor):
             if (t.untyped_storage()._cdata in keep
                     or t.numel() * t.element_size() < min_bytes):
                 return t
             if to == "meta":
-                return (t.device, t.detach().to("meta"), None)
-            if stream is None:
-                return (t.device, t.detach().clone(), None)
-            stream.wait_stream(torch.cuda.current_stream(device))
+                entry = _Parked(t.device, t.detach().to("meta"), None, len(parked))
+            elif stream is None:
+                entry = _Parked(t.device, t.detach().clone(), None, len(parked))
+            else:
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    host.copy_(t, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                t.record_stream(stream)  # the allocator must not reuse t before the copy ends
+                entry = _Parked(t.device, host, done, len(parked))
+            parked.append(weakref.ref(entry))
+            return entry
+
+        def fetch(entry: _Parked) -> None:
+            """Start bringing ``entry`` back to its device (CUDA: on the side stream)."""
+            if entry.fetched is not None or (stream is None and to != "meta"):
+                return
+            self.log.append(("fetch", entry.index))
+            if to == "meta":
+                entry.fetched = (torch.empty_like(entry.host, device=entry.device), None)
+                return
             with torch.cuda.stream(stream):
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
-            t.record_stream(stream)  # the allocator must not reuse t before the copy ends
-            return (t.device, host, done)
+                stream.wait_event(entry.done)
+                back = entry.host.to(entry.device, non_blocking=True)
+                arrived = torch.cuda.Event()
+                arrived.record(stream)
+            entry.fetched = (back, arrived)
 
         def unpack(packed):
             if isinstance(packed, torch.Tensor):
                 return packed
-            device, host, done = packed
-            if host.device.type == "meta":
-                return torch.empty_like(host, device=device)
-            if done is None:
-                return host
-            torch.cuda.current_stream(device).wait_event(done)
-            return host.to(device, non_blocking=True)
+            self.log.append(("unpack", packed.index))
+            for i in prefetch_window(packed.index, len(parked), layers):
+                earlier = parked[i]()
+                if earlier is not None:
+                    fetch(earlier)
+            if stream is None and to != "meta":
+                return packed.host
+            fetch(packed)
+            back, arrived = packed.fetched
+            packed.fetched = None  # the device copy belongs to autograd from here on
+            if arrived is not None:
+                current = torch.cuda.current_stream(packed.device)
+                current.wait_event(arrived)
+                back.record_stream(current)  # made on the side stream, used on this one
+            return back
 
         super().__init__(pack, unpack)

@@ -3,9 +3,11 @@
 A step's memory is affine in the sequence length once attention is the linear kind (flash
 or memory-efficient kernels, no ``[T, T]`` mask): every activation is ``[tokens, ...]``. So
 two short estimates give the line, the line gives the answer, and one estimate at the
-answer confirms it. Where the line is not straight (a mask: packing, a sliding window) the
-confirming estimate does not fit and the search goes on between what fits and what does
-not, each new guess on the line through the last two estimates.
+answer confirms it (the line through it and the one before says one grain more does not
+fit). Where memory bends upwards (a mask: packing, a sliding window; temporaries that grow
+a little faster) the confirming estimate does not fit, and the search closes the gap
+between what fits and what does not to one grain, each guess on the line through the last
+two estimates.
 """
 
 from __future__ import annotations
@@ -100,9 +102,9 @@ def longest_context(model, card="RTX 3090", techniques: Techniques | dict | None
     ``host``: the host's memory where the card's usual one is not yours. ``techniques``
     (a Techniques or a dict of its fields) are kept as they are, ``seq_len`` aside.
     ``progress(tokens)`` is called before each estimate. Each estimate of an 8B model takes
-    seconds (longer at long sequences with small tiles): two short ones draw the line, one
-    lands near the answer and one a grain longer confirms it (``MAX_ESTIMATES`` at most;
-    then the longest seen to fit is the answer).
+    seconds (longer at long sequences with small tiles): two short ones draw the line and
+    one at the answer confirms it; where that one does not fit, what fits and what does not
+    is closed to one grain (``MAX_ESTIMATES`` at most; then the longest seen to fit).
     """
     config = resolve_config(model)
     t = as_techniques(techniques)
@@ -131,6 +133,7 @@ def longest_context(model, card="RTX 3090", techniques: Techniques | dict | None
                               host_room, kernel, note, len(tried), tried)
 
     lo, lo_memory, hi = 0, None, None  # the longest seen to fit, the shortest seen not to
+    binds = "card"  # which room the line reaches first
     guess = min(FIRST, ceiling)
     while True:
         memory, fits = measure(guess)
@@ -151,30 +154,37 @@ def longest_context(model, card="RTX 3090", techniques: Techniques | dict | None
         # room, kept strictly between what fits and what does not: once the line says the
         # answer is ``lo``, the next guess is one grain longer, which confirms it by not
         # fitting (memory a little convex in tokens is found exactly too, a grain at a time).
-        crossing = _on_the_line(tried[-2], tried[-1], room, host_room) // GRAIN * GRAIN
+        crossing, binds = _on_the_line(tried[-2], tried[-1], room, host_room)
+        crossing = crossing // GRAIN * GRAIN
+        if hi is None and tried[-2][3] and crossing <= lo:
+            # Both fit, and the line through them says one grain more does not: lo is the
+            # answer (a line drawn through two fitting points errs long where memory bends
+            # upwards, so it does not stop early there; a bracket is closed to the grain).
+            break
         guess = min(max(crossing, lo + GRAIN), ceiling)
         if hi is not None:
             guess = min(guess, hi - GRAIN)
     if not lo:
         return answer(0, memory, _binding(tried[-1], room, host_room))
     over = next((p for p in tried if p[0] == hi), None)
-    return answer(lo, lo_memory, _binding(over, room, host_room))
+    return answer(lo, lo_memory, _binding(over, room, host_room) if over else binds)
 
 
-def _on_the_line(a, b, room: int, host_room: int | None) -> int:
-    """The length where the line through estimates ``a`` and ``b`` (tokens, device bytes,
-    host bytes) reaches the device room or the host room, whichever comes first."""
+def _on_the_line(a, b, room: int, host_room: int | None) -> tuple[int, str]:
+    """(length, "card" or "host"): where the line through estimates ``a`` and ``b``
+    (tokens, device bytes, host bytes) first reaches the device room or the host room."""
     span = b[0] - a[0]
-    best = None
-    for i, limit in ((1, room), (2, host_room)):
+    best, which = 1 << 40, "card"
+    for i, name, limit in ((1, "card", room), (2, "host", host_room)):
         if limit is None:
             continue
         slope = (b[i] - a[i]) / span if span else 0
         if slope <= 0:
             continue
         at = b[0] + (limit - b[i]) / slope
-        best = at if best is None else min(best, at)
-    return int(best) if best is not None else 1 << 40
+        if at < best:
+            best, which = at, name
+    return int(best), which
 
 
 def _binding(point, room: int, host_room: int | None) -> str:

@@ -397,6 +397,16 @@ class Session:
         options.setdefault("device", "cuda")
         return fit(self.model.config, budget, self.planned, **options)
 
+    def longest_context(self, card="RTX 3090", **options):
+        """The longest ``seq_len`` the estimator predicts to fit ``card`` (as ``fit`` takes
+        it) with the current techniques (queued changes included), on CUDA unless
+        ``device=`` says otherwise; see ``nt.longest_context``. Use it with
+        ``session.set(seq_len=result.tokens)``."""
+        from .longest import longest_context
+
+        options.setdefault("device", "cuda")
+        return longest_context(self.model.config, card, self.planned, **options)
+
     @_command()
     def compare(self, configs, steps: int = 4, *, estimate: bool = True, progress: bool = True):
         """Run each configuration ``steps`` steps on a trial copy of the model (this session

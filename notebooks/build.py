@@ -355,6 +355,27 @@ guess = nt.estimate("qwen2.5-7b", qlora, device="cuda")
 for name, nbytes in guess.categories.items():
     print(f"{name:>16}: {nbytes / 2**30:5.2f} GiB")
 print(f"{'peak':>16}: {guess.peak / 2**30:5.2f} GiB of a 24 GiB card")"""),
+    ("md", """How long may a row be? Activations grow with every token, so the longest sequence
+that fits is a question for the estimator too. `nt.longest_context` draws memory against
+tokens through two short estimates (it is a straight line while attention needs no mask),
+reads off where the card runs out, and confirms that length with one more estimate. One row
+at a time, with checkpointing as above:"""),
+    ("code", """one_row = qlora.replace(batch_size=1)
+plain = nt.longest_context("qwen2.5-7b", "RTX 3090", one_row)
+print(plain)"""),
+    ("md", """Two techniques move that wall. **Sequence tiling** (`tile_tokens`) runs each
+layer's norm and MLP, and the final norm, head and loss, a few thousand tokens at a time,
+and recomputes each tile in backward: the MLP's `[tokens, 18944]` tensors never exist whole
+(the idea of Arctic Long Sequence Training). **Activation offloading** moves what
+checkpointing keeps, each layer's input, to the host's memory. The card then holds little
+that grows with the sequence, and the host holds one layer input per layer: give it room.
+With 64 GB of RAM beside the card (this takes a minute or two: each estimate traces a step
+over every tile):"""),
+    ("code", """long_rows = one_row.replace(tile_tokens=4096, chunked_loss=32, activation_offloading=True)
+longest = nt.longest_context("qwen2.5-7b", "RTX 3090 + 64 GB RAM", long_rows)
+print(longest)
+print(f"{longest.tokens / plain.tokens:.1f}x the context of checkpointing alone; the host holds "
+      f"{longest.memory.host.offloaded / 2**30:.1f} GiB of layer inputs")"""),
     ("md", """Load the model. `from_pretrained` quantizes each projection to NF4 as it is read,
 so the dense 7B weights are never all in memory. On the CPU bf16 is slow on many processors
 (nbtune tells you), so the CPU path trains in fp32 with shorter rows.
@@ -399,11 +420,14 @@ print(session.generate("Give the country card for Peru."))"""),
     ("md", "The outcomes this notebook promises, checked:"),
     ("code", """# NBVAL_CHECK_OUTPUT
 print("7B QLoRA predicted to fit in 24 GiB:", guess.peak < 24 * 2**30)
+print("tiling + offloading more than triple the longest context:", longest.tokens > 3 * plain.tokens)
 print("base stored in NF4, adapters trained:", quantized > 0 and 0 < trainable < quantized / 10)
 print("learned the schema:", before == 0 and after >= 0.75)"""),
 ]
 
-QLORA_8B_CHECK = ("7B QLoRA predicted to fit in 24 GiB: True\nbase stored in NF4, adapters trained: True\n"
+QLORA_8B_CHECK = ("7B QLoRA predicted to fit in 24 GiB: True\n"
+                  "tiling + offloading more than triple the longest context: True\n"
+                  "base stored in NF4, adapters trained: True\n"
                   "learned the schema: True\n")
 
 YOUR_DATA = [

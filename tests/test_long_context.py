@@ -171,7 +171,8 @@ SHORT = dict(DEMO_SHAPE, num_layers=2, max_position_embeddings=1 << 20)
 def test_longest_context_is_the_longest_grain_that_fits():
     """Against an independent answer: the line through two estimates (computed here) says
     where the card's room is reached; longest_context lands within a few grains of it, its
-    answer fits and one grain more does not (estimated here), in a few estimates."""
+    answer fits and one grain more does not (estimated here), in a few estimates, of which
+    one long one where memory is straight."""
     from nbtune.fitting import required
 
     config = ModelConfig(**SHORT)
@@ -188,6 +189,8 @@ def test_longest_context_is_the_longest_grain_that_fits():
     over = nt.estimate(config, {**t, "seq_len": result.tokens + GRAIN}, device="cpu")
     assert required(over) > budget
     assert result.estimates <= 6, result.tried
+    if result.tried[2][3]:  # the line's guess fitted: it was the answer, confirmed at once
+        assert result.estimates == 3 and result.tried[2][0] == result.tokens
     assert "longest context that fits" in result.text and "card" in result.text
 
 
@@ -247,3 +250,29 @@ def test_tile_tokens_is_validated_with_the_fix():
     with pytest.raises(ValueError, match="tile_tokens must be an int >= 0"):
         nt.Techniques(tile_tokens=-1)
     assert "tiles of 512 tokens" in nt.Techniques(tile_tokens=512).summary()
+
+
+def test_offloaded_layer_inputs_are_prefetched_a_layer_ahead_in_backward():
+    """The prefetch schedule, run on CPU through the estimator's path (``to="meta"``: the
+    parked tensor comes back as an empty one, as fake CUDA tensors do): with checkpointing,
+    what is parked is each layer's input, and every one but the last layer's is already on
+    its way back before backward unpacks it, started by the unpack of the layer after it."""
+    from nbtune.activations import OffloadActivations, prefetch_window
+
+    session = small_session(activation_checkpointing=True)
+    model = session.model
+    batch = session.trainer.stream.next()
+    hooks = OffloadActivations(model, to="meta")
+    with hooks:
+        hidden = model.hidden_states(batch["input_ids"], normed=False)
+    cross_entropy_sum(model.lm_head, hidden, batch["labels"], 2, norm=model.model.norm).backward()
+    unpacked = [i for kind, i in hooks.log if kind == "unpack"]
+    fetched = [i for kind, i in hooks.log if kind == "fetch"]
+    layers = len(model.model.layers)
+    parked = max(unpacked) + 1
+    assert parked >= layers  # at least one input per checkpointed layer
+    per_layer = len(prefetch_window(parked, parked, layers))
+    early = [i for i in set(unpacked)
+             if hooks.log.index(("fetch", i)) < hooks.log.index(("unpack", i)) - 1]
+    assert len(early) >= parked - per_layer, hooks.log
+    assert sorted(set(fetched)) == sorted(set(unpacked))  # each brought back once, none lost

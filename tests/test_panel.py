@@ -250,3 +250,19 @@ def test_hiding_lora_fields_hides_nothing_else(session_and_panel):
     _, panel = session_and_panel
     hidden = {name for name, control in panel.controls.items() if control.layout.display == "none"}
     assert hidden == {"lora_rank", "lora_alpha", "lora_dropout", "lora_targets"}
+
+
+def test_the_longest_context_button_answers_beside_the_fit_buttons(session_and_panel):
+    """The button searches in the background and shows the answer (the same as
+    ``session.longest_context``, computed here) with the seq_len to use."""
+    session, panel = session_and_panel
+    panel.budget.value = panel.budget.options[0][1] if isinstance(panel.budget.options[0], tuple) \
+        else panel.budget.options[0]
+    panel.context_button.click()
+    panel._context_search.join(300)
+    result = panel.last_context
+    assert result is not None and result.tokens > 0
+    assert result.tokens == session.longest_context(panel.budget.value).tokens
+    assert "longest context that fits" in panel.context.value
+    assert f"seq_len={result.tokens}" in panel.context.value
+    assert not panel.context_button.disabled

@@ -173,6 +173,13 @@ class Panel(w.VBox):
         self.fit_apply = w.Button(description="Apply", icon="check", button_style="success",
                                   layout=w.Layout(display="none"),
                                   tooltip="Apply the combination found")
+        self.context_button = w.Button(description="Longest context", icon="arrows-h",
+                                       layout=w.Layout(width="160px"),
+                                       tooltip="Search seq_len with the estimator for the longest "
+                                               "sequence predicted to fit this card (and its host) "
+                                               "with the techniques as they are")
+        self.context = w.HTML()  # the longest context found, beside the fit buttons
+        self.context_button.on_click(lambda _: self._guarded(self._find_context))
         self.fit_button.on_click(lambda _: self._guarded(self._find_fit))
         self.fit_apply.on_click(lambda _: self._guarded(self._apply_fit))
         self.budget.observe(lambda _: self._check_fit(), names="value")
@@ -198,7 +205,7 @@ class Panel(w.VBox):
             w.HTML("<b>nbtune</b>: change a toggle, run a few steps, watch where memory goes. "
                    "Hover over a control to see what it does and costs."),
             self.summary, tabs, w.HBox([self.budget, self.badge]),
-            w.HBox([self.fit_button, self.fit_apply]),
+            w.HBox([self.fit_button, self.fit_apply, self.context_button, self.context]),
             w.HBox([self.step_button, self.steps, self.run_button, self.stop_button, self.price]),
             self.status, self.progress, self.chart])
         self._applied = session.techniques  # what "applied" compares the next change with
@@ -206,6 +213,8 @@ class Panel(w.VBox):
         self._check_fit()
         self._subscription = self.runner.subscribe(self._on_event)
         self._search = None  # the fit search's thread, while it runs
+        self._context_search = None  # the longest-context search's thread
+        self.last_context = None  # its last answer (a LongestContext)
         self._run_seen = session.current_run
         if session.current_run is not None:
             self._running(True)
@@ -215,8 +224,9 @@ class Panel(w.VBox):
         """Detach from the session (no more events) and end the fit check's worker."""
         self._subscription.close()
         self._fitcheck.close()
-        if self._search is not None:
-            self._search.join()
+        for thread in (self._search, self._context_search):
+            if thread is not None:
+                thread.join()
         super().close()
 
     # widget -> session
@@ -323,6 +333,31 @@ class Panel(w.VBox):
             self._say(message, error=not result.fits)
 
         self._search = in_background(search, "nbtune-fit")
+
+    def _find_context(self) -> None:
+        self.context_button.disabled = True
+        techniques, budget = self.runner.planned, self.budget.value
+        self.context.value = "<span style='color:#777'>estimating…</span>"
+
+        def progress(tokens: int) -> None:
+            self.context.value = f"<span style='color:#777'>estimating {tokens:,} tokens…</span>"
+
+        def search() -> None:
+            try:
+                result = self.session.longest_context(budget, progress=progress)
+            except Exception as err:  # noqa: BLE001 - shown in the panel
+                self.context.value = f"<span style='color:#b00'>⚠ {html.escape(str(err))}</span>"
+                return
+            finally:
+                self.context_button.disabled = False
+            stale = techniques != self.runner.planned or budget != self.budget.value
+            self.context.value = (f"<b>{html.escape(result.text)}</b> <span style='color:#777'>"
+                                  f"({'for the settings before your last change; ' if stale else ''}"
+                                  f"{result.estimates} estimates; "
+                                  f"use it with seq_len={result.tokens})</span>")
+            self.last_context = result
+
+        self._context_search = in_background(search, "nbtune-longest-context")
 
     def _apply_fit(self) -> None:
         if self._fit_changes:

@@ -206,8 +206,8 @@ MUTANTS: list[Mutant] = [
     # ---- chunked loss, accumulation, optimizer in backward ----
     Mutant("chunked loss", "chunked loss drops the last (shorter) chunk",
            "nbtune/loss.py",
-           "zip(hidden.chunk(chunks, dim=1), labels.chunk(chunks, dim=1))",
-           "zip(hidden.chunk(chunks, dim=1)[:-1], labels.chunk(chunks, dim=1)[:-1])",
+           "zip(hidden.chunk(pieces, dim=1), labels.chunk(pieces, dim=1))",
+           "zip(hidden.chunk(pieces, dim=1)[:-1], labels.chunk(pieces, dim=1)[:-1])",
            (PAIRS + "::test_chunked_accumulated_loss_equals_one_plain_batch",)),
     Mutant("accumulation", "gradients zeroed before each micro-batch (only the last one counts)",
            "nbtune/step.py",
@@ -265,6 +265,22 @@ MUTANTS: list[Mutant] = [
            "            on_host = held is None or held <= self.host_room\n",
            "            on_host = True\n",
            (T + "test_fit.py::test_fit_turns_down_what_moves_too_much_to_the_host",)),
+    # ---- long contexts: tiling, offloaded checkpoints, the longest context ----
+    Mutant("sequence tiling", "the final norm is skipped when the loss is computed in tiles",
+           "nbtune/loss.py",
+           "    if norm is not None:\n        hidden = norm(hidden)",
+           "    if False:\n        hidden = norm(hidden)",
+           (T + "test_long_context.py::test_tiled_mlp_and_loss_equal_the_plain_model",)),
+    Mutant("offloading", "backward prefetches the layer after the one it needs, not the one before",
+           "nbtune/activations.py",
+           "    return range(max(0, index - ahead), index)",
+           "    return range(index + 1, min(packed, index + 1 + ahead))",
+           (T + "test_long_context.py::test_offloaded_layer_inputs_are_prefetched_a_layer_ahead_in_backward",)),
+    Mutant("longest context", "the line's crossing is taken one grain short",
+           "nbtune/longest.py",
+           "        crossing = crossing // GRAIN * GRAIN\n",
+           "        crossing = crossing // GRAIN * GRAIN - GRAIN\n",
+           (T + "test_long_context.py::test_longest_context_on_a_bending_memory_curve_is_exact_to_the_grain",)),
 ]
 
 

@@ -151,9 +151,8 @@ def longest_context(model, card="RTX 3090", techniques: Techniques | dict | None
                 break
             continue
         # Where the line through the last two estimates crosses the card's or the host's
-        # room, kept strictly between what fits and what does not: once the line says the
-        # answer is ``lo``, the next guess is one grain longer, which confirms it by not
-        # fitting (memory a little convex in tokens is found exactly too, a grain at a time).
+        # room, kept strictly between what fits and what does not, so each estimate narrows
+        # the gap (within a gap the line may say ``lo``: then one grain more is tried).
         crossing, binds = _on_the_line(tried[-2], tried[-1], room, host_room)
         crossing = crossing // GRAIN * GRAIN
         if hi is None and tried[-2][3] and crossing <= lo:

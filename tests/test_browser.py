@@ -177,6 +177,12 @@ def test_run_in_the_background_stop_and_a_live_toggle_in_jupyterlab(lab):
         assert " left" not in progress  # a stopped run has no time left
         _run_cell(page, 3, "memory tracking sampled")  # the screenshots show measured steps
         _explains_itself(page, panel, button)
+        # The longest context, searched in the background, appears beside the fit buttons.
+        button("Longest context").click()
+        answer = panel.locator(".widget-html").filter(has_text="longest context that fits")
+        answer.first.wait_for(timeout=120_000)
+        assert re.search(r"longest context that fits: [\d,k]+ tokens", answer.first.inner_text())
+        _shot(page, "panel-longest-context", panel)
         tracebacks = page.locator(".jp-OutputArea-output").filter(has_text="Traceback").count()
         assert tracebacks == 0
         browser.close()

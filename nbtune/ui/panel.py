@@ -353,7 +353,7 @@ class Panel(w.VBox):
             stale = techniques != self.runner.planned or budget != self.budget.value
             self.context.value = (f"<b>{html.escape(result.text)}</b> <span style='color:#777'>"
                                   f"({'for the settings before your last change; ' if stale else ''}"
-                                  f"{result.estimates} estimates; "
+                                  f"{result.estimates} estimate{'s' if result.estimates != 1 else ''}; "
                                   f"use it with seq_len={result.tokens})</span>")
             self.last_context = result
 

@@ -48,7 +48,10 @@ def measure() -> dict:
     out["estimate_peak_bytes"] = [first.peak, again.peak]
 
     shown = []
-    check = FitCheck(preset_config("llama-3.1-8b"), lambda *a: shown.append(a), device="cuda")
+    try:  # the Predictor the panel uses (this tree); an earlier tree's FitCheck took a config
+        check = FitCheck(nt.Predictor.of("llama-3.1-8b", "cuda"), lambda *a: shown.append(a))
+    except AttributeError:
+        check = FitCheck(preset_config("llama-3.1-8b"), lambda *a: shown.append(a), device="cuda")
     check.request(start, "RTX 3090")  # the panel opens: its first badge
     check.wait(900)
     check.request(start.replace(batch_size=1), "RTX 3090")  # a slider moves

@@ -192,7 +192,7 @@ def run_predict(args) -> dict:
     ``nt.longest_context`` predicts per card, with checkpointing alone and with tiling and
     offloading on top (the estimate, CUDA; no GPU measured it)."""
     import nbtune as nt
-    from nbtune.fitting import required
+    from nbtune.predict import required
 
     base = nt.Techniques(method="qlora", dtype="bf16", lora_rank=32, lora_alpha=64.0,
                          batch_size=1, activation_checkpointing=True, chunked_loss=16)

@@ -149,7 +149,7 @@ def compare(trainer, configs, steps: int = 4, *, estimate: bool = True,
 
     from tqdm.auto import tqdm
 
-    from .memory.estimate import estimate as estimate_step
+    from .predict import estimate as estimate_step
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"compare: steps must be a positive int, got {steps!r}.")

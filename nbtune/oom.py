@@ -7,33 +7,20 @@ toggle changes that the estimator (``nbtune.estimate``, fake tensors) predicts l
 step's peak, with the predicted peaks. ``Session.run(n, on_oom="adapt")`` applies the
 first of them and goes on.
 
-Candidates are tried in order of what they cost: changes that keep the maths exact first
-(chunked loss, checkpointing, a split batch, the optimizer step in backward, offloading),
-then those that change it a little (8-bit AdamW, bf16, LoRA, QLoRA).
+The suggestions are the prediction package's (``nbtune.predict.advice``): single moves from
+``fit``'s own search space, those that keep the maths exact first (chunked loss,
+checkpointing, a split batch, the optimizer step in backward, offloading), then those that
+change it a little (8-bit AdamW, bf16, LoRA, QLoRA).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .memory.accounting import gradient_bytes, optimizer_state_bytes, parameter_bytes
+from .predict.advice import Suggestion, suggest
 from .techniques import Techniques
-
-MAX_SUGGESTIONS = 3
-
-
-@dataclass(frozen=True)
-class Suggestion:
-    changes: dict  # toggle changes, for session.set(**changes)
-    peak: int  # the step's peak the estimator predicts with them, bytes
-    exact: bool  # keeps the maths exactly as before
-    fits: bool | None  # within the device's memory (None: not known, on CPU)
-
-    @property
-    def label(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.changes.items())
+from .units import format_bytes
 
 
 class OutOfMemory(torch.OutOfMemoryError):
@@ -45,35 +32,6 @@ class OutOfMemory(torch.OutOfMemoryError):
                  suggestions: list[Suggestion]) -> None:
         super().__init__(message)
         self.phase, self.held, self.predicted, self.suggestions = phase, held, predicted, suggestions
-
-
-def candidates(t: Techniques, device: str) -> list[tuple[dict, bool]]:
-    """Single toggle changes that lower memory, cheapest first, each with whether it keeps the
-    maths exact; only those the rules allow on ``device``. (``nbtune.fit`` searches their
-    combinations; what keeps the maths and what a device allows are defined there, once.)"""
-    from .fitting import allowed, keeps_maths
-
-    out = []
-    if t.chunked_loss <= 1:
-        out.append({"chunked_loss": 8})
-    if not t.activation_checkpointing:
-        out.append({"activation_checkpointing": True})
-    if t.batch_size > 1 and not t.optimizer_in_backward:
-        out.append({"batch_size": t.batch_size // 2, "grad_accum": t.grad_accum * 2})
-    if not t.optimizer_in_backward and t.grad_accum == 1 and not t.max_grad_norm:
-        out.append({"optimizer_in_backward": True})
-    if device == "cuda" and not t.activation_offloading:
-        out.append({"activation_offloading": True})
-    if t.optimizer == "adamw":
-        out.append({"optimizer": "adamw8bit"})
-    if t.dtype == "fp32":
-        out.append({"dtype": "bf16"})
-    if t.method == "full":
-        out.append({"method": "lora"})
-    elif t.method == "lora":
-        out.append({"method": "qlora"})
-    return [(changes, keeps_maths(t, new)) for changes in out
-            if (new := allowed(t, changes, device)) is not None]
 
 
 def held_now(model, optimizer, device: torch.device) -> dict[str, int]:
@@ -95,42 +53,9 @@ def budget(device: torch.device) -> int | None:
     return free + torch.cuda.memory_reserved(device)
 
 
-def suggest(config, t: Techniques, device: torch.device, shape: tuple[int, int] | None,
-            limit: int | None) -> tuple[int | None, list[Suggestion]]:
-    """The predicted peak of ``t`` and the changes predicted to lower it, best first."""
-    from .memory.estimate import estimate
-
-    batch, seq = shape if shape else (t.batch_size, t.seq_len)
-
-    def predict(new: Techniques):
-        # Identity hooks shield the fake step from any saved-tensor hooks around the failed
-        # one (offloading, a SimulatedCard); a shape the estimator cannot run is left out.
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x):
-                return estimate(config, new, batch_size=max(1, batch * new.batch_size // t.batch_size),
-                                seq_len=seq, device=device.type)
-        except Exception:  # noqa: BLE001
-            return None
-
-    now = predict(t)
-    current = None if now is None else now.highest
-    found = []
-    for changes, exact in candidates(t, device.type):
-        predicted = predict(t.replace(**changes))
-        if predicted is None or (current is not None and predicted.highest >= 0.95 * current):
-            continue
-        peak = predicted.highest
-        found.append(Suggestion(changes, peak, exact, None if limit is None else peak <= limit))
-    # Fitting first, then exact, then in the cheapest-first order of ``candidates``.
-    found.sort(key=lambda s: (s.fits is False, not s.exact))
-    return now, found[:MAX_SUGGESTIONS]
-
-
 def explain(err: BaseException, phase: str | None, step: int, held: dict, config, t: Techniques,
             device: torch.device, shape: tuple[int, int] | None) -> OutOfMemory:
     """The ``OutOfMemory`` to raise in place of ``err``."""
-    from .units import format_bytes
-
     limit = budget(device)
     now, suggestions = suggest(config, t, device, shape, limit)
     predicted = None if now is None else now.highest
@@ -184,8 +109,6 @@ class SimulatedCard(torch.autograd.graph.saved_tensors_hooks):
             self.held += nbytes
             if self.held > self.limit:
                 self.held = 0  # the failed step's activations are dropped with it
-                from .units import format_bytes
-
                 raise torch.OutOfMemoryError(
                     f"Out of memory on a simulated card holding {format_bytes(self.limit)} of "
                     f"activations (tried to save {format_bytes(nbytes)} more).")

@@ -44,11 +44,11 @@ def build_optimizer(model: nn.Module, techniques: Techniques) -> torch.optim.Opt
     params = trainable_parameters(model)
     if techniques.cpu_offload_optimizer:
         return _cpu_offload_optimizer(params, techniques)
-    make = _optimizer_factory(techniques)
+    make = optimizer_factory(techniques)
     return OptimizerInBackward(params, make) if techniques.optimizer_in_backward else make(params)
 
 
-def _optimizer_factory(techniques: Techniques) -> Callable[[list], torch.optim.Optimizer]:
+def optimizer_factory(techniques: Techniques) -> Callable[[list], torch.optim.Optimizer]:
     """A function that builds the named optimizer over a list of parameters."""
     name = techniques.optimizer
     kwargs = dict(lr=techniques.lr, weight_decay=techniques.weight_decay)

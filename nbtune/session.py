@@ -380,10 +380,10 @@ class Session:
     def estimate(self, *, batch_size: int | None = None, seq_len: int | None = None):
         """The next step's memory predicted on fake tensors for full-length rows of this
         session's shape (or ``batch_size`` x ``seq_len``): seconds, no memory used."""
-        from .memory.estimate import estimate
+        from .predict import Predictor
 
-        return estimate(self.model.config, self.techniques, batch_size=batch_size,
-                        seq_len=seq_len, device=self.device.type)
+        return Predictor.of(self.model.config, self.device.type).estimate(
+            self.techniques, batch_size=batch_size, seq_len=seq_len)
 
     def fit(self, budget="24GiB", **options):
         """The fastest toggle combination predicted to fit ``budget`` (bytes, "24GiB", a card
@@ -392,7 +392,7 @@ class Session:
         see ``nt.fit`` for ``options`` (``host=`` among them). Cards are GPUs, so the estimate
         is for CUDA unless ``device=`` says otherwise. Apply the answer with
         ``session.set(**result.changes)``."""
-        from .fitting import fit
+        from .predict import fit
 
         options.setdefault("device", "cuda")
         return fit(self.model.config, budget, self.planned, **options)
@@ -402,7 +402,7 @@ class Session:
         it) with the current techniques (queued changes included), on CUDA unless
         ``device=`` says otherwise; see ``nt.longest_context``. Use it with
         ``session.set(seq_len=result.tokens)``."""
-        from .longest import longest_context
+        from .predict import longest_context
 
         options.setdefault("device", "cuda")
         return longest_context(self.model.config, card, self.planned, **options)

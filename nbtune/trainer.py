@@ -39,6 +39,7 @@ from .data import BatchStream
 from .memory import MemoryBreakdown
 from .units import format_bytes
 from .oom import OutOfMemory, explain, held_now
+from .predict import Predictor
 from . import host
 from .optim import OptimizerInBackward, build_optimizer, release_optimizer
 from .peft import adapter_state_dict, has_lora
@@ -131,7 +132,6 @@ class Trainer:
         self.checkpoint: RestorePoint | None = None  # the last checkpoint saved or loaded
         self.last_memory: MemoryBreakdown | None = None
         self.last_undo_bytes = 0  # host bytes the last step's undo copy held
-        self._offloaded: tuple | None = None  # (techniques, host bytes their offloading takes)
         self._undo = UndoCopy(device)
         self._undo_said: tuple | None = None  # the last "no copy kept" said, not to repeat it
         self._new_optimizer = True  # no update made by this optimizer yet
@@ -525,12 +525,8 @@ class Trainer:
         from .memory.accounting import paged_state_bytes
 
         reserve = paged_state_bytes(self.optimizer)
-        if t.activation_offloading:
-            if self._offloaded is None or self._offloaded[0] != t:
-                from .memory.estimate import estimate
-
-                self._offloaded = (t, estimate(self.model.config, t, device="cuda").host.offloaded)
-            reserve += self._offloaded[1]
+        if t.activation_offloading:  # the model's Predictor estimates each configuration once
+            reserve += Predictor.of(self.model.config, "cuda").estimate(t).host.offloaded
         return reserve
 
     @contextlib.contextmanager

@@ -9,11 +9,11 @@ import torch
 import nbtune as nt
 from nbtune.data import load_examples
 from nbtune.memory.accounting import optimizer_state_bytes
-from nbtune.memory.estimate import _StateStandIn, quantized_state_layout, resolve_config
+from nbtune.predict.estimator import _StateStandIn, quantized_state_layout, resolve_config
 from nbtune.models import ModelConfig, Tokenizer, demo_model_dir
 from nbtune.models.decoder import CausalLM
 from nbtune.models.presets import PRESETS, preset_config
-from nbtune.optim import _optimizer_factory
+from nbtune.optim import optimizer_factory
 from nbtune.session import demo_data_file
 from nbtune.step import train_step
 
@@ -100,7 +100,7 @@ def test_stand_in_state_is_what_the_real_optimizer_keeps(name):
     params = [torch.nn.Parameter(torch.randn(shape, dtype=dtype))
               for shape in [(64,), (100, 50), (128, 128), (256, 257)]
               for dtype in (torch.float32, torch.bfloat16)]
-    real = _optimizer_factory(nt.Techniques(optimizer=name))(params)
+    real = optimizer_factory(nt.Techniques(optimizer=name))(params)
     stand_in = _StateStandIn(params, name, paged=False)
     for p in params:
         p.grad = torch.randn_like(p)

@@ -5,7 +5,7 @@ composition of the peak moment, each phase's peak and the held-out evaluation in
 import pytest
 
 import nbtune as nt
-import nbtune.memory.estimate as est
+import nbtune.predict.estimator as est
 from nbtune.models import ModelConfig
 from nbtune.models.presets import preset_config
 

@@ -14,10 +14,13 @@ from nbtune.memory import MemoryBreakdown
 from nbtune.models import ModelConfig
 from nbtune.models.decoder import CausalLM
 
-import nbtune.fitting as fitmod  # noqa: E402
-from nbtune.fitting import (ALLOCATOR_MARGIN, CARDS, CUDA_CONTEXT, GiB, MiB, cost_terms,  # noqa: E402
-                        fit_badge, keeps_maths, parse_budget, relative_cost, search_space,
-                        usable)
+import nbtune.predict.predictor as predictor_module
+from nbtune.predict import (Predictor, clear_cache, cost_terms, fit_badge, host_usable,
+                            keeps_maths, parse_budget, parse_machine, relative_cost, required,
+                            search_space, usable)
+from nbtune.predict.costs import checkpointed_fraction
+from nbtune.predict.tables import (ALLOCATOR_MARGIN, CARDS, COSTS, CUDA_CONTEXT, HOST_RAM, GiB,
+                                   MiB)
 
 # Two small layers: a real estimate of it takes about a second on a busy CPU.
 TINY = ModelConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -80,7 +83,7 @@ def test_cost_model_orderings():
     assert relative_cost(T(activation_checkpointing=True)) > relative_cost(T(activation_checkpointing=2)) \
         > relative_cost(T(activation_checkpointing=4)) > plain
     assert relative_cost(T(activation_checkpointing=2), num_layers=3) == pytest.approx(
-        1 + fitmod.COSTS["checkpointing"][0] * 2 / 3)
+        1 + COSTS["checkpointing"][0] * 2 / 3)
     # offloading pays off with checkpointing: it moves only layer inputs then
     with_ckpt = relative_cost(T(activation_checkpointing=True, activation_offloading=True)) \
         - relative_cost(T(activation_checkpointing=True))
@@ -108,7 +111,7 @@ def test_cost_model_orderings():
     assert relative_cost(T(method="qlora", dtype="bf16")) == 1.0  # own method and dtype by default
     assert set(cost_terms(T(activation_checkpointing=True, chunked_loss=8, compile=True))) == {
         "checkpointing", "chunked_loss", "compile"}
-    for value, why in fitmod.COSTS.values():  # every constant says where it comes from
+    for value, why in COSTS.values():  # every constant says where it comes from
         assert ("measured" in why or "rough" in why), why
 
 
@@ -149,11 +152,9 @@ SMALL_SPACE = ("activation_checkpointing", "chunked_loss")
 @pytest.fixture(scope="module")
 def tiny_peaks():
     """The real estimator's need for every candidate of a small space (via fit's cache)."""
-    fitmod.cache_clear()
-    counter = [0]
+    clear_cache()
     space = search_space(START, "cpu", num_layers=TINY.num_layers, toggles=SMALL_SPACE)
-    return {c.techniques: fitmod.required(fitmod._estimate(TINY, c.techniques, "cpu", counter))
-            for c in space}
+    return {c.techniques: required(Predictor.of(TINY, "cpu").estimate(c.techniques)) for c in space}
 
 
 def test_fit_between_plain_and_checkpointed_is_the_cheapest_that_fits(tiny_peaks):
@@ -213,15 +214,15 @@ def test_fit_accepts_a_model_and_refuses_a_start_the_device_cannot_run(tiny_peak
 
 
 def test_estimates_are_cached_across_calls(monkeypatch):
-    fitmod.cache_clear()
+    clear_cache()
     calls = []
-    real = fitmod.estimate
+    real = predictor_module.estimate
 
     def counting(*args, **kwargs):
         calls.append(args[1])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fitmod, "estimate", counting)
+    monkeypatch.setattr(predictor_module, "estimate", counting)
     split = START.replace(batch_size=2, grad_accum=3)
     first = nt.fit(TINY, "1TiB", split, device="cpu")  # merged into one micro-batch: faster
     assert first.changes == {"batch_size": 6, "grad_accum": 1}
@@ -245,7 +246,7 @@ def _stand_in_need(t: nt.Techniques) -> int:
         weights if t.method == "full" else 2)
     state *= 0.05 if t.cpu_offload_optimizer else 1
     layers = 8
-    kept = 1 - 0.9 * fitmod.checkpointed_fraction(t, layers)
+    kept = 1 - 0.9 * checkpointed_fraction(t, layers)
     acts = 6 * t.batch_size * kept * (0.3 if t.activation_offloading else 1)
     logits = 10 * t.batch_size / (4 if t.chunked_loss > 1 else 1)
     return int(1000 * (weights + grads + state + acts + logits))
@@ -253,7 +254,7 @@ def _stand_in_need(t: nt.Techniques) -> int:
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    fitmod.cache_clear()
+    clear_cache()
     calls = []
 
     def fake(model, t, device="cpu", **kwargs):
@@ -261,9 +262,9 @@ def stand_in(monkeypatch):
         return MemoryBreakdown(peak=_stand_in_need(t), device=device, measured=False,
                                at_peak={"parameters": 1})
 
-    monkeypatch.setattr(fitmod, "estimate", fake)
+    monkeypatch.setattr(predictor_module, "estimate", fake)
     yield calls
-    fitmod.cache_clear()
+    clear_cache()
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -276,9 +277,9 @@ def test_fit_is_the_cheapest_that_fits_over_a_whole_space(stand_in, device, star
     space = search_space(start, device, num_layers=8)
     needs = sorted({_stand_in_need(c.techniques) for c in space})
     for budget in needs[len(needs) // 12:: max(1, len(needs) // 6)] + [needs[0] - 1, needs[-1]]:
-        fitmod.cache_clear()
+        clear_cache()
         stand_in.clear()
-        result = fitmod.fit(config, budget, start, device=device, reserve=0, margin=0,
+        result = nt.fit(config, budget, start, device=device, reserve=0, margin=0,
                             max_tries=len(space))
         fitting = [c for c in space if _stand_in_need(c.techniques) <= budget]
         if not fitting:
@@ -297,7 +298,7 @@ def test_combinations_the_estimator_cannot_run_are_reported_and_avoided(monkeypa
     """As with LoRA + checkpointing + offloading + chunked loss, which raises a CheckpointError
     in the estimator (and in a real step): that combination and those including it are
     left out; the answer is the cheapest runnable one that fits."""
-    fitmod.cache_clear()
+    clear_cache()
     calls = []
 
     def fake(model, t, device="cpu", **kwargs):
@@ -306,14 +307,14 @@ def test_combinations_the_estimator_cannot_run_are_reported_and_avoided(monkeypa
             raise RuntimeError("torch.utils.checkpoint: Recomputed values differ")
         return MemoryBreakdown(peak=_stand_in_need(t), device=device, measured=False)
 
-    monkeypatch.setattr(fitmod, "estimate", fake)
+    monkeypatch.setattr(predictor_module, "estimate", fake)
     start = T(method="lora", batch_size=4, seq_len=256)
     space = search_space(start, "cuda", num_layers=8)
     runnable = [c for c in space
                 if not (c.techniques.activation_offloading and c.techniques.chunked_loss > 1)]
     needs = sorted({_stand_in_need(c.techniques) for c in runnable})
     budget = needs[len(needs) // 4]
-    result = fitmod.fit(TINY.replace(num_layers=8), budget, start, reserve=0, margin=0, max_tries=200)
+    result = nt.fit(TINY.replace(num_layers=8), budget, start, reserve=0, margin=0, max_tries=200)
     assert result.techniques == next(c for c in runnable if _stand_in_need(c.techniques) <= budget).techniques
     errors = [r for r in result.tried if r.error]
     assert errors and all("RuntimeError: torch.utils.checkpoint" in r.error for r in errors)
@@ -322,14 +323,14 @@ def test_combinations_the_estimator_cannot_run_are_reported_and_avoided(monkeypa
     groups = {(r.changes.get("method", "lora"), r.changes.get("dtype", "fp32")) for r in errors}
     assert len(errors) <= 2 * len(groups)
     assert result.estimates < len(space) / 4
-    fitmod.cache_clear()
+    clear_cache()
 
 
 def test_the_search_stops_at_max_tries_with_the_best_found(stand_in):
     start = T(batch_size=8, seq_len=256)
     space = search_space(start, "cpu", num_layers=8)
     budget = sorted(_stand_in_need(c.techniques) for c in space)[len(space) // 3]
-    result = fitmod.fit(TINY.replace(num_layers=8), budget, start, device="cpu", margin=0,
+    result = nt.fit(TINY.replace(num_layers=8), budget, start, device="cpu", margin=0,
                         max_tries=3)
     assert result.estimates == len(stand_in) <= 3
     assert "max_tries" in result.message
@@ -366,19 +367,19 @@ def test_fit_badge():
 
 @pytest.mark.slow  # one estimate of an 8B model: 30-60 s on two busy cores
 def test_fit_reads_a_preset_name():
-    fitmod.cache_clear()
+    clear_cache()
     t = T(method="qlora", dtype="bf16", activation_checkpointing=True, chunked_loss=8,
           batch_size=2, seq_len=2048)
     result = nt.fit("llama-3.2-1b", "RTX 4090", t, toggles=())  # the start only: one estimate
     assert result.fits and result.techniques == t and result.estimates == 1
     assert GiB < result.peak < result.usable
-    fitmod.cache_clear()
+    clear_cache()
 
 
 # ---- the host: cards come with host memory, fit and the badge check both -------------------
 
 @pytest.mark.parametrize("value,expected", [
-    ("RTX 3090", (24 * GiB, fitmod.HOST_RAM["RTX 3090"])),
+    ("RTX 3090", (24 * GiB, HOST_RAM["RTX 3090"])),
     ("rtx 4090 + 64 GB RAM", (24564 * MiB, 64 * 10**9)),
     ("RTX 3090 + 48GiB", (24 * GiB, 48 * GiB)),
     ("24GiB + 32GiB RAM", (24 * GiB, 32 * GiB)),
@@ -387,12 +388,12 @@ def test_fit_reads_a_preset_name():
     (("T4", "16GiB"), (15 * GiB, 16 * GiB)),
 ])
 def test_parse_machine_forms(value, expected):
-    assert fitmod.parse_machine(value) == expected
+    assert parse_machine(value) == expected
 
 
 def test_every_card_has_its_usual_host_memory():
-    assert set(fitmod.HOST_RAM) == set(CARDS)
-    assert all(8 * GiB <= ram <= 256 * GiB for ram in fitmod.HOST_RAM.values())
+    assert set(HOST_RAM) == set(CARDS)
+    assert all(8 * GiB <= ram <= 256 * GiB for ram in HOST_RAM.values())
 
 
 def _host_of(t: nt.Techniques):
@@ -406,15 +407,15 @@ def _host_of(t: nt.Techniques):
 
 @pytest.fixture
 def stand_in_with_host(monkeypatch):
-    fitmod.cache_clear()
+    clear_cache()
 
     def fake(model, t, device="cpu", **kwargs):
         return MemoryBreakdown(peak=_stand_in_need(t), device=device, measured=False,
                                at_peak={"parameters": 1}, host=_host_of(t))
 
-    monkeypatch.setattr(fitmod, "estimate", fake)
+    monkeypatch.setattr(predictor_module, "estimate", fake)
     yield
-    fitmod.cache_clear()
+    clear_cache()
 
 
 def test_fit_refuses_what_the_host_cannot_hold(stand_in_with_host):
@@ -424,10 +425,10 @@ def test_fit_refuses_what_the_host_cannot_hold(stand_in_with_host):
     budget = needs[len(needs) // 3]
     config = TINY.replace(num_layers=8)
     for host in (4 * GiB, 9 * GiB, 64 * GiB):
-        fitmod.cache_clear()
-        result = fitmod.fit(config, budget, start, reserve=0, margin=0, max_tries=len(space),
+        clear_cache()
+        result = nt.fit(config, budget, start, reserve=0, margin=0, max_tries=len(space),
                             host=host)
-        room = fitmod.host_usable(host)
+        room = host_usable(host)
         both = [c for c in space if _stand_in_need(c.techniques) <= budget
                 and _host_of(c.techniques).without_undo <= room]
         assert result.host_budget == host and result.host_usable == room
@@ -438,14 +439,14 @@ def test_fit_refuses_what_the_host_cannot_hold(stand_in_with_host):
         assert result.techniques == both[0].techniques, (host, result.changes, both[0].changes)
         assert result.tried[-1].host == _host_of(result.techniques).without_undo
     # no host given and a bare size: the host is not checked
-    fitmod.cache_clear()
-    free = fitmod.fit(config, budget, start, reserve=0, margin=0, max_tries=len(space))
+    clear_cache()
+    free = nt.fit(config, budget, start, reserve=0, margin=0, max_tries=len(space))
     assert free.host_budget is None and all(r.host is None for r in free.tried)
 
 
 def test_fit_says_when_the_undo_copy_is_dropped_for_the_host(stand_in_with_host):
     start = T(batch_size=1, seq_len=256, optimizer_in_backward=True)
-    result = fitmod.fit(TINY.replace(num_layers=8), 10**12, start, reserve=0, margin=0,
+    result = nt.fit(TINY.replace(num_layers=8), 10**12, start, reserve=0, margin=0,
                         host=12 * GiB, toggles=())
     assert result.fits  # 1 + 2 GiB without the copy; 11 GiB with it: over the 10.8 usable
     assert "with no undo copy (it would need 8.0 GiB more" in result.message
@@ -486,15 +487,15 @@ def test_fit_turns_down_what_moves_too_much_to_the_host(monkeypatch):
                                at_peak={"parameters": 1},
                                host=HostMemory(runtime=GiB, offloaded=40 * GiB if moved else 0))
 
-    monkeypatch.setattr(fitmod, "estimate", fake)
+    monkeypatch.setattr(predictor_module, "estimate", fake)
     start, config = T(batch_size=2, seq_len=256), TINY.replace(num_layers=8)
     for host, fits in ((32 * GiB, False), (64 * GiB, True)):
-        fitmod.cache_clear()
-        result = fitmod.fit(config, 20 * GiB, start, reserve=0, margin=0, host=host, max_tries=200)
+        clear_cache()
+        result = nt.fit(config, 20 * GiB, start, reserve=0, margin=0, host=host, max_tries=200)
         assert result.fits is fits
         if fits:
             assert result.techniques.activation_offloading
             assert result.tried[-1].host == 41 * GiB
         else:
             assert "fit on the card but not on the host" in result.message
-    fitmod.cache_clear()
+    clear_cache()

@@ -8,6 +8,7 @@ import pytest
 
 import nbtune as nt
 from nbtune.memory import MemoryBreakdown
+from nbtune.predict import Predictor
 from nbtune.ui.fitcheck import FitCheck
 
 from helpers import small_session
@@ -15,19 +16,24 @@ from helpers import small_session
 GiB = 2**30
 
 
-def slow_estimator(calls: list, seconds: float = 0.2):
-    def estimator(config, t, device):
+TINY = nt.ModelConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=32)
+
+
+def slow_predictor(calls: list, seconds: float = 0.2) -> Predictor:
+    """A Predictor whose estimator is a stand-in: 1 GiB a row, ``seconds`` each."""
+    def estimator(config, t, device, **_):
         calls.append((t, threading.current_thread().name))
         time.sleep(seconds)
         need = t.batch_size * GiB  # 1 GiB a row: easy to reason about
         return MemoryBreakdown(activations=need, peak=need, at_peak={"activations": need},
                                measured=False, device=device)
-    return estimator
+    return Predictor(TINY, "cuda", estimator=estimator)
 
 
 def test_a_drag_is_estimated_once_for_its_last_value_and_cached():
     calls, shown = [], []
-    check = FitCheck(None, lambda *a: shown.append(a), delay=0.1, estimator=slow_estimator(calls))
+    check = FitCheck(slow_predictor(calls), lambda *a: shown.append(a), delay=0.1)
     start = time.monotonic()
     for size in range(1, 9):  # a slider dragged through eight values
         check.request(nt.Techniques(batch_size=size), "RTX 3090")
@@ -48,14 +54,14 @@ def test_a_drag_is_estimated_once_for_its_last_value_and_cached():
 def test_a_failed_estimate_or_bad_budget_is_shown_not_raised():
     shown = []
 
-    def broken(config, t, device):
+    def broken(config, t, device, **_):
         raise ValueError("no such model")
 
-    check = FitCheck(None, lambda *a: shown.append(a), delay=0.0, estimator=broken)
+    check = FitCheck(Predictor(TINY, "cuda", estimator=broken), lambda *a: shown.append(a), delay=0.0)
     check.request(nt.Techniques(), "24GiB")
     check.wait(10)
     assert shown[-1][2] is None and "no such model" in shown[-1][4]
-    check2 = FitCheck(None, lambda *a: shown.append(a), delay=0.0, estimator=slow_estimator([], 0))
+    check2 = FitCheck(slow_predictor([], 0), lambda *a: shown.append(a), delay=0.0)
     check2.request(nt.Techniques(), "a potato")
     check2.wait(10)
     assert shown[-1][2] is None and "potato" in shown[-1][4]

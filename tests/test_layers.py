@@ -26,8 +26,8 @@ LAYERS = [
      "step", "loss", "undo", "state", "datasets", "quiet"],
     # 1. the state's forms on disk and across ranks
     ["distributed", "checkpoint"],
-    # 2. prediction
-    ["memory.estimate", "oom", "fitting", "longest"],
+    # 2. prediction (one package), and the out-of-memory explanation built on it
+    ["predict", "oom"],
     # 3. the training state
     ["trainer"],
     # 4. run control and what drives it (and the charts a ladder draws)
@@ -104,6 +104,45 @@ def test_imports_go_down_the_layers_and_never_in_a_circle():
         if name and name not in state:
             visit(name, [name])
     assert not [c for c in circles if "" not in c], circles
+
+
+def _folder(name: str) -> str:
+    return name.split(".")[0]
+
+
+def test_no_circle_between_folders():
+    """Folded to their top level (``predict.search`` -> ``predict``), modules still import in
+    one direction: no folder imports a module that imports the folder back."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        if name:
+            graph.setdefault(_folder(name), set()).update(
+                _folder(b) for b in _imports(name, path, modules) if b and _folder(b) != _folder(name))
+    seen, circles = {}, []
+
+    def visit(node, path):
+        seen[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if seen.get(nxt) == "open":
+                circles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in seen:
+                visit(nxt, path + [nxt])
+        seen[node] = "done"
+
+    for name in sorted(graph):
+        if name not in seen:
+            visit(name, [name])
+    assert not circles, circles
+
+
+def test_memory_only_measures_and_prediction_lives_in_one_package():
+    modules = _modules()
+    for name, path in modules.items():
+        if name.startswith("memory"):
+            assert not any(_folder(b) in ("predict", "step", "trainer", "checkpoint", "undo")
+                           for b in _imports(name, path, modules)), name
+    assert not [name for name in modules if name in ("fitting", "longest", "memory.estimate")]
 
 
 def test_the_layer_check_sees_an_upward_import(tmp_path):

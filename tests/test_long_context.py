@@ -9,7 +9,7 @@ import nbtune as nt
 from nbtune.activations import set_tiling
 from nbtune.data import IGNORE
 from nbtune.loss import cross_entropy_sum, loss_pieces
-from nbtune.longest import GRAIN, attention_kernel, longest_context
+from nbtune.predict.longest import GRAIN, attention_kernel, longest_context
 from nbtune.models import ModelConfig
 from nbtune.models.presets import preset_config
 
@@ -174,7 +174,7 @@ def test_longest_context_is_the_longest_grain_that_fits():
     where the card's room is reached; longest_context lands within a few grains of it, its
     answer fits and one grain more does not (estimated here), in a few estimates, of which
     one long one where memory is straight."""
-    from nbtune.fitting import required
+    from nbtune.predict import required
 
     config = ModelConfig(**SHORT)
     t = dict(batch_size=1, activation_checkpointing=True, chunked_loss=4, tile_tokens=2048,
@@ -202,8 +202,8 @@ def test_longest_context_on_a_bending_memory_curve_is_exact_to_the_grain(monkeyp
     """Against a brute force over every grain: where memory is a known curve (straight, or
     bending upwards as a mask would make it), the answer is the longest grain that fits,
     found in at most MAX_ESTIMATES estimates."""
-    import nbtune.longest as longest
-    from nbtune.fitting import usable
+    import nbtune.predict.longest as longest
+    from nbtune.predict import Predictor, usable
 
     def device_bytes(tokens):
         return int(2e9 + 4e5 * tokens + bend * tokens * tokens)
@@ -214,9 +214,9 @@ def test_longest_context_on_a_bending_memory_curve_is_exact_to_the_grain(monkeyp
         def __init__(self, tokens):
             self.tokens = tokens
 
-    monkeypatch.setattr(longest, "estimate", lambda config, t, device: Estimate(t.seq_len))
     monkeypatch.setattr(longest, "required", lambda memory: device_bytes(memory.tokens))
-    config = ModelConfig(**dict(SHORT, max_position_embeddings=1 << 17))
+    config = Predictor(ModelConfig(**dict(SHORT, max_position_embeddings=1 << 17)), "cpu",
+                       estimator=lambda config, t, seq_len, **_: Estimate(seq_len))
     budget = int(budget_gib * 2**30)
     room = usable(budget, "cpu")
     fitting = [n for n in range(GRAIN, (1 << 17) + 1, GRAIN) if device_bytes(n) <= room]
@@ -236,7 +236,7 @@ def test_longest_context_stops_at_the_models_context_and_at_nothing():
 
 def test_longest_context_on_cuda_counts_the_host():
     """Offloaded layer inputs go to the host: a small host caps the context before the card."""
-    from nbtune.fitting import host_usable
+    from nbtune.predict import host_usable
 
     config = ModelConfig(**dict(SHORT, hidden_size=512, num_heads=8, num_kv_heads=4, head_dim=64))
     t = dict(dtype="bf16", activation_checkpointing=True, batch_size=1, tile_tokens=4096,

@@ -36,7 +36,7 @@ import nbtune as nt
 import nbtune.checkpoint
 import nbtune.models.hf
 import nbtune.optim
-from nbtune.memory.estimate import _StateStandIn, _make_state
+from nbtune.predict.estimator import _StateStandIn, _make_state
 from nbtune.models.decoder import CausalLM
 from nbtune.models.filling import DTYPES
 from nbtune.models.presets import preset_config

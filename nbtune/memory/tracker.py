@@ -60,6 +60,12 @@ class Segment:
     peak: dict = field(default_factory=dict)
     highs: dict = field(default_factory=dict)
 
+    @property
+    def offloaded(self) -> int:
+        """The most activation bytes parked off the device (on "meta": what the estimator
+        files as offloaded to the host) at any moment of the stretch."""
+        return self.highs.get(("meta", _ACT), 0)
+
 
 class _StepPhase:
     """Stands in for MemTracker's ModTracker, which hooks every module call.
@@ -225,7 +231,7 @@ class CpuStepMemory:
     ``by_layer``: file what each decoder layer's forward and backward hold under segments of
     their own (phase, micro-batch, "layer", index), apart from the embedding, the head and
     the rest of each phase: the estimator extrapolates a deep model's step from two shallow
-    ones with them (``nbtune.memory.estimate``).
+    ones with them (``nbtune.predict.estimator``).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *inputs: torch.Tensor,

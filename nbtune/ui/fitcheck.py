@@ -1,8 +1,9 @@
 """Will it fit? The panel's badge, recomputed off the kernel's thread as sliders move.
 
 A request waits ``delay`` seconds for the next one (a slider drag sends many), then one
-worker thread estimates the newest techniques only; the last ``CACHE_SIZE`` results are
-kept by techniques, so moving a slider back is instant. No widgets here: the panel passes a
+worker thread estimates the newest techniques only, through the model's ``Predictor``: its
+cache (shared with ``fit`` and the longest-context search) makes moving a slider back
+instant. No widgets here: the panel passes a
 callback. ``close()`` ends the worker; at interpreter exit every open check is closed and its
 worker joined, so no thread is inside torch while the interpreter tears down (that aborted
 scripts that made a panel: "terminate called without an active exception").
@@ -14,27 +15,23 @@ import atexit
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from typing import Callable
 
-from ..fitting import fit_badge
-from ..memory.estimate import estimate
+from ..predict import Predictor, fit_badge
 from ..techniques import Techniques
 
 
 class FitCheck:
-    """Debounced, cached estimates of ``config`` under the newest requested techniques.
+    """Debounced estimates, by ``predictor`` (a ``Predictor``), of the newest requested techniques.
 
     ``show(techniques, budget, badge, seconds, error)`` is called from the worker thread (or at
     once on a cache hit) with a ``FitBadge``, or ``badge=None`` and the error text when
     the estimate failed; ``seconds`` is the time from the request to the result.
     """
 
-    def __init__(self, config, show: Callable, *, device: str = "cuda", delay: float = 0.3,
-                 estimator=estimate) -> None:
-        self.config, self.device, self.delay = config, device, delay
-        self._show, self._estimate = show, estimator
-        self._cache: OrderedDict[Techniques, object] = OrderedDict()
+    def __init__(self, predictor: Predictor, show: Callable, *, delay: float = 0.3) -> None:
+        self.predictor, self.device, self.delay = predictor, predictor.device, delay
+        self._show = show
         self._closed = False
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -43,8 +40,6 @@ class FitCheck:
         self._busy = False  # the worker is estimating
         self.estimates = 0  # estimator calls made (cache hits not counted)
         _OPEN.add(self)
-
-    CACHE_SIZE = 64
 
     def close(self, timeout: float = 120.0) -> None:
         """No more requests; wait (at most ``timeout``) for an estimate under way to end."""
@@ -61,10 +56,8 @@ class FitCheck:
         with self._lock:
             if self._closed:
                 return
-            memory = self._cache.get(techniques)
-            if memory is not None:
-                self._cache.move_to_end(techniques)
-            if memory is None:
+            cached = self.predictor.cached(techniques)
+            if not cached:
                 self._latest = (techniques, budget, asked)
                 if self._worker is None or not self._worker.is_alive():
                     self._worker = threading.Thread(target=self._work, name="nbtune-fit-check",
@@ -73,7 +66,7 @@ class FitCheck:
                 self._wake.notify()
                 return
             self._latest = None  # an older request still waiting is superseded
-        self._deliver(techniques, budget, memory, asked)
+        self._deliver(techniques, budget, self._estimate(techniques), asked)
 
     def wait(self, timeout: float = 60.0) -> bool:
         """Block until no request is waiting or being estimated (tests, benchmarks)."""
@@ -101,23 +94,21 @@ class FitCheck:
                 techniques, budget, asked = self._latest
                 self._busy = True
             try:
-                memory = self._cache.get(techniques)
-                if memory is None:
-                    try:
-                        memory = self._estimate(self.config, techniques, device=self.device)
-                        self.estimates += 1
-                    except Exception as err:  # noqa: BLE001 - shown in the badge
-                        memory = ValueError(f"{type(err).__name__}: {err}")  # no traceback kept
-                    with self._lock:
-                        self._cache[techniques] = memory
-                        while len(self._cache) > self.CACHE_SIZE:
-                            self._cache.popitem(last=False)
-                self._deliver(techniques, budget, memory, asked)
+                if not self.predictor.cached(techniques):
+                    self.estimates += 1
+                self._deliver(techniques, budget, self._estimate(techniques), asked)
             finally:
                 with self._lock:
                     if self._latest is not None and self._latest[2] == asked:
                         self._latest = None
                     self._busy = False
+
+    def _estimate(self, techniques: Techniques):
+        """The estimate, or the error it raised (as text: no traceback kept)."""
+        try:
+            return self.predictor.estimate(techniques)
+        except Exception as err:  # noqa: BLE001 - shown in the badge
+            return ValueError(f"{type(err).__name__}: {err}")
 
     def _deliver(self, techniques, budget, memory, asked) -> None:
         seconds = time.monotonic() - asked

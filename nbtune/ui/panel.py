@@ -26,7 +26,7 @@ from ..runner import (Message, PendingChanged, Refused, RunFinished, RunStarted,
 from ..techniques import CHOICE_HELP, DTYPES, HELP, LORA_TARGETS, METHODS, NO_EFFECT, OPTIMIZERS
 from ..units import format_bytes
 from .charts import draw_memory, figure_png
-from ..fitting import APPLY_IN_CODE, CARDS, HOST_RAM
+from ..predict import APPLY_IN_CODE, CARDS, HOST_RAM, Predictor
 from .fitcheck import FitCheck, in_background
 from .live import PacedRedraw
 from .status import run_status
@@ -184,7 +184,7 @@ class Panel(w.VBox):
         self.fit_apply.on_click(lambda _: self._guarded(self._apply_fit))
         self.budget.observe(lambda _: self._check_fit(), names="value")
         self._fit_changes: dict | None = None
-        self._fitcheck = FitCheck(session.model.config, self._show_badge, device="cuda")
+        self._fitcheck = FitCheck(Predictor.of(session.model.config, "cuda"), self._show_badge)
         self.last_fit_seconds: float | None = None  # request -> badge, for the benchmark
         self.status = w.HTML()  # replies to clicks: applied, pending, refused and why
         self._lines: list[str] = []  # what the status line shows

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .fitting import host_usable, parse_budget, parse_machine, required, usable
-from .memory.breakdown import MemoryBreakdown
-from .memory.estimate import estimate, resolve_config
-from .models.config import ModelConfig
-from .techniques import Techniques, as_techniques
-from .units import format_bytes
+from ..memory.breakdown import MemoryBreakdown
+from ..models.config import ModelConfig
+from ..techniques import Techniques, as_techniques
+from ..units import format_bytes
+from .budgets import host_usable, parse_budget, parse_machine, required, usable
+from .predictor import Predictor
 
 GRAIN = 256  # answers are whole multiples of this many tokens
 FIRST = 2048  # the two lengths the line is drawn through: FIRST and 2 * FIRST
@@ -106,7 +106,8 @@ def longest_context(model, card="RTX 3090", techniques: Techniques | dict | None
     one at the answer confirms it; where that one does not fit, what fits and what does not
     is closed to one grain (``MAX_ESTIMATES`` at most; then the longest seen to fit).
     """
-    config = resolve_config(model)
+    forecaster = Predictor.of(model, device)
+    config = forecaster.config
     t = as_techniques(techniques)
     if batch_size:
         t = t.replace(batch_size=batch_size)
@@ -121,7 +122,7 @@ def longest_context(model, card="RTX 3090", techniques: Techniques | dict | None
     def measure(tokens: int):
         if progress is not None:
             progress(tokens)
-        memory = estimate(config, t.replace(seq_len=tokens), device=device)
+        memory = forecaster.estimate(t.replace(seq_len=tokens))
         on_host = memory.host.without_undo if memory.host is not None and cuda else 0
         fits = required(memory) <= room and (host_room is None or on_host <= host_room)
         tried.append((tokens, required(memory), on_host, fits))

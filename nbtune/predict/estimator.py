@@ -29,14 +29,24 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..checkpoint import PART_BYTES
+from ..hub import resolve_model_folder
+from ..memory.accounting import optimizer_state_bytes, parameter_bytes
+from ..memory.breakdown import HostMemory, MemoryBreakdown
+from ..memory.tracker import CpuStepMemory, Segment, breakdown_of
 from ..models.config import ModelConfig
-from ..models.filling import CHECK_BYTES
-from ..models.hf import CAST_CHUNK_BYTES
 from ..models.decoder import CausalLM
+from ..models.filling import CHECK_BYTES, DTYPES
+from ..models.hf import CAST_CHUNK_BYTES
+from ..models.presets import PRESETS, preset_config
+from ..optim import OptimizerInBackward, optimizer_factory, trainable_parameters
+from ..peft import cast_model
+from ..plan import check, transform_model
+from ..step import evaluate_sum, update
 from ..techniques import PAGED_OPTIMIZERS, Techniques, as_techniques
-from .accounting import optimizer_state_bytes, parameter_bytes
-from .breakdown import HostMemory, MemoryBreakdown
-from .tracker import _ACT, Segment, breakdown_of
+from ..undo import UNDO_AUTO_BYTES
 
 _QUANTIZED_OPTIMIZERS = {"adamw8bit", "paged_adamw8bit", "paged_adamw", "ao_adamw8bit",
                          "ao_adamw4bit"}
@@ -44,9 +54,6 @@ _QUANTIZED_OPTIMIZERS = {"adamw8bit", "paged_adamw8bit", "paged_adamw", "ao_adam
 
 def resolve_config(model) -> ModelConfig:
     """A ``ModelConfig`` from a ModelConfig, preset name, config.json, model folder or repo id."""
-    from ..hub import resolve_model_folder
-    from ..models.presets import PRESETS, preset_config
-
     if isinstance(model, ModelConfig):
         return model
     if isinstance(model, nn.Module) and isinstance(getattr(model, "config", None), ModelConfig):
@@ -98,7 +105,6 @@ class _StateStandIn(torch.optim.Optimizer):
     Paged state (CUDA managed memory, outside the allocator) is made on the meta device, so
     the tracker does not count it on the step's device.
     """
-
     def __init__(self, params, name: str, paged: bool) -> None:
         super().__init__(params, {"lr": 0.0})
         self.name, self.paged = name, paged
@@ -123,8 +129,6 @@ class _StateStandIn(torch.optim.Optimizer):
 
 
 def _estimate_optimizer(model: nn.Module, t: Techniques, device: str) -> torch.optim.Optimizer:
-    from ..optim import OptimizerInBackward, _optimizer_factory, trainable_parameters
-
     params = trainable_parameters(model)
     if t.cpu_offload_optimizer:  # the state and its step live in CPU memory
         return torch.optim.SGD(params, lr=t.lr)
@@ -134,15 +138,13 @@ def _estimate_optimizer(model: nn.Module, t: Techniques, device: str) -> torch.o
         def make(ps):
             return _StateStandIn(ps, t.optimizer, paged)
     else:
-        make = _optimizer_factory(t)
+        make = optimizer_factory(t)
     return OptimizerInBackward(params, make) if t.optimizer_in_backward else make(params)
 
 
 def _make_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state, as a first training step would, by stepping on zero
     gradients: the estimate then measures a steady step for half the cost of running two."""
-    from ..optim import OptimizerInBackward
-
     inner = optimizer.optimizers if isinstance(optimizer, OptimizerInBackward) else [optimizer]
     for opt in inner:
         params = [p for group in opt.param_groups for p in group["params"]]
@@ -179,8 +181,6 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     A deep model's step is extrapolated from two shallow ones (``layer_period``): equal to
     the byte to running all of its layers, which ``extrapolate=False`` does.
     """
-    from ..plan import check
-
     config = resolve_config(model)
     t = as_techniques(techniques)  # a dict of fields too, as Session takes
     target = torch.device(device).type
@@ -218,8 +218,6 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
     """What the run of ``t`` holds on the host beside ``step`` (the device's side), by what
     nbtune's code does: see ``HostMemory``. The undo copy counts where "auto" keeps it on
     every step (CUDA: at most 256 MiB, or the optimizer in backward)."""
-    from ..undo import UNDO_AUTO_BYTES
-
     cuda = target == "cuda"
     dtype = _BYTES[t.dtype]
     trainable, state = step.trainable, step.optimizer_state
@@ -228,7 +226,7 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
                                        config.num_heads * config.head_dim) * dtype  # one weight
     copy = trainable + state
     undo = copy if cuda and (t.optimizer_in_backward or copy <= UNDO_AUTO_BYTES) else 0
-    offloaded = max((s.highs.get(("meta", _ACT), 0) for s in fake.segments.values()), default=0)
+    offloaded = max((s.offloaded for s in fake.segments.values()), default=0)
     cpu_optimizer = 0
     if t.cpu_offload_optimizer:  # torchao: pinned host copies and gradients, state beside them
         cpu_optimizer = trainable * (4 if t.optimizer == "adamw" else 2)
@@ -271,8 +269,6 @@ def _vectors(config: ModelConfig) -> int:
 def _part(nbytes: int, largest: int) -> int:
     """The largest file ``checkpoint.parts`` cuts ``nbytes`` into, whose largest tensor holds
     at most ``largest``."""
-    from ..checkpoint import PART_BYTES
-
     return min(nbytes, max(PART_BYTES, largest))
 
 
@@ -300,7 +296,6 @@ class _FakeStep:
     """What a fake step measured: its segments (``tracker.Segment``), the optimizer state
     (paged state included, and apart), the weights by kind and the held-out evaluation's
     peak. Every number is affine in the depth once layers repeat (``_extrapolated``)."""
-
     segments: dict
     state: int
     weights: dict
@@ -311,13 +306,7 @@ class _FakeStep:
 def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int, int],
                by_layer: bool) -> _FakeStep:
     """Build ``config`` of fake tensors the way a session would and track a steady step."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..models.filling import DTYPES
-    from ..peft import cast_model
-    from ..plan import transform_model
-    from ..step import evaluate_sum, update
-    from .tracker import CpuStepMemory
 
     real = _fake_batch(config, t, *shape)
     micro_batches = [real] * t.grad_accum

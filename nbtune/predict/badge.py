@@ -1,0 +1,114 @@
+"""Will it fit? A step's memory (measured or estimated) held against a card and its host."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+
+from ..memory.breakdown import MemoryBreakdown
+from ..units import format_bytes
+from .budgets import host_usable, parse_budget, parse_machine, required, usable
+
+@dataclass(frozen=True)
+class FitBadge:
+    """Whether a step's memory fits a budget, on the card and (where known) on the host: for
+    the panel's badge (no widgets here)."""
+
+    need: int  # bytes the step needs
+    budget: int
+    usable: int
+    largest: str | None = None  # the category holding most at the peak
+    at_peak: dict = field(default_factory=dict)
+    host_need: int | None = None  # host bytes the run needs without the undo copy
+    host_budget: int | None = None
+    host_usable: int | None = None
+    undo: int = 0  # host bytes of the undo copy "auto" would keep (dropped where it does not fit)
+
+    @property
+    def fits_card(self) -> bool:
+        return self.need <= self.usable
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_need is None or self.host_usable is None or self.host_need <= self.host_usable
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_card and self.fits_host
+
+    @property
+    def headroom(self) -> int:
+        """Bytes to spare on the card (negative: bytes over)."""
+        return self.usable - self.need
+
+    @property
+    def binds(self) -> str:
+        """"card" or "host": which of the two has the smaller share left (the card alone
+        where the host is not checked)."""
+        if self.host_need is None or self.host_usable is None:
+            return "card"
+        card = self.headroom / max(self.usable, 1)
+        machine = (self.host_usable - self.host_need) / max(self.host_usable, 1)
+        return "host" if machine < card else "card"
+
+    @property
+    def text(self) -> str:
+        room = format_bytes(self.usable)
+        if self.usable != self.budget:
+            room += f" usable of {format_bytes(self.budget)}"
+        most = f"; most held by {self.largest.replace('_', ' ')}" if self.largest else ""
+        if self.fits_card:
+            card = f"{format_bytes(self.headroom)} to spare of {room}"
+        else:
+            card = f"{format_bytes(-self.headroom)} over {room}"
+        if self.host_need is None or self.host_usable is None:
+            return f"{'fits' if self.fits_card else 'does not fit'}: {card}{most}"
+        spare = self.host_usable - self.host_need
+        host = (f"host {format_bytes(self.host_need)} of {format_bytes(self.host_usable)} usable"
+                if spare >= 0 else
+                f"host {format_bytes(-spare)} over its {format_bytes(self.host_usable)} usable")
+        if spare >= 0 and self.undo and self.undo > spare:
+            host += f", no undo copy ({format_bytes(self.undo)} would not fit)"
+        if self.fits_card and not self.fits_host:
+            return f"does not fit on the host: {host} (the card has {card}){most}"
+        used = max(self.need / max(self.usable, 1), self.host_need / max(self.host_usable, 1))
+        binding = f"; the {self.binds} is the limit" if self.fits and used >= 0.5 else ""
+        return f"{'fits' if self.fits else 'does not fit'}: {card}; {host}{binding}{most}"
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def fit_badge(memory, budget, *, device: str | None = None, reserve: int | None = None,
+              margin: float | None = None, host=None) -> FitBadge:
+    """Fits or not, headroom and the dominating category, for a ``MemoryBreakdown`` (measured
+    or estimated) or a peak in bytes, against ``budget`` (anything ``parse_machine`` takes).
+
+    An estimate (or a bare peak) on CUDA is held against ``usable`` (context and allocator
+    margin kept back). A measured CUDA step already shows both: what its allocator reserved
+    and what is in use outside it (context included), so nothing is kept back for them.
+    An estimate carries its host memory (``HostMemory``): on CUDA it is held against ``host``
+    (a size; default: the card's usual ``HOST_RAM``) where that is known.
+    """
+    limit, card_host = parse_machine(budget)
+    host_limit = parse_budget(host) if host is not None else card_host
+    if isinstance(memory, MemoryBreakdown):
+        target = device or memory.device
+        measured_cuda = memory.measured and str(memory.device).startswith("cuda")
+        if measured_cuda:
+            need = max(memory.reserved, getattr(memory, "highest", memory.peak)) + memory.outside
+            reserve = 0 if reserve is None else reserve
+            margin = 0.0 if margin is None else margin
+        else:
+            need = required(memory)
+        largest = memory.largest_at_peak if (memory.at_peak or memory.peak) else None
+        on_host = {}
+        if memory.host is not None and host_limit is not None and str(target).startswith("cuda"):
+            on_host = dict(host_need=memory.host.without_undo, host_budget=host_limit,
+                           host_usable=host_usable(host_limit), undo=memory.host.undo)
+        return FitBadge(need, limit, usable(limit, target, reserve, margin), largest,
+                        dict(memory.at_peak), **on_host)
+    if isinstance(memory, bool) or not isinstance(memory, numbers.Integral) or memory < 0:
+        raise TypeError(f"fit_badge: give a MemoryBreakdown or a peak in bytes, got {memory!r}.")
+    return FitBadge(int(memory), limit, usable(limit, device or "cuda", reserve, margin))
+

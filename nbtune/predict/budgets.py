@@ -1,0 +1,103 @@
+"""Budgets: sizes and card names parsed, and the share of a card or host a step may hold."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+
+from ..host import margin as host_margin
+from ..memory.breakdown import MemoryBreakdown
+from .tables import ALLOCATOR_MARGIN, CARDS, CUDA_CONTEXT, GiB, HOST_RAM
+
+_UNITS = {"": 1, "b": 1,
+          "k": 2**10, "kib": 2**10, "kb": 10**3,
+          "m": 2**20, "mib": 2**20, "mb": 10**6,
+          "g": 2**30, "gib": 2**30, "gb": 10**9,
+          "t": 2**40, "tib": 2**40, "tb": 10**12}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def _card_key(name: str) -> str:
+    return re.sub(r"[\s_\-]", "", name).lower()
+
+
+_CARD_KEYS = {_card_key(name): name for name in CARDS}
+
+
+def parse_budget(value) -> int:
+    """Bytes from an int (bytes), a size ("24GiB", "24 GB", "512MiB", "1.5 GiB") or a card
+    name from ``CARDS`` (any case, spaces optional: "rtx 4090", "A100-80GB").
+
+    GiB/MiB/KiB (and bare G/M/K) are powers of 2, GB/MB/KB powers of 10: "24 GB" is 24e9
+    bytes, about 22.4 GiB. A card's name gives its whole memory; ``fit`` keeps back the CUDA
+    context and an allocator margin from it (``usable``).
+    """
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        if value > 0:
+            return int(value)
+    elif isinstance(value, float) and math.isfinite(value) and value >= 1:
+        return int(value)
+    elif isinstance(value, str):
+        card = _CARD_KEYS.get(_card_key(value))
+        if card is not None:
+            return CARDS[card]
+        match = _SIZE.fullmatch(value)
+        if match and match.group(2).lower() in _UNITS:
+            size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+            if size > 0:
+                return size
+    raise ValueError(
+        f"budget={value!r} is not a memory size. Give bytes as an int (e.g. {24 * GiB}), a "
+        "size with a unit ('24GiB', '16 GiB', '512MiB', '24 GB'; GiB/MiB/KiB and bare G/M/K "
+        "are powers of 2, GB/MB/KB powers of 10) or a card: " + ", ".join(CARDS) + ".")
+
+
+_MACHINE = re.compile(r"(.+?)\s*\+\s*(.+?)\s*(?:of\s+)?(?:ram|host)?\s*", re.IGNORECASE)
+
+
+def parse_machine(value) -> tuple[int, int | None]:
+    """(device bytes, host bytes or None) from what ``parse_budget`` takes (a card name
+    brings its usual host memory, ``HOST_RAM``; a size alone leaves the host unknown), from
+    "<card or size> + <size> RAM" ("RTX 3090 + 64 GB RAM", "24GiB + 32GiB") or from a
+    (device, host) pair."""
+    if isinstance(value, tuple) and len(value) == 2:
+        device, machine_host = value
+        return parse_budget(device), None if machine_host is None else parse_budget(machine_host)
+    if isinstance(value, str):
+        both = _MACHINE.fullmatch(value)
+        if both:
+            return parse_budget(both.group(1)), parse_budget(both.group(2))
+        card = _CARD_KEYS.get(_card_key(value))
+        if card is not None:
+            return CARDS[card], HOST_RAM[card]
+    return parse_budget(value), None
+
+
+def host_usable(budget: int) -> int:
+    """Bytes of a host of ``budget`` that a run may hold: less the margin ``nbtune.host``
+    keeps free (the notebook server, the page cache weights stream through)."""
+    return max(0, budget - host_margin(budget))
+
+
+def usable(budget: int, device: str = "cuda", reserve: int | None = None,
+           margin: float | None = None) -> int:
+    """Bytes of ``budget`` that a step's tensors may hold on ``device``.
+
+    CUDA: less ``reserve`` (default ``CUDA_CONTEXT``) and then ``margin`` of the rest
+    (default ``ALLOCATOR_MARGIN``). Pass ``reserve=0`` for a budget measured with the
+    context already made (free memory plus what this process's allocator holds). CPU: all.
+    """
+    cuda = str(device).startswith("cuda")
+    reserve = (CUDA_CONTEXT if cuda else 0) if reserve is None else reserve
+    margin = (ALLOCATOR_MARGIN if cuda else 0.0) if margin is None else margin
+    return max(0, int((budget - reserve) * (1.0 - margin)))
+
+
+def required(memory: MemoryBreakdown) -> int:
+    """Device bytes a step needs: its highest moment (training step, or held-out evaluation
+    where the breakdown has one) plus memory outside the allocator (paged optimizer state:
+    it sits on the card until memory runs short)."""
+    highest = getattr(memory, "highest", memory.peak)
+    return highest + memory.outside
+

@@ -1,0 +1,149 @@
+"""One ``Predictor`` per model shape and device: the estimates behind the panel's badge, ``fit``,
+``longest_context``, the out-of-memory advice and the trainer's host reserve, each made once.
+
+An estimate of an 8B model takes seconds, and the same question comes from several places,
+sometimes at once (the panel's badge worker beside a fit search and a longest-context search
+on their own threads). So every caller asks the model's one ``Predictor``: its cache is
+locked, and a question being answered on one thread is waited for, not asked again, on
+another. A combination the estimator cannot run is remembered too (as its error's type and
+text: no traceback, whose frames hold the fake step, outlives the call).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import fields
+from typing import NamedTuple
+
+from ..memory.breakdown import MemoryBreakdown
+from ..techniques import Techniques, as_techniques
+from .estimator import estimate, resolve_config
+
+# What an estimate may raise for a combination it cannot run (remembered, raised again as is).
+ESTIMATE_ERRORS = (ValueError, RuntimeError, NotImplementedError)
+
+
+class EstimateFailed(RuntimeError):
+    """The estimator could not run a combination: "ErrorType: message"."""
+
+
+def memory_twin(t: Techniques) -> Techniques:
+    """``t`` with what does not change a step's memory set to one value, so equal-memory
+    configurations share a cache entry: the peak is reached by the second micro-batch (the
+    gradients of the first are then held), so grad_accum 2 stands for any more."""
+    return t.replace(grad_accum=min(t.grad_accum, 2), lr=Techniques.lr, warmup_steps=0, seed=0)
+
+
+def config_key(config) -> tuple:
+    """A ``ModelConfig``'s identity for caching: every compared field, by value."""
+    return tuple((f.name, repr(getattr(config, f.name))) for f in fields(config) if f.compare)
+
+
+_PREDICTORS: "OrderedDict[tuple, Predictor]" = OrderedDict()  # Predictor.of's, by model and device
+_REGISTRY_LOCK = threading.Lock()
+MAX_PREDICTORS = 8  # model shapes kept (an 8B's cache is a few MiB of breakdowns at most)
+
+
+class Predictor:
+    """Estimates of one model ``config`` on one ``device`` ("cpu" or "cuda"), cached.
+
+    ``estimate(t)`` is ``nbtune.estimate(config, t, device=device)`` asked once per memory
+    twin (``memory_twin``) and shape; ``estimates`` counts the estimator's runs.
+    ``estimator``: a stand-in with ``estimate``'s signature (tests).
+    """
+
+    CACHE_SIZE = 512
+
+    def __init__(self, config, device: str = "cuda", *, estimator=None) -> None:
+        self.config, self.device = resolve_config(config), str(device)
+        self._estimator = estimator
+        self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self._running: dict[tuple, threading.Event] = {}  # questions being answered now
+        self.estimates = 0
+
+    def _key(self, t: Techniques, batch_size: int | None, seq_len: int | None) -> tuple:
+        return (memory_twin(t), batch_size or t.batch_size, seq_len or t.seq_len)
+
+    def cached(self, techniques, *, batch_size: int | None = None,
+               seq_len: int | None = None) -> bool:
+        """Whether ``estimate`` would answer without running the estimator."""
+        with self._lock:
+            return self._key(as_techniques(techniques), batch_size, seq_len) in self._cache
+
+    def estimate(self, techniques, *, batch_size: int | None = None,
+                 seq_len: int | None = None) -> MemoryBreakdown:
+        """The step's predicted memory; raises the estimator's error (``ESTIMATE_ERRORS``)
+        for a combination it cannot run, every time it is asked."""
+        t = as_techniques(techniques)
+        key = self._key(t, batch_size, seq_len)
+        while True:
+            with self._lock:
+                if key in self._cache:
+                    self._cache.move_to_end(key)
+                    return _answer(self._cache[key])
+                running = self._running.get(key)
+                if running is None:
+                    self._running[key] = threading.Event()
+                    break
+            running.wait()  # another thread is answering it: take its answer
+        try:
+            try:
+                result = (self._estimator or estimate)(self.config, key[0], batch_size=key[1], seq_len=key[2],
+                                  device=self.device)
+            except ESTIMATE_ERRORS as err:
+                result = _Failed(type(err), " ".join(str(err).split()))
+            with self._lock:
+                self.estimates += 1
+                self._cache[key] = result
+                while len(self._cache) > self.CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        finally:
+            with self._lock:
+                self._running.pop(key).set()
+        return _answer(result)
+
+    def clear(self) -> None:
+        """Forget every estimate."""
+        with self._lock:
+            self._cache.clear()
+
+    @classmethod
+    def of(cls, model, device: str = "cuda") -> "Predictor":
+        """The one ``Predictor`` of ``model`` (anything ``estimate`` takes) on ``device``; a
+        ``Predictor`` given as ``model`` is used as it is."""
+        target = "cuda" if str(device).startswith("cuda") else str(device)
+        if isinstance(model, Predictor):
+            if model.device != target:
+                raise ValueError(f"device={device!r}: this Predictor estimates for {model.device!r}.")
+            return model
+        config = resolve_config(model)
+        key = (config_key(config), target)
+        with _REGISTRY_LOCK:
+            found = _PREDICTORS.get(key)
+            if found is None:
+                found = _PREDICTORS[key] = cls(config, target)
+            _PREDICTORS.move_to_end(key)
+            while len(_PREDICTORS) > MAX_PREDICTORS:
+                _PREDICTORS.popitem(last=False)
+        return found
+
+
+class _Failed(NamedTuple):
+    kind: type
+    text: str
+
+
+def _answer(result):
+    if isinstance(result, _Failed):
+        raise result.kind(result.text)
+    return result
+
+
+def clear_cache() -> None:
+    """Forget every model's estimates."""
+    with _REGISTRY_LOCK:
+        for one in _PREDICTORS.values():
+            one.clear()
+        _PREDICTORS.clear()

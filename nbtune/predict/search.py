@@ -1,0 +1,458 @@
+"""Fit a configuration to a memory budget: the fastest toggles the estimator says fit.
+
+``fit(model, "24GiB", techniques)`` searches combinations of the memory toggles, asks the
+estimator (``nbtune.estimate``: fake tensors, no weights) for each one's peak, and returns
+the cheapest one predicted to fit, by the speed cost model (``costs.relative_cost``).
+
+What it may change, and in what order:
+
+* Toggles that keep the maths (``PLACEMENT_FIELDS``): activation checkpointing (every N
+  layers), chunked loss, a micro-batch split that keeps ``batch_size * grad_accum``, the
+  optimizer step in backward, activation offloading and CPU optimizer offload (CUDA).
+  These move, drop or recompute memory; the updates are the same. They are searched in
+  both directions: a technique the start has but does not need is turned off if that is
+  faster.
+* Only if none of those fits: the choices that change the maths, fewest steps first
+  (8-bit then 4-bit optimizer state, bf16, LoRA then QLoRA; ``maths_steps``), each again
+  with the toggles above. The result says so.
+* Never: seq_len, the effective batch, learning rate, LoRA rank and targets, packing,
+  clipping, compile (the estimator cannot see its memory; it only changes speed).
+
+The search keeps estimator calls few (each is seconds to a minute on an 8B model):
+
+* candidates are tried cheapest first and the first that fits is the answer;
+* one that saves no more memory than a combination already seen not to fit, on every
+  toggle, is skipped: memory is taken to fall monotonically along each toggle (the tests
+  check the answer is then the cheapest that fits, against an exhaustive search);
+* the start is estimated first; then the most-saving combinations that keep the maths,
+  so a search where nothing exact fits learns it in one or two estimates (then the same
+  for the whole space, and for each tier of maths changes);
+* before a candidate, a near-free stronger one (within ``NEAR_FREE``: chunked loss, the
+  optimizer step in backward) is tried: if that does not fit, neither does the candidate;
+* a combination the estimator cannot run (an error: e.g. one the library cannot train)
+  is reported in ``tried`` and set aside, with the combinations holding the toggles that
+  failures share (``_Unrunnable``);
+* estimates (and such errors) come from the model's ``Predictor``, which keeps them across
+  calls and shares them with the badge and the longest-context search (``grad_accum``
+  above 2, ``lr`` and ``seed`` do not change memory: ``memory_twin``).
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+from ..memory.breakdown import MemoryBreakdown
+from ..techniques import Techniques
+from ..units import format_bytes
+from .budgets import host_usable, parse_budget, parse_machine, required, usable
+from .estimator import resolve_config
+from .predictor import ESTIMATE_ERRORS, Predictor
+from .space import PLACEMENT_FIELDS, Candidate, search_space
+
+# How a result is applied from code; the panel, which has an Apply button, says so instead.
+APPLY_IN_CODE = "Apply with session.set(**result.changes)."
+
+_TOGGLES_ON = {"activation_checkpointing": lambda t: t.checkpoint_every > 0,
+               "chunked_loss": lambda t: t.chunked_loss > 1,
+               "optimizer_in_backward": lambda t: t.optimizer_in_backward,
+               "activation_offloading": lambda t: t.activation_offloading,
+               "cpu_offload_optimizer": lambda t: t.cpu_offload_optimizer}
+
+
+def _toggles_on(t: Techniques) -> frozenset:
+    return frozenset(name for name, on in _TOGGLES_ON.items() if on(t))
+
+
+class _Unrunnable:
+    """Which combinations the estimator is taken to be unable to run, from those it could
+    not: per method and dtype, sets of toggles that fail together. A failure's toggles are
+    suspect, and so is what two failures share (a heuristic: the failures seen come from a
+    method, or from toggles that do not work together, and each pair of failures points
+    closer to the toggles at fault). A combination holding a suspect set is not tried."""
+
+    def __init__(self) -> None:
+        self.suspects: dict[tuple, set[frozenset]] = {}
+        self.ran: dict[tuple, set[frozenset]] = {}  # toggles seen to run: never suspect
+
+    def add(self, t: Techniques) -> None:
+        sets = self.suspects.setdefault((t.method, t.dtype), set())
+        failing = _toggles_on(t)
+        sets |= {failing & other for other in sets if failing & other} | {failing}
+
+    def runs(self, t: Techniques) -> None:
+        self.ran.setdefault((t.method, t.dtype), set()).add(_toggles_on(t))
+
+    def __contains__(self, t: Techniques) -> bool:
+        on, group = _toggles_on(t), (t.method, t.dtype)
+        return any(s <= on and not any(s <= r for r in self.ran.get(group, ()))
+                   for s in self.suspects.get(group, ()))
+
+
+def _dominated(saving: tuple, by: tuple) -> bool:
+    """``by`` saves at least as much memory as ``saving`` along every axis."""
+    return all(b >= s for s, b in zip(saving, by))
+
+
+NEAR_FREE = 0.02  # cost within which toggles are bundled (chunked loss, optimizer in backward)
+
+
+class _OutOfTries(Exception):
+    pass
+
+
+def _most_saving(cands: list[Candidate]) -> list[Candidate]:
+    """The candidates no other one beats on every axis of memory saved, in the given order."""
+    front: list[int] = []
+    for i in sorted(range(len(cands)), key=lambda i: (tuple(-x for x in cands[i].saving), i)):
+        # a vector is beaten only by one at least as large lexicographically: seen already
+        if not any(_dominated(cands[i].saving, cands[j].saving) for j in front):
+            front.append(i)
+    return [cands[i] for i in sorted(front)]
+
+
+def _bundle(group: list[Candidate], i: int, estimated) -> Candidate | None:
+    """A not yet estimated candidate after ``group[i]`` that saves at least as much on every
+    axis for at most NEAR_FREE more cost: the most-saving such one."""
+    c, near = group[i], []
+    for d in group[i + 1:]:
+        if d.cost > c.cost + NEAR_FREE:
+            break
+        if d.techniques not in estimated and _dominated(c.saving, d.saving):
+            near.append(d)
+    tops = _most_saving(near)
+    return tops[-1] if tops else None
+
+
+# ---- the result ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FitRow:
+    """One combination the search estimated."""
+
+    label: str
+    changes: dict
+    peak: int | None  # bytes the step needs (``required``); None when the estimate failed
+    fits: bool  # on the card and (where checked) on the host
+    cost: float
+    exact: bool
+    error: str | None = None
+    host: int | None = None  # host bytes the run needs (``HostMemory.without_undo``)
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What ``fit`` found. ``techniques`` is the fastest combination predicted to fit (None
+    if nothing does); ``changes`` the fields it changes from the start (for
+    ``session.set(**changes)``); ``peak`` its predicted need in bytes; ``tried`` every
+    combination estimated, in order."""
+
+    techniques: Techniques | None
+    changes: dict
+    peak: int | None
+    budget: int
+    usable: int
+    start: Techniques
+    device: str
+    tried: list[FitRow]
+    exact: bool | None  # the result keeps the start's maths
+    cost: float | None  # relative_cost of the result against the start's method and dtype
+    message: str
+    breakdown: MemoryBreakdown | None = None
+    estimates: int = 0  # estimator calls made (cache hits not counted)
+    skipped: int = 0  # combinations ruled out without an estimate
+    candidates: int = 0  # size of the search space
+    host_budget: int | None = None  # the host's memory checked against (None: not checked)
+    host_usable: int | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.techniques is not None
+
+    def as_dicts(self) -> list[dict]:
+        return [{"configuration": r.label, "changes": r.changes, "peak_bytes": r.peak,
+                 "host_bytes": r.host, "fits": r.fits, "cost": r.cost, "exact": r.exact,
+                 "error": r.error} for r in self.tried]
+
+    HEADER = ["configuration", "predicted peak", "host", "fits", "cost", "maths"]
+
+    def _cells(self) -> list[list[str]]:
+        out = []
+        for r in self.tried:
+            peak = r.error[:60] if r.error else format_bytes(r.peak)
+            held = format_bytes(r.host) if r.host is not None else "-"
+            out.append([r.label, peak, held, "yes" if r.fits else "no", f"{r.cost:.2f}x",
+                        "same" if r.exact else "changed"])
+        return out
+
+    def _chosen(self) -> int | None:
+        if self.techniques is None:
+            return None
+        for i, r in enumerate(self.tried):
+            if r.fits and r.changes == self.changes:
+                return i
+        return None
+
+    def __repr__(self) -> str:
+        cells = [self.HEADER] + self._cells()
+        widths = [max(len(row[i]) for row in cells) for i in range(len(self.HEADER))]
+        chosen = self._chosen()
+        lines = []
+        for j, row in enumerate(cells):
+            mark = "->" if chosen is not None and j == chosen + 1 else "  "
+            lines.append(mark + " " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                                for i, (c, w) in enumerate(zip(row, widths))))
+        lines.insert(1, "   " + "  ".join("-" * w for w in widths))
+        return self.message + "\n\n" + "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{h}</th>" for h in self.HEADER)
+        chosen = self._chosen()
+        body = "".join(
+            ("<tr style='font-weight:bold'>" if i == chosen else "<tr>")
+            + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+            for i, row in enumerate(self._cells()))
+        return (f"<p>{html.escape(self.message)}</p>"
+                f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+                "<p style='font-size:smaller'>cost: step time relative to a plain step of the "
+                "start's method and dtype (nbtune.predict.tables.COSTS); maths: same updates as the start, "
+                "or changed.</p>")
+
+
+def _describe(budget: int, room: int, device: str) -> str:
+    if room == budget:
+        return f"{format_bytes(budget)}"
+    return (f"{format_bytes(room)} usable of {format_bytes(budget)} ({device}: less the context "
+            "and allocator margin)")
+
+
+class _Search:
+    """One ``fit`` search: what was estimated, what did not fit, what the estimator could not
+    run and what was ruled out without an estimate, over ``space`` (cheapest first)."""
+
+    def __init__(self, predictor: Predictor, space: list[Candidate], room: int,
+                 host_room: int | None, max_tries: int) -> None:
+        self.predictor, self.space = predictor, space
+        self.room, self.host_room, self.max_tries = room, host_room, max_tries
+        self.rows: list[FitRow] = []  # every combination looked at, in order
+        self.estimated: dict[Techniques, FitRow] = {}
+        self.memories: dict[Techniques, MemoryBreakdown] = {}
+        self.failed: list[tuple] = []  # saving vectors of combinations predicted not to fit
+        self.broken = _Unrunnable()  # combinations the estimator could not run, and their like
+        self.pruned: set[Techniques] = set()  # ruled out without an estimate
+        self.estimates = 0  # estimator calls made (cache hits not counted)
+
+    def dominated(self, c: Candidate) -> bool:
+        """Ruled out without an estimate: a combination saving at least as much memory on
+        every axis did not fit, or one with a subset of its toggles could not be run."""
+        if (any(_dominated(c.saving, by) for by in self.failed)
+                or c.techniques in self.broken):
+            self.pruned.add(c.techniques)
+            return True
+        return False
+
+    def predict(self, c: Candidate) -> FitRow | None:
+        """Estimate ``c`` (or recall it) and note its row; None when out of tries."""
+        if c.techniques in self.estimated:
+            return self.estimated[c.techniques]
+        cached = self.predictor.cached(c.techniques)
+        if self.estimates >= self.max_tries and not cached:
+            return None
+        try:
+            if not cached:
+                self.estimates += 1
+            memory = self.predictor.estimate(c.techniques)
+        except ESTIMATE_ERRORS as err:
+            row = FitRow(c.label, c.changes, None, False, c.cost, c.exact,
+                         f"{type(err).__name__}: {err}")
+            self.broken.add(c.techniques)
+        else:
+            need = required(memory)
+            held = memory.host.without_undo if self.host_room is not None and memory.host else None
+            on_host = held is None or held <= self.host_room
+            row = FitRow(c.label, c.changes, need, need <= self.room and on_host, c.cost, c.exact,
+                         host=held)
+            self.memories[c.techniques] = memory
+            self.broken.runs(c.techniques)
+            if need > self.room:  # (host memory does not fall along the toggles: no pruning by it)
+                self.failed.append(c.saving)
+        self.rows.append(row)
+        self.estimated[c.techniques] = row
+        return row
+
+    def probe(self, cands: list[Candidate]) -> bool:
+        """Whether any of ``cands`` fits, from its most-saving ones, cheapest first: if none
+        of those fits, nothing weaker does. One the estimator cannot run is set aside (with
+        those including its toggles) and the most-saving of the rest are tried instead."""
+        while True:
+            live = [c for c in cands if c.techniques not in self.broken]
+            for c in _most_saving(live):
+                if c.techniques not in self.estimated and self.dominated(c):
+                    continue  # a failure saves at least as much: it does not fit
+                row = self.predict(c)
+                if row is None:
+                    raise _OutOfTries
+                if row.peak is not None and row.peak <= self.room:
+                    # fits the card: something may fit (the host's need does not fall along
+                    # the toggles, so a host refusal proves nothing about weaker ones)
+                    return True
+                if row.error:
+                    break  # the most-saving of the rest, again
+            else:
+                return False
+
+    def walk(self, group: list[Candidate]) -> Candidate | None:
+        """The first of ``group`` (cheapest first) predicted to fit. Before estimating a
+        candidate, a combination that saves more at almost no cost (within NEAR_FREE) is
+        estimated first: if it does not fit, the candidate is ruled out with it."""
+        for i, c in enumerate(group):
+            row = self.estimated.get(c.techniques)
+            if row is None:
+                if self.dominated(c):
+                    continue
+                bundle = _bundle(group, i, self.estimated)
+                if bundle is not None and not self.dominated(bundle):
+                    if self.predict(bundle) is None:
+                        raise _OutOfTries
+                    if self.dominated(c):
+                        continue
+                row = self.predict(c)
+                if row is None:
+                    raise _OutOfTries
+            if row.fits:
+                return c
+        return None
+
+    def run(self) -> Candidate | None:
+        """The fastest candidate predicted to fit (exact maths first), or None; raises
+        ``_OutOfTries`` when ``max_tries`` estimates were spent first."""
+        steps = sorted({c.steps for c in self.space})
+        tiers = [[c for c in self.space if c.steps == tier] for tier in steps]
+        row = self.predict(self.space[0])  # the start, or the cheapest change of it
+        if row is None:
+            raise _OutOfTries
+        if row.fits:
+            return self.space[0]
+        exact_fits = self.probe(tiers[0])
+        if not exact_fits and not self.probe(self.space):  # is anything at all possible?
+            return None
+        for i, group in enumerate(tiers):
+            if (i or not exact_fits) and not self.probe(group):
+                continue
+            found = self.walk(group)
+            if found is not None:
+                return found
+        return None
+
+
+def fit(model, budget, techniques: Techniques | None = None, *, device: str = "cuda",
+        max_tries: int = 16, toggles=None, reserve: int | None = None,
+        margin: float | None = None, host=None) -> FitResult:
+    """The fastest combination of memory toggles predicted to fit ``budget``.
+
+    ``model``: what ``estimate`` accepts (preset name, ModelConfig, config.json or model
+    folder, Hub id) or an nn.Module with a ``ModelConfig`` as ``.config``. ``budget``: see
+    ``parse_machine`` (a card, a size, or "RTX 3090 + 64 GB RAM"). ``techniques``: the start
+    (default ``Techniques()``); its method, dtype, optimizer, LoRA settings, seq_len and
+    effective batch are kept unless nothing else fits. ``max_tries``: most estimator calls
+    (cached ones are free). ``toggles``: limit the axes searched (``AXES``).
+    ``reserve``/``margin``: see ``usable``. ``host``: the host's memory (a size; default: the
+    card's usual ``HOST_RAM``, or unchecked for a bare size): on CUDA a combination must fit
+    there too (``HostMemory.without_undo``: offloaded activations, paged and CPU-offloaded
+    optimizer state, a checkpoint being saved; the undo copy is dropped where it does not
+    fit, and the result says so).
+    """
+    config = model.config if isinstance(model, Predictor) else resolve_config(model)
+    start = techniques if techniques is not None else Techniques()
+    device = str(device)
+    target = "cuda" if device.startswith("cuda") else device
+    if target not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: nbtune fits budgets for 'cpu' or 'cuda'.")
+    refused = start.conflicts(target)
+    if refused:
+        raise ValueError("fit: the starting techniques cannot run on "
+                         f"{device}: " + " ".join(r.reason for r in refused))
+    if not isinstance(max_tries, int) or max_tries < 1:
+        raise ValueError(f"max_tries must be a positive int, got {max_tries!r}.")
+    limit, card_host = parse_machine(budget)
+    host_limit = parse_budget(host) if host is not None else card_host
+    if target != "cuda":
+        host_limit = None  # on a CPU the budget is the host
+    host_room = host_usable(host_limit) if host_limit is not None else None
+    room = usable(limit, target, reserve, margin)
+    layers = config.num_layers
+    space = search_space(start, target, num_layers=layers, toggles=toggles)
+
+    search = _Search(Predictor.of(model if isinstance(model, Predictor) else config, target),
+                     space, room, host_room, max_tries)
+    try:
+        chosen, out_of_tries = search.run(), False
+    except _OutOfTries:  # the cheapest of those seen to fit, if any
+        out_of_tries = True
+        fitting = [c for c in space if c.techniques in search.estimated
+                   and search.estimated[c.techniques].fits]
+        chosen = fitting[0] if fitting else None
+    skipped = len(search.pruned - set(search.estimated))
+    tried_text = (f"{search.estimates} estimate{'s' if search.estimates != 1 else ''} run, "
+                  f"{len(search.rows) - search.estimates} from the cache, {skipped} combination"
+                  f"{'s' if skipped != 1 else ''} ruled out without one, of {len(space)}")
+    card = _describe(limit, room, target)
+    where = card
+    if host_limit is not None:
+        where += f" and {format_bytes(host_room)} usable of {format_bytes(host_limit)} host memory"
+    errors = [r for r in search.rows if r.error]
+    if errors:
+        tried_text += (f"; {len(errors)} could not be estimated, and combinations including "
+                       f"their toggles were skipped (first: {errors[0].label}: {errors[0].error[:160]})")
+    if chosen is not None:
+        c, memory = chosen, search.memories[chosen.techniques]
+        need = required(memory)
+        on_host = ""
+        if host_room is not None and memory.host is not None:
+            on_host = (f" Host memory: {format_bytes(memory.host.without_undo)} of "
+                       f"{format_bytes(host_room)} usable of {format_bytes(host_limit)}")
+            if memory.host.undo and memory.host.peak > host_room:
+                on_host += (f", with no undo copy (it would need {format_bytes(memory.host.undo)} "
+                            "more: a failure half-way through an update is then recovered with "
+                            "session.recover())")
+            elif memory.host.undo:
+                on_host += f", {format_bytes(memory.host.undo)} more for the undo copy"
+            on_host += "."
+        if not c.changes:
+            message = (f"The start fits: predicted peak {format_bytes(need)} of {card}.{on_host} "
+                       f"({tried_text}.)")
+        else:
+            what = ("The cheapest predicted to fit before max_tries ran out (raise it to look "
+                    "for a faster one)" if out_of_tries else "Fastest predicted to fit")
+            message = (f"{what}: {c.label}; predicted peak {format_bytes(need)} of "
+                       f"{card}; step time about {c.cost:.2f}x a plain step.{on_host}")
+            if c.exact:
+                message += " Same maths as the start."
+            else:
+                maths = {k: v for k, v in c.changes.items() if k not in PLACEMENT_FIELDS}
+                message += (" No combination that keeps the maths fits, so this one changes it: "
+                            + ", ".join(f"{k}={v!r}" for k, v in maths.items()) + ".")
+            message += f" {APPLY_IN_CODE} ({tried_text}.)"
+        return FitResult(c.techniques, dict(c.changes), need, limit, room, start, device, search.rows,
+                         c.exact, c.cost, message, memory, search.estimates, skipped, len(space),
+                         host_limit, host_room)
+    sized = [r for r in search.rows if r.peak is not None]
+    message = f"Nothing tried fits in {where}."
+    if sized:
+        best = min(sized, key=lambda r: r.peak)
+        message += f" The smallest predicted peak was {format_bytes(best.peak)} ({best.label})."
+        on_card = [r for r in sized if r.peak <= room]
+        if on_card:
+            lightest = min(on_card, key=lambda r: r.host)
+            message += (f" {len(on_card)} fit on the card but not on the host: the lightest needs "
+                        f"{format_bytes(lightest.host)} of host memory ({lightest.label}).")
+    if out_of_tries:
+        message += (f" The search stopped after max_tries={max_tries} estimates with combinations "
+                    "left: raise max_tries to go on.")
+    else:
+        message += (" Shorten seq_len, lower the effective batch (batch_size x grad_accum), "
+                    "train fewer weights, or use a card with more memory.")
+    message += f" ({tried_text}.)"
+    return FitResult(None, {}, None, limit, room, start, device, search.rows, None, None, message,
+                     None, search.estimates, skipped, len(space), host_limit, host_room)
+

@@ -111,7 +111,7 @@ def run_slope(args) -> dict:
     import torch
 
     import nbtune as nt
-    from nbtune.step import train_step
+    from nbtune.step import StepOptions, train_step
 
     from nbtune.models import Tokenizer, demo_model_dir
 
@@ -137,9 +137,8 @@ def run_slope(args) -> dict:
                                     generator=torch.Generator().manual_seed(0))
                 batch = {"input_ids": ids, "labels": ids.clone()}
                 for _ in range(2):  # the second step: optimizer state present
-                    report = train_step(session.model, session.optimizer, [batch], pad_id=-1, step=1,
-                                        loss_chunks=step_t.chunked_loss, tile_tokens=step_t.tile_tokens,
-                                        offload_activations=step_t.activation_offloading)
+                    report = train_step(session.model, session.optimizer, [batch],
+                                        StepOptions.of(step_t), pad_id=-1, step=1)
                 measured = report.memory.peak
                 del session
             row["points"].append({"tokens": tokens, "measured_peak": measured,

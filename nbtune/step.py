@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
+from typing import Callable
 
 import torch
 from torch import nn
@@ -14,6 +15,45 @@ from .data import IGNORE
 from .loss import cross_entropy_sum, loss_pieces
 from .memory import MemoryBreakdown, track_step
 from .optim import OptimizerInBackward
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """What a step reads of ``Techniques``, by the same names, built once per configuration
+    (``StepOptions.of(t)``): a new toggle the step uses is one field here, picked up by name.
+    ``offload_to`` is the estimator's: where offloaded activations go ("meta" leaves the
+    device it counts)."""
+
+    chunked_loss: int = 0  # loss in this many pieces (0 or 1: whole)
+    tile_tokens: int = 0  # each layer's norm + MLP, and the loss, this many tokens at a time
+    activation_offloading: bool = False
+    max_grad_norm: float = 0.0
+    compile: bool = False  # the loss compiled (the layers are compiled by the planner)
+    offload_to: str | None = None
+
+    @classmethod
+    def of(cls, techniques, **extra) -> "StepOptions":
+        return cls(**{**{f.name: getattr(techniques, f.name) for f in fields(cls)
+                          if hasattr(techniques, f.name)}, **extra})
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the caller lends a step besides the maths: ``phase`` (a one-item list kept at the
+    phase running, for errors to name it), ``critical()`` (a context manager around the
+    in-place update), ``undo`` (an ``undo.UndoCopy`` that copies what the update writes just
+    before it is written), ``parallel`` (a ``distributed.Parallel``: the micro-batches are
+    this rank's rows, counts and loss are summed over ranks) and ``guard(loss, grad_norm)``,
+    which may refuse the update before anything is written."""
+
+    phase: list = field(default_factory=lambda: [None])
+    critical: Callable | None = None
+    undo: object = None
+    parallel: object = None
+    guard: Callable | None = None
+
+
+NO_CONTEXT = StepContext()
 
 
 @dataclass(frozen=True)
@@ -45,8 +85,8 @@ class EvalReport:
     memory: MemoryBreakdown | None
 
 
-def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
-                  loss_chunks: int = 0, tile_tokens: int = 0, optimizer: torch.optim.Optimizer | None = None,
+def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], options: StepOptions, *,
+                  optimizer: torch.optim.Optimizer | None = None,
                   device: torch.device | None = None, track: bool = True) -> EvalReport:
     """Mean token loss over ``batches`` without gradients (eval mode: no dropout).
 
@@ -62,8 +102,7 @@ def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
     model.eval()
     try:
         with tracker as memory:
-            total = evaluate_sum(model, batches, memory, loss_chunks=loss_chunks,
-                                 tile_tokens=tile_tokens, device=device)
+            total = evaluate_sum(model, batches, memory, options, device=device)
     finally:
         model.train(was_training)
     return EvalReport(loss=float(total) / max(trained, 1), tokens=trained,
@@ -71,9 +110,8 @@ def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], *,
 
 
 @torch.no_grad()
-def evaluate_sum(model: nn.Module, batches: list[dict[str, torch.Tensor]], memory, *,
-                 loss_chunks: int = 0, tile_tokens: int = 0,
-                 device: torch.device | None = None) -> torch.Tensor:
+def evaluate_sum(model: nn.Module, batches: list[dict[str, torch.Tensor]], memory,
+                 options: StepOptions, *, device: torch.device | None = None) -> torch.Tensor:
     """Summed token loss of ``batches``, moved to ``device`` one at a time (a tensor: the
     estimator runs it on fake ones)."""
     total = torch.zeros((), dtype=torch.float32)
@@ -83,8 +121,8 @@ def evaluate_sum(model: nn.Module, batches: list[dict[str, torch.Tensor]], memor
             batch = {k: v.to(device) for k, v in batch.items()}
         hidden = model.hidden_states(batch["input_ids"], positions=batch.get("positions"),
                                      document_ids=batch.get("document_ids"))
-        total += cross_entropy_sum(model.lm_head, hidden, batch["labels"], loss_chunks,
-                                   tile_tokens=tile_tokens).float().cpu()
+        total += cross_entropy_sum(model.lm_head, hidden, batch["labels"], options.chunked_loss,
+                                   tile_tokens=options.tile_tokens).float().cpu()
         del hidden
     return total
 
@@ -111,38 +149,30 @@ def finite_guard(step: int, lr: float):
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-               micro_batches: list[dict[str, torch.Tensor]], pad_id: int, step: int, *,
-               loss_chunks: int = 0, tile_tokens: int = 0, offload_activations: bool = False,
-               max_grad_norm: float = 0.0, compiled_loss: bool = False,
-               track: bool = True, phase: list | None = None, critical=None,
-               parallel=None, undo=None) -> StepReport:
+               micro_batches: list[dict[str, torch.Tensor]], options: StepOptions,
+               context: StepContext = NO_CONTEXT, *, pad_id: int, step: int,
+               track: bool = True) -> StepReport:
     """Forward and backward over the micro-batches, then one optimizer step.
 
     The loss of every micro-batch is divided by the number of trained tokens in *all*
     of them, so accumulating k micro-batches gives the gradient of one k-times batch.
     Without ``track`` the report's memory is None (the caller says what to show instead).
-    A non-finite loss or gradient raises ``NonFiniteError`` before the optimizer runs.
-    ``phase`` (a one-item list) is kept at the phase running, for errors to name it;
-    ``critical()`` (a context manager) wraps the in-place update; ``undo`` (an
-    ``undo.UndoCopy``) copies what the update writes just before it is written.
-    ``parallel`` (a ``distributed.Parallel``): the micro-batches are this rank's rows; token
-    counts and the loss are summed over ranks, so the report is the global step's.
+    A non-finite loss or gradient raises ``NonFiniteError`` before the optimizer runs (the
+    step's own guard, added to ``context``). With ``context.parallel`` the report is the
+    global step's.
     """
     started = time.perf_counter()
     counts = torch.tensor([int(sum((b["labels"] != IGNORE).sum() for b in micro_batches)),
                            int(sum((b["input_ids"] != pad_id).sum() for b in micro_batches))])
-    if parallel is not None:
-        parallel.sum_(counts)
+    if context.parallel is not None:
+        context.parallel.sum_(counts)
     trained, read = int(counts[0]), int(counts[1])
     inputs = [t for b in micro_batches for t in b.values()]
     lr = optimizer.param_groups[0]["lr"]
     tracker = track_step(model, optimizer, *inputs) if track else _Untracked()
-    with _Phases(tracker, phase if phase is not None else [None]) as memory:
-        total = update(model, optimizer, micro_batches, trained, memory, loss_chunks=loss_chunks,
-                       tile_tokens=tile_tokens,
-                       offload_activations=offload_activations, max_grad_norm=max_grad_norm,
-                       compiled_loss=compiled_loss, guard=finite_guard(step, lr),
-                       critical=critical, parallel=parallel, undo=undo)
+    with _Phases(tracker, context.phase) as memory:
+        total = update(model, optimizer, micro_batches, trained, memory, options,
+                       replace(context, guard=finite_guard(step, lr)))
     shape = max((tuple(b["input_ids"].shape) for b in micro_batches), key=lambda s: s[0] * s[1])
     return StepReport(step=step, loss=float(total), tokens=read, trained_tokens=trained, shape=shape,
                       seconds=time.perf_counter() - started,
@@ -198,40 +228,39 @@ class _Untracked(contextlib.nullcontext):
 
 
 def update(model: nn.Module, optimizer: torch.optim.Optimizer,
-           micro_batches: list[dict[str, torch.Tensor]], trained: int, memory, *,
-           loss_chunks: int = 0, tile_tokens: int = 0, offload_activations: bool = False,
-           max_grad_norm: float = 0.0,
-           compiled_loss: bool = False, offload_to: str | None = None,
-           guard=None, critical=None, parallel=None, undo=None) -> torch.Tensor:
+           micro_batches: list[dict[str, torch.Tensor]], trained: int, memory,
+           options: StepOptions, context: StepContext = NO_CONTEXT) -> torch.Tensor:
     """The step's tensor work, telling ``memory`` its phases; returns the loss (a tensor).
 
-    ``guard(loss, grad_norm)`` runs before the optimizer changes anything (after backward;
-    with the optimizer stepped in backward, on the loss alone before backward); it may raise
-    to refuse the update. Without it the function reads no Python number back from a tensor,
-    so the estimator runs it on fake ones (with ``offload_to="meta"``: offloaded activations
-    leave the device it counts). The update is what ``critical()`` wraps (backward itself,
-    when the optimizer steps in it) and what ``undo`` copies, weight by weight, first.
+    ``context.guard(loss, grad_norm)`` runs before the optimizer changes anything (after
+    backward; with the optimizer stepped in backward, on the loss alone before backward); it
+    may raise to refuse the update. Without it the function reads no Python number back from
+    a tensor, so the estimator runs it on fake ones (with ``options.offload_to="meta"``). The
+    update is what ``context.critical()`` wraps (backward itself, when the optimizer steps in
+    it) and what ``context.undo`` copies, weight by weight, first.
     """
+    guard, critical, parallel, undo = context.guard, context.critical, context.parallel, context.undo
     in_backward = isinstance(optimizer, OptimizerInBackward)
     total = torch.zeros((), dtype=torch.float32)
     for batch in micro_batches:
         memory.before_forward()
-        offload = OffloadActivations(model, to=offload_to) if offload_activations else None
-        pieces = loss_pieces(batch["input_ids"].shape[1], loss_chunks, tile_tokens)
+        offload = (OffloadActivations(model, to=options.offload_to)
+                   if options.activation_offloading else None)
+        pieces = loss_pieces(batch["input_ids"].shape[1], options.chunked_loss, options.tile_tokens)
         with offload or contextlib.nullcontext():
             hidden = model.hidden_states(batch["input_ids"], positions=batch.get("positions"),
                                          document_ids=batch.get("document_ids"),
                                          normed=pieces <= 1)
             if pieces <= 1:  # the whole batch's logits are saved: offloaded too
                 loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"], 0,
-                                         compiled_loss) / trained
+                                         options.compile) / trained
         if pieces > 1:
             # Pieces are checkpointed: they save only their slice of ``hidden`` (taken before
             # the final norm, which each piece applies), already held. (Under the offload
             # hooks, recomputing a chunk on a LoRA model failed torch's checkpoint metadata
             # check.)
             loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"], pieces,
-                                     compiled_loss, norm=model.model.norm) / trained
+                                     options.compile, norm=model.model.norm) / trained
         memory.after_forward()
         if undo is not None:
             undo.stage()
@@ -247,8 +276,8 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
         parallel.sum_(total)
     grads = [p for p in model.parameters() if p.grad is not None]
     norm = None
-    if max_grad_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(grads, max_grad_norm)
+    if options.max_grad_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(grads, options.max_grad_norm)
     elif guard is not None and grads:
         norm = torch.nn.utils.get_total_norm([p.grad for p in grads])
     if guard is not None and not in_backward:

@@ -45,7 +45,7 @@ from .optim import OptimizerInBackward, build_optimizer, release_optimizer
 from .peft import adapter_state_dict, has_lora
 from .plan import (REBUILDS_DATA, REBUILDS_MODEL, REBUILDS_OPTIMIZER, RETUNES_MODEL, ModelJournal,
                    check, transform_model)
-from .step import StepReport, held_out_loss, train_step
+from .step import StepContext, StepOptions, StepReport, held_out_loss, train_step
 from .techniques import Techniques
 from .state import (base_fingerprint, check_optimizer_state, check_weights, full_weights,
                     rng_problem, rng_state, set_rng_state, write_weights)
@@ -194,12 +194,10 @@ class Trainer:
             shape = max((tuple(b["input_ids"].shape) for b in batches), key=lambda s: s[0] * s[1])
             for group in self.optimizer.param_groups:
                 group["lr"] = t.lr_at(number)
-            report = train_step(self.model, self.optimizer, batches, self.data.pad_id, step=number,
-                                loss_chunks=t.chunked_loss, tile_tokens=t.tile_tokens,
-                                offload_activations=t.activation_offloading,
-                                max_grad_norm=t.max_grad_norm, compiled_loss=t.compile, track=track,
-                                phase=phase, critical=self._critical if undo is None else None,
-                                parallel=self.parallel, undo=undo)
+            context = StepContext(phase=phase, critical=self._critical if undo is None else None,
+                                  undo=undo, parallel=self.parallel)
+            report = train_step(self.model, self.optimizer, batches, StepOptions.of(t), context,
+                                pad_id=self.data.pad_id, step=number, track=track)
         except BaseException as err:
             oom = isinstance(err, torch.OutOfMemoryError) and not isinstance(err, OutOfMemory)
             held = held_now(self.model, self.optimizer, self.device) if oom else None
@@ -239,8 +237,7 @@ class Trainer:
             batches = self.data.eval_batches(t)
             if not batches:
                 return report
-            result = held_out_loss(self.model, batches, loss_chunks=t.chunked_loss,
-                                   tile_tokens=t.tile_tokens,
+            result = held_out_loss(self.model, batches, StepOptions.of(t),
                                    optimizer=self.optimizer, device=self.device,
                                    track=track or self._eval_peak is None)
         except BaseException as err:

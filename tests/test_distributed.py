@@ -169,7 +169,7 @@ def test_a_ranks_peak_counts_the_weights_fsdp_gathers(one_rank_group):
     embedding is freed after its forward: the forward peaks must differ by at least its bytes."""
     from nbtune.memory.tracker import CpuStepMemory
     from nbtune.models import CausalLM, ModelConfig
-    from nbtune.step import update
+    from nbtune.step import StepOptions, update
 
     config = ModelConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=16, model_type="llama",
@@ -187,7 +187,7 @@ def test_a_ranks_peak_counts_the_weights_fsdp_gathers(one_rank_group):
         for _ in range(2):  # the second step starts with the gather buffers already made
             memory = CpuStepMemory(model, optimizer, *batch.values())
             with memory:
-                update(model, optimizer, [batch], batch["labels"].numel(), memory)
+                update(model, optimizer, [batch], batch["labels"].numel(), memory, StepOptions())
             peaks.append(memory.result().phases["forward"]["peak"])
         return peaks[-1]
 

@@ -15,7 +15,7 @@ from nbtune.models.decoder import CausalLM
 from nbtune.models.presets import PRESETS, preset_config
 from nbtune.optim import optimizer_factory
 from nbtune.session import demo_data_file
-from nbtune.step import train_step
+from nbtune.step import StepOptions, train_step
 
 DEMO_SHAPE = dict(vocab_size=259, hidden_size=128, intermediate_size=384, num_layers=4,
                   num_heads=4, num_kv_heads=2, head_dim=32)
@@ -35,10 +35,8 @@ def measured(config: ModelConfig, t: nt.Techniques, batch_size: int, seq_len: in
         batch["document_ids"] = torch.zeros_like(ids)
         batch["positions"] = torch.arange(seq_len).expand(batch_size, seq_len).contiguous()
     for _ in range(2):
-        report = train_step(session.model, session.optimizer, [batch] * t.grad_accum, pad_id=-1,
-                            step=1, loss_chunks=t.chunked_loss, tile_tokens=t.tile_tokens,
-                            offload_activations=t.activation_offloading,
-                            max_grad_norm=t.max_grad_norm)
+        report = train_step(session.model, session.optimizer, [batch] * t.grad_accum,
+                            StepOptions.of(t), pad_id=-1, step=1)
     return report.memory
 
 

@@ -106,7 +106,7 @@ def test_offloaded_bytes_are_what_the_saved_tensor_hooks_park(monkeypatch, chang
     monkeypatch.setattr(nbtune.step, "OffloadActivations", Counting)
     ids = torch.randint(0, 250, (2, 96))
     nbtune.step.update(session.model, session.optimizer, [{"input_ids": ids, "labels": ids}], 192,
-                       nbtune.step._Untracked(), offload_activations=True)
+                       nbtune.step._Untracked(), nbtune.step.StepOptions(activation_offloading=True))
     predicted = nt.estimate(session.model.config, session.techniques, device="cuda").host
     assert most[0] > 0 and predicted.offloaded == most[0]
     assert nt.estimate(session.model.config, session.techniques, device="cpu").host.offloaded == 0

@@ -215,6 +215,22 @@ def test_the_session_class_is_a_front_end_of_under_500_lines():
     assert cls.end_lineno - cls.lineno + 1 < 500
 
 
+def test_a_new_toggle_touches_only_the_files_the_readme_lists():
+    """The README's contributor section names the files a toggle touches; the latest toggle
+    (and two the step reads) appear in no other file of the package."""
+    import re
+
+    readme = (PACKAGE.parent / "README.md").read_text()
+    section = readme.split("**A new toggle** touches only:")[1].split("\n\n")[0]
+    listed = set(re.findall(r"`([\w/]+\.py)`", section))
+    listed |= {f"predict/{name}" for name in re.findall(r"`(\w+\.py)`", section.split("`predict/`")[1])}
+    assert {"techniques.py", "plan.py", "step.py", "ui/panel.py", "predict/space.py"} <= listed
+    for toggle in ("tile_tokens", "max_grad_norm"):
+        touched = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                   if re.search(rf"\b{toggle}\b", p.read_text())}
+        assert touched - listed == set(), (toggle, touched - listed)
+
+
 # ---- the runner's events ---------------------------------------------------------------------
 
 def test_a_subscriber_hears_each_event_once_in_order_and_nothing_after_closing():

@@ -62,7 +62,7 @@ def test_packing_toggle_trains_with_fewer_padding_tokens():
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_packed_training_matches_unpacked_over_five_steps(optimizer):
-    from nbtune.step import train_step
+    from nbtune.step import StepOptions, train_step
 
     lr = 1e-3 if optimizer == "adamw" else 0.1
     plain = small_session(optimizer=optimizer, lr=lr)
@@ -73,9 +73,10 @@ def test_packed_training_matches_unpacked_over_five_steps(optimizer):
     for i in range(5):
         group = samples[4 * i: 4 * i + 4]  # the same four examples in both runs
         losses["plain"].append(train_step(plain.model, plain.optimizer, [collate(group, pad)],
-                                          pad, i + 1).loss)
+                                          StepOptions(), pad_id=pad, step=i + 1).loss)
         losses["packed"].append(train_step(packed.model, packed.optimizer,
-                                           [collate(pack(group, 400), pad)], pad, i + 1).loss)
+                                           [collate(pack(group, 400), pad)], StepOptions(),
+                                           pad_id=pad, step=i + 1).loss)
     torch.testing.assert_close(losses["packed"], losses["plain"], atol=1e-5, rtol=0)
     if optimizer == "sgd":  # AdamW turns rounding noise on near-zero gradients into ~lr
         for (name, a), (_, b) in zip(plain.model.named_parameters(), packed.model.named_parameters()):

@@ -19,7 +19,7 @@ from nbtune.memory.accounting import storage_bytes
 from nbtune.models import demo_model_dir
 from nbtune.peft import (LoRALinear, adapter_config, adapter_state_dict, apply_lora, cast_model,
                          dequantize, is_nf4, merge_lora, merged_state_dict, replace_adapters)
-from nbtune.step import train_step
+from nbtune.step import StepOptions, train_step
 from nbtune.techniques import LORA_TARGETS
 
 from helpers import small_session
@@ -73,7 +73,8 @@ def bf16_runs():
     for method, quantize_base in (("lora", False), ("qlora", True)):
         model = lora_model("bf16", quantize_base)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-        reports = [train_step(model, optimizer, [batch], session.tokenizer.pad_id, step)
+        reports = [train_step(model, optimizer, [batch], StepOptions(),
+                              pad_id=session.tokenizer.pad_id, step=step)
                    for step, batch in enumerate(batches, 1)]
         runs[method] = ([r.loss for r in reports], reports[-1], model)
     return runs

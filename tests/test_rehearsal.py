@@ -43,7 +43,7 @@ from nbtune.models.presets import preset_config
 from nbtune.optim import OptimizerInBackward, trainable_parameters
 from nbtune.peft import cast_model
 from nbtune.plan import transform_model
-from nbtune.step import _Untracked, update
+from nbtune.step import StepContext, StepOptions, _Untracked, update
 from nbtune.trainer import Trainer
 from nbtune.undo import UndoCopy, copy_bytes, undo_units
 
@@ -172,7 +172,8 @@ def test_a_step_holds_at_most_the_predicted_undo_copy_on_the_host(rehearsal, nam
         undo.begin(units)
         with host_bytes() as held:
             update(run.model, run.optimizer, [{"input_ids": ids, "labels": ids}],
-                   ids.numel(), _Untracked(), loss_chunks=run.t.chunked_loss, undo=undo)
+                   ids.numel(), _Untracked(), StepOptions(chunked_loss=run.t.chunked_loss),
+                   StepContext(undo=undo))
         assert undo.updated == len(units)  # every weight's update was copied first
         undo.done()
     scalars = 64  # the step's loss read back to the host: a few four-byte tensors

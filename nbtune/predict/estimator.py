@@ -44,7 +44,7 @@ from ..models.presets import PRESETS, preset_config
 from ..optim import OptimizerInBackward, optimizer_factory, trainable_parameters
 from ..peft import cast_model
 from ..plan import check, transform_model
-from ..step import evaluate_sum, update
+from ..step import StepOptions, evaluate_sum, update
 from ..techniques import PAGED_OPTIMIZERS, Techniques, as_techniques
 from ..undo import UNDO_AUTO_BYTES
 
@@ -321,21 +321,19 @@ def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int
         optimizer = _estimate_optimizer(built, t, target)
         batches = [{k: mode.from_tensor(v) for k, v in b.items()} for b in micro_batches]
         inputs = [v for b in batches for v in b.values()]
-        offload = "meta" if target == "cuda" else None
+        # the step's own options, the loss eager (compile is estimated eager); on CUDA what
+        # is offloaded leaves the device counted
+        options = StepOptions.of(t, compile=False, offload_to="meta" if target == "cuda" else None)
         _make_state(optimizer)  # as after a first step, without running one
         memory = CpuStepMemory(built, optimizer, *inputs, by_layer=by_layer)
         with memory:
-            update(built, optimizer, batches, trained, memory, loss_chunks=t.chunked_loss,
-                   tile_tokens=t.tile_tokens,
-                   offload_activations=t.activation_offloading,
-                   max_grad_norm=t.max_grad_norm, offload_to=offload)
+            update(built, optimizer, batches, trained, memory, options)
         eval_peak = 0
         if t.eval_every:  # one held-out batch at a time, beside the optimizer state
             evaluation = CpuStepMemory(built, optimizer, *inputs)
             built.eval()
             with evaluation:
-                evaluate_sum(built, batches[:1], evaluation, loss_chunks=t.chunked_loss,
-                             tile_tokens=t.tile_tokens)
+                evaluate_sum(built, batches[:1], evaluation, options)
             eval_peak = evaluation.result().peak
     return _FakeStep(dict(memory.segments), optimizer_state_bytes(optimizer),
                      parameter_bytes(built), optimizer_state_bytes(optimizer, torch.device("meta")),

@@ -48,20 +48,10 @@ from ..units import format_bytes
 from .budgets import host_usable, parse_budget, parse_machine, required, usable
 from .estimator import resolve_config
 from .predictor import ESTIMATE_ERRORS, Predictor
-from .space import PLACEMENT_FIELDS, Candidate, search_space
+from .space import PLACEMENT_FIELDS, Candidate, search_space, toggles_on
 
 # How a result is applied from code; the panel, which has an Apply button, says so instead.
 APPLY_IN_CODE = "Apply with session.set(**result.changes)."
-
-_TOGGLES_ON = {"activation_checkpointing": lambda t: t.checkpoint_every > 0,
-               "chunked_loss": lambda t: t.chunked_loss > 1,
-               "optimizer_in_backward": lambda t: t.optimizer_in_backward,
-               "activation_offloading": lambda t: t.activation_offloading,
-               "cpu_offload_optimizer": lambda t: t.cpu_offload_optimizer}
-
-
-def _toggles_on(t: Techniques) -> frozenset:
-    return frozenset(name for name, on in _TOGGLES_ON.items() if on(t))
 
 
 class _Unrunnable:
@@ -77,14 +67,14 @@ class _Unrunnable:
 
     def add(self, t: Techniques) -> None:
         sets = self.suspects.setdefault((t.method, t.dtype), set())
-        failing = _toggles_on(t)
+        failing = toggles_on(t)
         sets |= {failing & other for other in sets if failing & other} | {failing}
 
     def runs(self, t: Techniques) -> None:
-        self.ran.setdefault((t.method, t.dtype), set()).add(_toggles_on(t))
+        self.ran.setdefault((t.method, t.dtype), set()).add(toggles_on(t))
 
     def __contains__(self, t: Techniques) -> bool:
-        on, group = _toggles_on(t), (t.method, t.dtype)
+        on, group = toggles_on(t), (t.method, t.dtype)
         return any(s <= on and not any(s <= r for r in self.ran.get(group, ()))
                    for s in self.suspects.get(group, ()))
 

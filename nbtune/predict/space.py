@@ -98,6 +98,19 @@ def _saving(t: Techniques, num_layers: int | None) -> tuple:
             _METHOD_LEVEL.get(t.method, 0))
 
 
+# Which of the on/off memory toggles a combination has on (``fit`` groups the combinations the
+# estimator cannot run by them).
+TOGGLES_ON = {"activation_checkpointing": lambda t: t.checkpoint_every > 0,
+              "chunked_loss": lambda t: t.chunked_loss > 1,
+              "optimizer_in_backward": lambda t: t.optimizer_in_backward,
+              "activation_offloading": lambda t: t.activation_offloading,
+              "cpu_offload_optimizer": lambda t: t.cpu_offload_optimizer}
+
+
+def toggles_on(t: Techniques) -> frozenset:
+    return frozenset(name for name, on in TOGGLES_ON.items() if on(t))
+
+
 def _options(start: Techniques, device: str, axes, num_layers: int | None) -> dict[str, list]:
     cuda = str(device).startswith("cuda")
     opts: dict[str, list] = {name: [getattr(start, name)] for name in AXES}

@@ -293,6 +293,12 @@ MUTANTS: list[Mutant] = [
            "                          else saving[i], changes, exact))",
            "            moves.append((maths_steps(start, new, exact), -saving[i], changes, exact))",
            (T + "test_predictor.py::test_the_advice_offers_the_moves_it_always_did",)),
+    Mutant("offloading", "a tensor parked again is taken for another one of its size",
+           "nbtune/activations.py",
+           "            if known is not None and known[0]() is t and known[1] == t._version:",
+           "            known = next((c for c in self._copies.values() if c[2].shape == t.shape), known)\n"
+           "            if known is not None:",
+           (T + "test_long_context.py::test_a_tensor_every_layer_saves_is_parked_once_and_gradients_stay_exact",)),
 ]
 
 

@@ -45,7 +45,7 @@ LIMITS: dict[str, tuple[int, str]] = {
     "num_key_value_heads": (1024, "at most the attention heads"),
     "head_dim": (1024, "real models use 64-256"),
     "max_position_embeddings": (1 << 24, "1M-token context models: 1048576"),
-    # chat templates (models/template.py): code from the Hub, run in jinja's sandbox, which
+    # chat templates (nbtune/template/): code from the Hub, run in jinja's sandbox, which
     # bounds what a template may reach but not how long it runs or how much it builds
     "template_compile_ms": (2_000, "CPU time to parse a template and generate its code: "
                             "SmolLM2's takes ~7 ms, a 64 KiB one ~0.7 s on a slow CPU"),

@@ -20,6 +20,9 @@ from typing import Callable
 
 import torch
 from torch import nn
+# torch internal: leaving the dispatch modes around an optimizer step in backward, and telling
+# tensor subclasses (NF4, quantized state) apart. If they change, the estimator's fake step and
+# the quantized optimizers' state dicts break (tests/test_estimate.py, tests/test_optim.py).
 from torch.utils._python_dispatch import (_disable_current_modes, is_in_torch_dispatch_mode,
                                           is_traceable_wrapper_subclass)
 
@@ -296,6 +299,9 @@ def _cpu_offload_optimizer(params: list[nn.Parameter], techniques: Techniques):
             return _ChainedState(self.inner())
 
         def release(self) -> None:
+            # torch internal: a tensor's post-accumulate-grad hooks by key (torchao's offload
+            # optimizer returns no handles). If it changes, a released CPU-offload optimizer
+            # keeps stepping from its hooks (CUDA only; tests/test_optim.py on CPU stand-ins).
             for param, key in self.hook_keys:
                 param._post_accumulate_grad_hooks.pop(key, None)
             for opt in self.inner():

@@ -17,6 +17,7 @@ import sys
 
 import torch
 from torch import nn
+# torch internal: fake tensors (the estimator's) are told apart to skip real NF4 quantizing.
 from torch._subclasses.fake_tensor import is_fake
 
 NF4_BLOCK = 64  # weights per absmax scale (torchao's and torchtune's default)

@@ -9,6 +9,7 @@ so a refused change never touches the model.
 from __future__ import annotations
 
 from torch import nn
+# torch internal: tensor subclasses (NF4 weights) are not cast with the rest of the model.
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .activations import set_activation_checkpointing, set_compiled, set_tiling

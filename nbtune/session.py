@@ -363,14 +363,14 @@ class Session:
     @_command()
     def save_checkpoint(self, folder: str | os.PathLike) -> Path:
         """Weights or adapters, optimizer state, RNG, data position and history, to resume exactly."""
-        from .checkpoint import save_checkpoint
+        from .sharded_checkpoint import save_checkpoint
 
         return save_checkpoint(self.trainer, folder, self.source, self.parallel)
 
     @_command()
     def load_checkpoint(self, folder: str | os.PathLike) -> None:
         """Continue a run saved by ``save_checkpoint`` (same base model and training data)."""
-        from .checkpoint import load_checkpoint
+        from .sharded_checkpoint import load_checkpoint
 
         with self._replacing():
             load_checkpoint(self.trainer, folder, self.parallel)
@@ -485,7 +485,8 @@ class Session:
         ``format="gguf"`` writes ``model.gguf`` (full weights, LoRA merged in; ``quantization``
         "f16" by default, or "bf16", "q8_0", "f32") with the tokenizer and chat template, and
         an Ollama ``Modelfile``: ``ollama create mymodel -f folder/Modelfile``."""
-        from .checkpoint import check_save_args, save_session, save_sharded_session
+        from .checkpoint import check_save_args, save_session
+        from .sharded_checkpoint import save_sharded_session
 
         if format == "gguf" and quantization is None:
             quantization = "f16"

@@ -341,6 +341,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_never_leaves_a_partial_folder(tmp_path):
     """Children save in a loop (two files, alternating letters) and die by SIGKILL at random
     moments: after every kill the target holds one whole save; the next save tidies up."""

@@ -186,6 +186,7 @@ def test_ctrl_c_while_waiting_stops_the_run():
     assert len(s.history) == len(reports)
 
 
+@pytest.mark.slow
 def test_an_estimate_beside_a_training_run_is_the_same_as_alone():
     s = small_session()
     alone = s.estimate()

@@ -38,6 +38,7 @@ def _charts(session, ladder):
             "ladder": ladder_figure(ladder)}
 
 
+@pytest.mark.slow
 def test_each_chart_renders_a_png_with_units_legend_and_fixed_colours(trained):
     session, ladder = trained
     for name, fig in _charts(session, ladder).items():

@@ -80,6 +80,7 @@ def no_pickle_in(folder) -> list[str]:
 
 # ---- sharded, under torchrun: nothing is unpickled ------------------------------------------
 
+@pytest.mark.slow
 def test_a_sharded_checkpoint_holds_no_pickle_and_a_planted_one_never_runs_on_resume(tmp_path):
     run_file = tmp_path / "run.yaml"
     run_file.write_text(RUN)

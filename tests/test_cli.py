@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def nbtune_command() -> list[str]:
     script = Path(sys.executable).parent / "nbtune"
@@ -14,6 +16,7 @@ def nbtune_command() -> list[str]:
     return [shutil.which("nbtune") or sys.exit("the nbtune console script is not installed")]
 
 
+@pytest.mark.slow
 def test_demo_learns_and_writes_chart_and_summary(tmp_path):
     # 150 of the default 300 steps: enough to halve the loss and lift the accuracy (CI time)
     done = subprocess.run([*nbtune_command(), "demo", "--steps", "150", "--out", str(tmp_path)],

@@ -43,6 +43,7 @@ def close(a, b, tol=1e-5):
     assert worst <= tol, worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("techniques", [FULL, LORA], ids=["full", "lora"])
 def test_two_ranks_equal_one_process_and_hold_half_the_state_each(tmp_path, techniques):
     path = run_file(tmp_path, techniques, steps=3)
@@ -63,6 +64,7 @@ def test_two_ranks_equal_one_process_and_hold_half_the_state_each(tmp_path, tech
     assert "memory per rank" in done.stdout and "   1 " in done.stdout
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path):
     path = run_file(tmp_path, FULL, steps=4)
     torchrun(path, tmp_path / "whole")
@@ -135,6 +137,7 @@ def test_the_run_file_checks_its_distributed_section(tmp_path):
     assert runfile.load(path).to_sharding() == Sharding(reshard_after_forward=False, mixed_precision="bf16")
 
 
+@pytest.mark.slow
 def test_the_fsdp_ladder_measures_each_row_per_rank_and_says_why_a_row_is_refused(tmp_path):
     path = run_file(tmp_path, FULL)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -154,6 +157,7 @@ def test_the_fsdp_ladder_measures_each_row_per_rank_and_says_why_a_row_is_refuse
     assert "refused:" in done.stdout and "peak per rank" in done.stdout
 
 
+@pytest.mark.slow
 def test_the_ladder_in_one_process_names_what_needs_torchrun(tmp_path, capsys):
     from nbtune.headless import ladder
 

@@ -56,6 +56,7 @@ TINY_COMBOS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("changes", TINY_COMBOS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "baseline")
 def test_estimate_is_within_2_percent_of_the_measured_peak_tiny(changes):
     config = ModelConfig(**DEMO_SHAPE)
@@ -78,6 +79,7 @@ COMBOS_100M = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("changes", COMBOS_100M, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "baseline")
 def test_estimate_is_within_2_percent_of_the_measured_peak_100m(changes):
     config = ModelConfig(**SHAPE_100M)
@@ -92,6 +94,7 @@ def test_estimate_is_within_2_percent_of_the_measured_peak_100m(changes):
     assert abs(sum(guess.categories.values()) - sum(real.categories.values())) <= 0.02 * real.peak
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["adamw8bit", "ao_adamw8bit", "ao_adamw4bit"])
 def test_stand_in_state_is_what_the_real_optimizer_keeps(name):
     # Small, unquantizable, uneven and block-aligned shapes, in fp32 and bf16.
@@ -160,6 +163,7 @@ def test_estimate_reads_config_json_and_folders_and_says_what_it_accepts(tmp_pat
     assert paged.outside == paged.optimizer_state > 0  # managed memory, outside the allocator
 
 
+@pytest.mark.slow
 def test_session_estimate_bounds_its_steps_and_matches_their_shape():
     session = nt.Session.demo(device="cpu", batch_size=4, seq_len=96, packing=True)
     full_length = session.estimate()

@@ -69,6 +69,7 @@ def calls(monkeypatch):
     return made
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("number", range(len(COMBOS)), ids=[_label(c) for c in COMBOS])
 def test_extrapolated_equals_every_layer_run(calls, number):
     changes = dict(COMBOS[number])
@@ -96,6 +97,7 @@ def test_extrapolated_equals_every_layer_run_on_a_preset_of_each_family(calls, n
     assert_same(shallow, est.estimate(config, t, device="cuda", extrapolate=False))
 
 
+@pytest.mark.slow
 def test_the_first_layer_is_kept_apart_because_it_differs(calls):
     # With a frozen embedding (LoRA), the first layer computes no gradient for its input: its
     # backward holds less than the layers after it, so the most held in backward can sit in
@@ -150,6 +152,7 @@ def test_the_estimators_nf4_weight_has_the_parts_torchao_makes():
             (real.shape, real.dtype, real.block_size, real.n_blocks, real.scaler_block_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("changes", [dict(), dict(method="qlora", dtype="bf16", activation_checkpointing=True),
                                      dict(activation_checkpointing=2, grad_accum=2)],
                          ids=["full", "qlora-checkpointed", "every-2nd-accumulated"])

@@ -12,6 +12,7 @@ from helpers import small_session
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.mark.slow
 def test_the_evaluation_peak_is_measured_and_predicted():
     s = small_session(eval_every=2)
     reports = [s.step() for _ in range(4)]
@@ -35,6 +36,7 @@ def test_chunked_loss_lowers_the_predicted_evaluation_peak_when_logits_dominate(
     assert whole - chunked > logits / 2, (whole, chunked, logits)
 
 
+@pytest.mark.slow
 def test_a_failed_evaluation_keeps_the_step_and_changes_nothing(monkeypatch):
     s = small_session(eval_every=2)
     s.step()

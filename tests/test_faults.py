@@ -1015,6 +1015,7 @@ def live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
+@pytest.mark.slow
 def test_ten_ooms_in_a_row_leak_nothing(twins):
     twins.clear()  # the twins' snapshots would hide a leak in a larger total
     session = prepared(2)
@@ -1087,6 +1088,7 @@ def _tensors_in(value, depth=0):
             yield from _tensors_in(v, depth + 1)
 
 
+@pytest.mark.slow
 def test_real_oom_explained_and_rolled_back(twins, monkeypatch):
     """The real explanation: the estimator runs on fake tensors after the rollback, and
     leaves no mode, hook or memory behind. (Checkpointing, chunked loss and the optimizer
@@ -1106,6 +1108,7 @@ def test_real_oom_explained_and_rolled_back(twins, monkeypatch):
     assert_like_twin(session, twin, rng_before, "real OOM explained")
 
 
+@pytest.mark.slow
 def test_twenty_toggle_round_trips_leak_nothing(twins):
     twins.clear()
     session = prepared(1)

@@ -43,6 +43,7 @@ def reference(smollm2):
     return model, tokenizer
 
 
+@pytest.mark.slow
 def test_shape_read_from_the_metadata(smollm2):
     _, model, tokenizer = smollm2
     c = model.config
@@ -54,6 +55,7 @@ def test_shape_read_from_the_metadata(smollm2):
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+@pytest.mark.slow
 def test_tokenizer_matches_transformers(smollm2, reference):
     _, _, ours = smollm2
     _, theirs = reference
@@ -68,6 +70,7 @@ def test_tokenizer_matches_transformers(smollm2, reference):
     assert ours.encode("2024") == [ours.backend.token_to_id(d) for d in "2024"]  # smollm: one digit a token
 
 
+@pytest.mark.slow
 def test_logits_match_transformers(smollm2, reference):
     _, model, tokenizer = smollm2
     text = tokenizer.render_chat(QUESTION, add_generation_prompt=True) + "The capital of France is"
@@ -79,6 +82,7 @@ def test_logits_match_transformers(smollm2, reference):
     assert tokenizer.decode([int(ours[0, -1].argmax())]).strip() == "Paris"
 
 
+@pytest.mark.slow
 def test_greedy_reply_matches_transformers(smollm2, reference):
     from nbtune.generate import generate_ids
 
@@ -242,6 +246,7 @@ def test_bad_export_arguments_are_refused_before_writing(tmp_path):
         assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_smollm2_exports_and_reads_back(tmp_path, smollm2):
     """The real model: its f16 GGUF export keeps the tokenizer metadata llama.cpp needs and,
     read back, gives the same next token everywhere. Read here by nbtune's reader (the tiny
@@ -277,6 +282,7 @@ def test_smollm2_exports_and_reads_back(tmp_path, smollm2):
     assert file.meta["general.name"].endswith("(nbtune)")
 
 
+@pytest.mark.slow
 def test_smollm2_demo_learns_its_json_task(smollm2):
     """Session.demo("smollm2"): the real model answers held-out prompts in prose before and
     in the JSON schema after a few LoRA steps (on countries it never trained on)."""

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import gpu_acceptance  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU: run the command itself")
 def test_runs_on_a_cpu_and_says_what_it_skipped(tmp_path, capsys):
     out = tmp_path / "gpu.json"

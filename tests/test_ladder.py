@@ -10,6 +10,7 @@ from nbtune.overhead import OverheadBudget
 from helpers import small_session
 
 
+@pytest.mark.slow
 def test_compare_runs_each_row_on_a_trial_and_leaves_the_session_alone():
     session = small_session()
     session.step()

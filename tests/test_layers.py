@@ -20,12 +20,12 @@ PACKAGE = Path(nt.__file__).parent
 # Unlisted modules under a listed package take the package's layer.
 LAYERS = [
     # 0. basics: words, sizes, the model and its files, data, memory accounting, techniques
-    ["units", "files", "techniques", "host", "hardware", "overhead", "atomic", "hub", "scoring",
+    ["units", "files", "template", "techniques", "host", "hardware", "overhead", "atomic", "hub", "scoring",
      "generate", "models", "data", "memory.accounting", "memory.breakdown", "memory.tracker",
      "memory.sampling", "memory.snapshot", "memory", "peft", "optim", "activations", "plan",
      "step", "loss", "undo", "state", "datasets", "quiet"],
     # 1. the state's forms on disk and across ranks
-    ["distributed", "checkpoint"],
+    ["distributed", "checkpoint", "sharded_checkpoint"],
     # 2. prediction (one package), and the out-of-memory explanation built on it
     ["predict", "oom"],
     # 3. the training state

@@ -1,6 +1,8 @@
 """Long contexts: sequence tiling keeps the maths and flattens the memory slope, and
 ``longest_context`` finds the longest sequence the estimator says fits (CPU, fp32)."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,6 +68,7 @@ def test_tiled_mlp_and_loss_equal_the_plain_model(method, tile):
     assert_same_loss_and_grads(model, batch, tile)
 
 
+@pytest.mark.slow
 def test_tiling_reaches_the_mlp_and_the_head():
     session = small_session(tile_tokens=32)
     model = session.model
@@ -94,17 +97,20 @@ def test_tiling_reaches_the_mlp_and_the_head():
     dict(tile_tokens=40, activation_checkpointing=True, chunked_loss=3),
     dict(tile_tokens=24, activation_checkpointing=True, activation_offloading=True),
 ])
+@pytest.mark.slow
 def test_five_sgd_steps_with_tiling_give_the_same_weights(changes):
     assert_equal_runs(small_session(optimizer="sgd", lr=0.05, **changes),
                       small_session(optimizer="sgd", lr=0.05))
 
 
+@pytest.mark.slow
 def test_tiling_with_lora_over_five_steps():
     assert_equal_runs(small_session(method="lora", optimizer="sgd", lr=0.05, tile_tokens=32,
                                     activation_checkpointing=True),
                       small_session(method="lora", optimizer="sgd", lr=0.05))
 
 
+@pytest.mark.slow
 def test_tiled_smollm2_with_lora_equals_untiled():
     from nbtune.plan import transform_model
 
@@ -126,6 +132,7 @@ def test_tiled_smollm2_with_lora_equals_untiled():
 WIDE = dict(DEMO_SHAPE, intermediate_size=1024)  # the MLP's [tokens, intermediate] dominates
 
 
+@pytest.mark.slow
 def test_tiling_flattens_the_slope_and_the_estimate_follows_it():
     """Measured live bytes at three lengths, checkpointing every layer, with and without
     tiles: the estimate equals each peak to 2%, and tiling takes off at least the
@@ -147,6 +154,7 @@ def test_tiling_flattens_the_slope_and_the_estimate_follows_it():
     assert slopes[0] - slopes[64] >= gate_and_up, slopes
 
 
+@pytest.mark.slow
 def test_every_tiling_setting_lowers_the_estimate_of_a_long_8b_step():
     t = dict(method="qlora", dtype="bf16", activation_checkpointing=True, batch_size=1,
              seq_len=16384, chunked_loss=16, lora_rank=32)
@@ -169,6 +177,7 @@ def test_every_tiling_setting_lowers_the_estimate_of_a_long_8b_step():
 SHORT = dict(DEMO_SHAPE, num_layers=2, max_position_embeddings=1 << 20)
 
 
+@pytest.mark.slow
 def test_longest_context_is_the_longest_grain_that_fits():
     """Against an independent answer: the line through two estimates (computed here) says
     where the card's room is reached; longest_context lands within a few grains of it, its
@@ -313,3 +322,40 @@ def test_offloaded_layer_inputs_are_prefetched_a_layer_ahead_in_backward():
         trigger = max(j for j in range(fetch) if log[j][0] == "unpack")
         assert run_of[log[trigger][1]] == run_of[i] + 1, (i, log)  # ...by the layer after it
     assert sorted(set(fetched)) == sorted(set(unpacked))  # each brought back once, none lost
+
+
+def test_a_tensor_every_layer_saves_is_parked_once_and_gradients_stay_exact():
+    """The rope tables go into every checkpointed layer: parked once on the host, not once a
+    layer (the 8B at 128k: 2 GiB instead of 64), each layer still given them back in backward,
+    and the gradients equal to a run without offloading."""
+    from nbtune.activations import OffloadActivations
+
+    session = small_session(activation_checkpointing=True)
+    model = session.model
+    batch = session.trainer.stream.next()
+
+    def grads(offload: bool):
+        model.zero_grad(set_to_none=True)
+        hooks = OffloadActivations(model, min_bytes=0) if offload else None
+        packed = []
+        if hooks is not None:
+            pack = hooks.pack_hook
+            hooks.pack_hook = lambda t: packed.append(pack(t)) or packed[-1]
+        with hooks or contextlib.nullcontext():
+            hidden = model.hidden_states(batch["input_ids"], normed=False)
+        cross_entropy_sum(model.lm_head, hidden, batch["labels"], 2, norm=model.model.norm).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}, packed
+
+    plain, _ = grads(False)
+    offloaded, packed = grads(True)
+    assert offloaded.keys() == plain.keys()
+    for name in plain:
+        assert torch.equal(offloaded[name], plain[name]), name
+    layers = len(model.model.layers)
+    parked = [p for p in packed if not isinstance(p, torch.Tensor)]
+    seq = batch["input_ids"].shape[1]
+    tables = [p for p in parked if tuple(p.host.shape) == (seq, model.config.head_dim)]  # cos, sin
+    assert len(tables) == 2 * layers  # every layer saved both...
+    assert len({id(p.host) for p in tables}) == 2  # ...and they were copied once each
+    inputs = [p for p in parked if p.host.dim() == 3 and p.host.shape[-1] == model.config.hidden_size]
+    assert len({id(p.host) for p in inputs}) == len(inputs) >= layers  # layer inputs: one each

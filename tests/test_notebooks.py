@@ -7,6 +7,7 @@ here; the other notebooks check their outcomes in their own NBVAL_CHECK_OUTPUT c
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
@@ -20,6 +21,7 @@ def images(cell):
     return [o for o in cell.outputs if "image/png" in o.get("data", {})]
 
 
+@pytest.mark.slow
 def test_quickstart_outcomes(tmp_path):
     nb = nbformat.read(NOTEBOOKS / "01_quickstart.ipynb", as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3",

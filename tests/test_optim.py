@@ -167,6 +167,7 @@ def _expected_state_bytes(name: str, params) -> int:
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LOW_BIT))
 def test_low_bit_optimizer_trains_close_to_adamw_in_a_fraction_of_its_state(runs, name):
     loss_distance, update_distance, state_ratio = LOW_BIT[name]
@@ -181,6 +182,7 @@ def test_low_bit_optimizer_trains_close_to_adamw_in_a_fraction_of_its_state(runs
     assert state <= state_ratio * exact.reports[-1].memory.optimizer_state
 
 
+@pytest.mark.slow
 def test_low_bit_optimizer_in_backward_matches_its_plain_step(runs):
     plain = runs("ao_adamw4bit")
     in_backward = runs("ao_adamw4bit", optimizer_in_backward=True)
@@ -189,6 +191,7 @@ def test_low_bit_optimizer_in_backward_matches_its_plain_step(runs):
     assert in_backward.reports[-1].memory.gradients <= _largest_gradient_bytes(plain.session.model)
 
 
+@pytest.mark.slow
 def test_paged_optimizers_fall_back_to_unpaged_state_on_cpu(runs):
     # bitsandbytes pages state through CUDA unified memory; on CPU it warns and keeps
     # ordinary tensors. The session refuses paged optimizers on CPU (techniques.RULES); built
@@ -208,6 +211,7 @@ def test_paged_optimizers_fall_back_to_unpaged_state_on_cpu(runs):
 
 # ---- checkpoints, CPU offload, imports ---------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, in_backward", [("adamw", True), ("ao_adamw4bit", True),
                                                ("adamw8bit", False)])
 def test_checkpoint_continues_the_run_exactly(tmp_path, name, in_backward):
@@ -226,6 +230,7 @@ def test_checkpoint_continues_the_run_exactly(tmp_path, name, in_backward):
     assert resumed[-1].memory.optimizer_state == expected[-1].memory.optimizer_state
 
 
+@pytest.mark.slow
 def test_in_backward_state_dict_numbers_parameters_as_one_optimizer_would():
     session = small_session(optimizer_in_backward=True)
     session.step()
@@ -243,6 +248,7 @@ def test_cpu_offload_is_refused_on_cpu_with_the_reason():
         build_optimizer(session.model, session.techniques.replace(cpu_offload_optimizer=True))
 
 
+@pytest.mark.slow
 def test_importing_nbtune_loads_neither_bitsandbytes_nor_torchao():
     code = ("import sys, nbtune; "
             "print(sorted(m for m in ('bitsandbytes', 'torchao') if m in sys.modules))")
@@ -250,6 +256,7 @@ def test_importing_nbtune_loads_neither_bitsandbytes_nor_torchao():
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_nf4_and_torchao_optimizers_load_without_printing_but_user_warnings_still_show():
     # torchao's import-time logs showed as red stderr in notebooks; only they are silenced.
     code = ("import logging, nbtune as nt\n"
@@ -273,6 +280,7 @@ def test_state_bytes_count_where_the_state_lives():
     assert optimizer_state_bytes(optimizer, torch.device("cuda", 0)) == 64
 
 
+@pytest.mark.slow
 def test_adamw_steps_without_a_second_copy_of_the_weights():
     """torch's foreach AdamW holds list-wide temporaries at the step (about one more copy of
     every weight); the fused kernel nbtune uses holds none. At the optimizer phase's peak only

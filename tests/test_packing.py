@@ -16,6 +16,7 @@ def loss_of(model, batch):
     return cross_entropy_sum(model.lm_head, hidden, batch["labels"]) / trained
 
 
+@pytest.mark.slow
 def test_packed_loss_equals_unpacked_loss():
     session = small_session()
     samples, _ = tokenize_all(session.train_examples[:12], session.tokenizer, 96)
@@ -52,6 +53,7 @@ def test_pack_keeps_every_token_and_restarts_positions():
                        torch.cat([s.labels for s in samples]))
 
 
+@pytest.mark.slow
 def test_packing_toggle_trains_with_fewer_padding_tokens():
     plain = small_session(batch_size=4)
     packed = small_session(batch_size=2, packing=True, seq_len=256)
@@ -60,6 +62,7 @@ def test_packing_toggle_trains_with_fewer_padding_tokens():
     assert "document_ids" in packed.trainer.stream.next()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_packed_training_matches_unpacked_over_five_steps(optimizer):
     from nbtune.step import StepOptions, train_step

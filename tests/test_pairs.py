@@ -150,6 +150,7 @@ def optimizer_tensors(s: nt.Session) -> dict:
             for k, v in entry.items() if isinstance(v, torch.Tensor)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["checkpoint", "state_dict"])
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_resumed_pair_equals_the_uninterrupted_run_bit_for_bit(tmp_path, name, how):

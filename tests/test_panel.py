@@ -58,6 +58,7 @@ def test_refused_value_snaps_back_and_says_why(session_and_panel):
     assert "Raise seq_len" in panel.status.value
 
 
+@pytest.mark.slow
 def test_buttons_train_and_draw(session_and_panel):
     session, panel = session_and_panel
     panel.step_button.click()

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -41,6 +42,7 @@ def test_a_skipped_rung_is_not_carried_into_the_next():
     assert rows["LoRA"][0] == {"checkpointing": True, "lora": True}
 
 
+@pytest.mark.slow
 def test_nbtune_and_transformers_do_the_same_work_on_a_tiny_shape(tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--shape", "tiny", "--rounds", "1",

@@ -80,6 +80,7 @@ def bf16_runs():
     return runs
 
 
+@pytest.mark.slow
 def test_qlora_loss_falls_and_stays_near_the_exact_lora_run(bf16_runs):
     lora, _, _ = bf16_runs["lora"]
     qlora, _, model = bf16_runs["qlora"]
@@ -241,6 +242,7 @@ def test_training_checkpoint_restores_nf4_weights_bit_for_bit(tmp_path):
     assert torch.equal(logits(model), logits(other))
 
 
+@pytest.mark.slow
 def test_session_qlora_trains_keeps_its_base_on_rank_change_and_merges_back():
     from helpers import small_session
     from nbtune.peft import is_nf4

@@ -95,6 +95,7 @@ def test_accumulated_step_divides_by_the_trained_tokens_of_all_micro_batches():
     assert moved == {n for n, _ in session.model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_lora_step_equals_hand_written_loop_over_the_adapters_only():
     norms, moved, session = check_against_reference(method="lora", lr=1e-2, max_grad_norm=0.5,
                                                     lora=True)

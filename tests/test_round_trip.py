@@ -43,6 +43,7 @@ def step_on(session, position):
     dict(activation_checkpointing=True, chunked_loss=4, activation_offloading=True),
     dict(batch_size=2, packing=True, seq_len=256),
 ])
+@pytest.mark.slow
 def test_round_trip_returns_memory_within_one_percent(away):
     session = small_session()
     session.step()  # optimizer state exists from the first update on

@@ -213,6 +213,7 @@ def test_interrupted_then_resumed_equals_an_uninterrupted_run(tmp_path, monkeypa
     assert [m["step"] for m in _metrics(tmp_path / "whole")] == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_python_m_nbtune_train_runs_headless_with_flags_over_the_file(tmp_path):
     session_in_code().save_config(tmp_path / "run.yaml", steps=50)
     done = subprocess.run([sys.executable, "-m", "nbtune", "train", str(tmp_path / "run.yaml"),
@@ -258,6 +259,7 @@ def _on_a_terminal(*args):
     return done.returncode, b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_the_progress_bar_is_drawn_on_a_terminal_unless_no_progress(tmp_path):
     session_in_code().save_config(tmp_path / "run.yaml", steps=2)
     code, shown = _on_a_terminal("train", tmp_path / "run.yaml", "--out", tmp_path / "bar")

@@ -55,6 +55,7 @@ def test_lora_saves_a_peft_adapter(tmp_path):
         assert (plain(IDS).logits - expected).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_lora_merge_saves_full_weights(tmp_path):
     session = trained(method="lora")
     session.save(tmp_path / "merged", merge=True)
@@ -65,6 +66,7 @@ def test_lora_merge_saves_full_weights(tmp_path):
     assert any("lora_A" in n for n, _ in session.model.named_parameters())  # session untouched
 
 
+@pytest.mark.slow
 def test_adapter_alone_is_refused_when_the_base_changed(tmp_path):
     session = trained(method="full")
     session.set(method="lora")
@@ -75,6 +77,7 @@ def test_adapter_alone_is_refused_when_the_base_changed(tmp_path):
     session.save(tmp_path / "a", merge=True)
 
 
+@pytest.mark.slow
 def test_interrupted_save_leaves_the_previous_one(tmp_path, monkeypatch):
     import nbtune.models.hf as hf
 
@@ -110,6 +113,7 @@ def run_split(tmp_path, steps, split, **changes):
     dict(method="full", warmup_steps=3),
     dict(method="lora", lora_dropout=0.2, lora_rank=4),  # dropout exercises the RNG
 ])
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path, changes):
     straight = small_session(**changes)
     expected = [straight.step().loss for _ in range(10)]
@@ -120,6 +124,7 @@ def test_resume_continues_exactly(tmp_path, changes):
     assert [r.step for r in session.history] == list(range(1, 11))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_in_parts_resumes_exactly_and_writes_one_part_at_a_time(tmp_path, monkeypatch):
     """Written in files of at most PART_BYTES (here 64 KiB: the tiny model's weights and
     AdamW state take dozens), each passed to safetensors alone: on CUDA that is all the host
@@ -159,6 +164,7 @@ def test_resume_with_other_data_is_refused_and_changes_nothing(tmp_path):
         other.load_checkpoint(tmp_path)
 
 
+@pytest.mark.slow
 def test_push_to_hub_uploads_the_saved_folder(tmp_path, monkeypatch):
     import huggingface_hub
 

@@ -42,12 +42,14 @@ def test_repr_names_only_the_techniques_that_differ_from_the_defaults():
     assert "method='lora'" in second and "lora_rank=4" in second and "optimizer=" not in second
 
 
+@pytest.mark.slow
 def test_loss_falls_on_repeated_data():
     session = small_session(lr=3e-3)
     trace = losses(session, 30)
     assert sum(trace[-5:]) / 5 < 0.6 * trace[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_accumulation_equals_one_larger_batch(optimizer):
     lr = 1e-3 if optimizer == "adamw" else 0.1  # SGD must move the weights measurably
@@ -64,6 +66,7 @@ def test_accumulation_equals_one_larger_batch(optimizer):
         assert_same_weights(accumulated, big, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("every", [1, 2])
 def test_checkpointing_does_not_change_the_maths(every):
     plain = small_session()
@@ -87,6 +90,7 @@ def test_lora_merged_outputs_equal_unmerged():
     torch.testing.assert_close(merged, adapted, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_lora_trains_only_adapters_and_loss_falls():
     session = small_session(method="lora", lr=1e-2, lora_rank=8)
     before = {n: p.detach().clone() for n, p in session.model.named_parameters()}
@@ -97,6 +101,7 @@ def test_lora_trains_only_adapters_and_loss_falls():
         assert changed == ("lora_" in name), name
 
 
+@pytest.mark.slow
 def test_lr_change_keeps_optimizer_state():
     session = small_session()
     session.step()
@@ -106,6 +111,7 @@ def test_lr_change_keeps_optimizer_state():
     assert session.optimizer.param_groups[0]["lr"] == 5e-4
 
 
+@pytest.mark.slow
 def test_batch_size_change_continues_through_the_epoch():
     session, reference = small_session(batch_size=4), small_session(batch_size=4)
     session.step()
@@ -135,6 +141,7 @@ def test_corrupt_weights_are_named(tmp_path):
         nt.load_model(tmp_path / "m")
 
 
+@pytest.mark.slow
 def test_optimizer_change_rebuilds_and_says_so(capsys):
     session = small_session()
     session.step()
@@ -144,6 +151,7 @@ def test_optimizer_change_rebuilds_and_says_so(capsys):
     session.step()
 
 
+@pytest.mark.slow
 def test_bad_value_changes_nothing_and_names_the_fix():
     session = small_session()
     session.step()
@@ -174,6 +182,7 @@ def test_assigning_techniques_goes_through_set():
     assert session.step().loss > 0
 
 
+@pytest.mark.slow
 def test_dtype_switch_casts_weights_and_keeps_training():
     session = small_session()
     session.set(dtype="bf16")
@@ -194,6 +203,7 @@ def test_subscribers_hear_changes_and_steps():
     assert events == ["techniques", "step"]
 
 
+@pytest.mark.slow
 def test_run_shows_progress_and_returns_reports(capsys):
     session = small_session()
     reports = session.run(3, live=False)

@@ -1,4 +1,4 @@
-"""Chat templates and tokenizer files from strangers are bounded (models/template.py).
+"""Chat templates and tokenizer files from strangers are bounded (nbtune/template/).
 
 Each hostile template is written as a model folder's chat_template.jinja and loaded and
 rendered through ``Tokenizer`` in a forked child with a memory cap (its address space now
@@ -26,7 +26,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from nbtune import files
 from nbtune.models import Tokenizer
-from nbtune.models.template import TemplateBudgetError, compile_chat_template
+from nbtune.template import TemplateBudgetError, compile_chat_template
 from nbtune.models.tiny import byte_tokenizer
 
 MEMORY_CAP = 1 << 30  # what a hostile case may add to the child's address space

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+# torch internal: a subclass (NF4, quantized state) is counted by its inner tensors.
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 

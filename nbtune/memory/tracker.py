@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+# torch internal (pyproject pins torch <2.14): MemTracker, its reference types and snapshot key.
+# If torch renames or reshapes them, every measured and estimated breakdown breaks: the
+# trackers subclass MemTracker and read its snapshots (tests/test_memory.py fails first).
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -138,6 +141,8 @@ class _HighWaterTracker(MemTracker):
             if not isinstance(module, FSDPModule):
                 continue
             self.track_resizes = True
+            # torch internal: FSDP2's parameter groups and their all-gather outputs. If they
+            # move, a rank's peak misses the gathered weights (tests/test_distributed.py).
             for group in module._get_fsdp_state()._fsdp_param_groups:
                 for param in group.fsdp_params:
                     for buffer in param.all_gather_outputs:  # made by shard_model's first gather

@@ -3,7 +3,7 @@ and the model's chat template, rendered with jinja2 the way transformers renders
 
 The files come from strangers: they are read through ``nbtune.files`` (regular files of
 bounded size, inside the model folder), and the chat template is compiled and rendered within
-the budget of ``template.py``.
+the budget of ``nbtune.template`` (beside the trust boundary, ``nbtune.files``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Iterable
 from tokenizers import Tokenizer as _HFTokenizer
 
 from .. import files
-from .template import compile_chat_template
+from ..template import compile_chat_template
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves (and first looks for) it
 # The named special tokens transformers hands to a chat template (its SPECIAL_TOKENS_ATTRIBUTES).

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+# torch internal: the estimator's fake tensors (documented in torch's fake tensor notes, but
+# under torch._subclasses). If it changes, every estimate fails (tests/test_estimate.py).
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..checkpoint import PART_BYTES

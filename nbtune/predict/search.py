@@ -370,9 +370,7 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
         host_limit = None  # on a CPU the budget is the host
     host_room = host_usable(host_limit) if host_limit is not None else None
     room = usable(limit, target, reserve, margin)
-    layers = config.num_layers
-    space = search_space(start, target, num_layers=layers, toggles=toggles)
-
+    space = search_space(start, target, num_layers=config.num_layers, toggles=toggles)
     search = _Search(Predictor.of(model if isinstance(model, Predictor) else config, target),
                      space, room, host_room, max_tries)
     try:
@@ -383,50 +381,74 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
                    and search.estimated[c.techniques].fits]
         chosen = fitting[0] if fitting else None
     skipped = len(search.pruned - set(search.estimated))
-    tried_text = (f"{search.estimates} estimate{'s' if search.estimates != 1 else ''} run, "
-                  f"{len(search.rows) - search.estimates} from the cache, {skipped} combination"
-                  f"{'s' if skipped != 1 else ''} ruled out without one, of {len(space)}")
+    tried_text = _tried_text(search, skipped, len(space))
     card = _describe(limit, room, target)
-    where = card
-    if host_limit is not None:
-        where += f" and {format_bytes(host_room)} usable of {format_bytes(host_limit)} host memory"
-    errors = [r for r in search.rows if r.error]
-    if errors:
-        tried_text += (f"; {len(errors)} could not be estimated, and combinations including "
-                       f"their toggles were skipped (first: {errors[0].label}: {errors[0].error[:160]})")
     if chosen is not None:
         c, memory = chosen, search.memories[chosen.techniques]
         need = required(memory)
-        on_host = ""
-        if host_room is not None and memory.host is not None:
-            on_host = (f" Host memory: {format_bytes(memory.host.without_undo)} of "
-                       f"{format_bytes(host_room)} usable of {format_bytes(host_limit)}")
-            if memory.host.undo and memory.host.peak > host_room:
-                on_host += (f", with no undo copy (it would need {format_bytes(memory.host.undo)} "
-                            "more: a failure half-way through an update is then recovered with "
-                            "session.recover())")
-            elif memory.host.undo:
-                on_host += f", {format_bytes(memory.host.undo)} more for the undo copy"
-            on_host += "."
-        if not c.changes:
-            message = (f"The start fits: predicted peak {format_bytes(need)} of {card}.{on_host} "
-                       f"({tried_text}.)")
-        else:
-            what = ("The cheapest predicted to fit before max_tries ran out (raise it to look "
-                    "for a faster one)" if out_of_tries else "Fastest predicted to fit")
-            message = (f"{what}: {c.label}; predicted peak {format_bytes(need)} of "
-                       f"{card}; step time about {c.cost:.2f}x a plain step.{on_host}")
-            if c.exact:
-                message += " Same maths as the start."
-            else:
-                maths = {k: v for k, v in c.changes.items() if k not in PLACEMENT_FIELDS}
-                message += (" No combination that keeps the maths fits, so this one changes it: "
-                            + ", ".join(f"{k}={v!r}" for k, v in maths.items()) + ".")
-            message += f" {APPLY_IN_CODE} ({tried_text}.)"
+        message = _found(c, need, card, _on_host(memory, host_room, host_limit), tried_text,
+                         out_of_tries)
         return FitResult(c.techniques, dict(c.changes), need, limit, room, start, device, search.rows,
                          c.exact, c.cost, message, memory, search.estimates, skipped, len(space),
                          host_limit, host_room)
-    sized = [r for r in search.rows if r.peak is not None]
+    where = card
+    if host_limit is not None:
+        where += f" and {format_bytes(host_room)} usable of {format_bytes(host_limit)} host memory"
+    message = _nothing(search.rows, where, room, max_tries if out_of_tries else None, tried_text)
+    return FitResult(None, {}, None, limit, room, start, device, search.rows, None, None, message,
+                     None, search.estimates, skipped, len(space), host_limit, host_room)
+
+
+def _tried_text(search: _Search, skipped: int, size: int) -> str:
+    """What the search cost: estimates run, cache hits, what was ruled out or failed."""
+    text = (f"{search.estimates} estimate{'s' if search.estimates != 1 else ''} run, "
+            f"{len(search.rows) - search.estimates} from the cache, {skipped} combination"
+            f"{'s' if skipped != 1 else ''} ruled out without one, of {size}")
+    errors = [r for r in search.rows if r.error]
+    if errors:
+        text += (f"; {len(errors)} could not be estimated, and combinations including "
+                 f"their toggles were skipped (first: {errors[0].label}: {errors[0].error[:160]})")
+    return text
+
+
+def _on_host(memory: MemoryBreakdown, host_room: int | None, host_limit: int | None) -> str:
+    """The answer's host sentence (empty where the host is not checked)."""
+    if host_room is None or memory.host is None:
+        return ""
+    text = (f" Host memory: {format_bytes(memory.host.without_undo)} of "
+            f"{format_bytes(host_room)} usable of {format_bytes(host_limit)}")
+    if memory.host.undo and memory.host.peak > host_room:
+        text += (f", with no undo copy (it would need {format_bytes(memory.host.undo)} "
+                 "more: a failure half-way through an update is then recovered with "
+                 "session.recover())")
+    elif memory.host.undo:
+        text += f", {format_bytes(memory.host.undo)} more for the undo copy"
+    return text + "."
+
+
+def _found(c: Candidate, need: int, card: str, on_host: str, tried_text: str,
+           out_of_tries: bool) -> str:
+    """The message of a search that found a combination."""
+    if not c.changes:
+        return (f"The start fits: predicted peak {format_bytes(need)} of {card}.{on_host} "
+                f"({tried_text}.)")
+    what = ("The cheapest predicted to fit before max_tries ran out (raise it to look "
+            "for a faster one)" if out_of_tries else "Fastest predicted to fit")
+    message = (f"{what}: {c.label}; predicted peak {format_bytes(need)} of "
+               f"{card}; step time about {c.cost:.2f}x a plain step.{on_host}")
+    if c.exact:
+        message += " Same maths as the start."
+    else:
+        maths = {k: v for k, v in c.changes.items() if k not in PLACEMENT_FIELDS}
+        message += (" No combination that keeps the maths fits, so this one changes it: "
+                    + ", ".join(f"{k}={v!r}" for k, v in maths.items()) + ".")
+    return message + f" {APPLY_IN_CODE} ({tried_text}.)"
+
+
+def _nothing(rows: list[FitRow], where: str, room: int, max_tries: int | None,
+             tried_text: str) -> str:
+    """The message of a search that found nothing (``max_tries``: it ran out of tries)."""
+    sized = [r for r in rows if r.peak is not None]
     message = f"Nothing tried fits in {where}."
     if sized:
         best = min(sized, key=lambda r: r.peak)
@@ -436,13 +458,11 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
             lightest = min(on_card, key=lambda r: r.host)
             message += (f" {len(on_card)} fit on the card but not on the host: the lightest needs "
                         f"{format_bytes(lightest.host)} of host memory ({lightest.label}).")
-    if out_of_tries:
+    if max_tries is not None:
         message += (f" The search stopped after max_tries={max_tries} estimates with combinations "
                     "left: raise max_tries to go on.")
     else:
         message += (" Shorten seq_len, lower the effective batch (batch_size x grad_accum), "
                     "train fewer weights, or use a card with more memory.")
-    message += f" ({tried_text}.)"
-    return FitResult(None, {}, None, limit, room, start, device, search.rows, None, None, message,
-                     None, search.estimates, skipped, len(space), host_limit, host_room)
+    return message + f" ({tried_text}.)"
 

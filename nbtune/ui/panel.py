@@ -136,53 +136,8 @@ class Panel(w.VBox):
         for name, control in self.controls.items():
             control.value = _widget_value(name, getattr(session.techniques, name))
             control.observe(self._on_control, names="value")
-        self.steps = w.BoundedIntText(value=20, min=1, max=100_000, description="steps",
-                                      layout=w.Layout(width="160px"),
-                                      tooltip="How many optimizer steps Run trains")
-        self.step_button = w.Button(description="Step", icon="forward",
-                                    tooltip="Run one optimizer step")
-        self.run_button = w.Button(description="Run", icon="play", button_style="primary",
-                                   tooltip="Train the number of steps on the left in the "
-                                           "background: the notebook stays usable")
-        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger",
-                                    tooltip="Stop after the step under way",
-                                    layout=w.Layout(display="none"))
-        self.price = w.BoundedFloatText(
-            value=session.price_per_hour or 0.0, min=0.0, max=1000.0, step=0.01,
-            description="$ / hour", layout=w.Layout(width="170px"),
-            tooltip="What the rented card costs per hour: the status shows the cost so far "
-                    "and to finish (0: not shown)")
-        self.step_button.on_click(lambda _: self._guarded(self._step))
-        self.run_button.on_click(lambda _: self._guarded(self.runner.start, self.steps.value))
-        self.stop_button.on_click(lambda _: self._guarded(self._stop))
-        self.price.observe(self._on_price, names="value")
-        budget_help = ("The card and host to check the current toggles against: the estimate of "
-                       "the next step's peak on the card, and of what the run holds in host memory "
-                       "(offloaded activations, paged or offloaded optimizer state, a checkpoint "
-                       "being saved), recomputed as you move a control")
-        self.budget = w.Dropdown(options=_budgets(session), tooltip=budget_help,
-                                 # JupyterLab shows no hover text on a dropdown: put it on the label
-                                 description=f"<span title='{html.escape(budget_help, quote=True)}'>"
-                                             "will it fit on</span>", description_allow_html=True,
-                                 style={"description_width": "100px"}, layout=w.Layout(width="330px"))
-        self.badge = w.HTML()
-        self.fit_button = w.Button(description="Find the fastest fit", icon="search",
-                                   layout=w.Layout(width="200px"),
-                                   tooltip="Search toggle combinations with the estimator for the "
-                                           "fastest one predicted to fit this card")
-        self.fit_apply = w.Button(description="Apply", icon="check", button_style="success",
-                                  layout=w.Layout(display="none"),
-                                  tooltip="Apply the combination found")
-        self.context_button = w.Button(description="Longest context", icon="arrows-h",
-                                       layout=w.Layout(width="160px"),
-                                       tooltip="Search seq_len with the estimator for the longest "
-                                               "sequence predicted to fit this card (and its host) "
-                                               "with the techniques as they are")
-        self.context = w.HTML()  # the longest context found, beside the fit buttons
-        self.context_button.on_click(lambda _: self._guarded(self._find_context))
-        self.fit_button.on_click(lambda _: self._guarded(self._find_fit))
-        self.fit_apply.on_click(lambda _: self._guarded(self._apply_fit))
-        self.budget.observe(lambda _: self._check_fit(), names="value")
+        self._make_run_controls()
+        self._make_fit_controls()
         self._fit_changes: dict | None = None
         self._fitcheck = FitCheck(Predictor.of(session.model.config, "cuda"), self._show_badge)
         self.last_fit_seconds: float | None = None  # request -> badge, for the benchmark
@@ -219,6 +174,61 @@ class Panel(w.VBox):
         if session.current_run is not None:
             self._running(True)
         self._redraw(force=True)
+
+    def _make_run_controls(self) -> None:
+        """Step, the number of steps, Run, Stop and the price per hour."""
+        session = self.session
+        self.steps = w.BoundedIntText(value=20, min=1, max=100_000, description="steps",
+                                      layout=w.Layout(width="160px"),
+                                      tooltip="How many optimizer steps Run trains")
+        self.step_button = w.Button(description="Step", icon="forward",
+                                    tooltip="Run one optimizer step")
+        self.run_button = w.Button(description="Run", icon="play", button_style="primary",
+                                   tooltip="Train the number of steps on the left in the "
+                                           "background: the notebook stays usable")
+        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger",
+                                    tooltip="Stop after the step under way",
+                                    layout=w.Layout(display="none"))
+        self.price = w.BoundedFloatText(
+            value=session.price_per_hour or 0.0, min=0.0, max=1000.0, step=0.01,
+            description="$ / hour", layout=w.Layout(width="170px"),
+            tooltip="What the rented card costs per hour: the status shows the cost so far "
+                    "and to finish (0: not shown)")
+        self.step_button.on_click(lambda _: self._guarded(self._step))
+        self.run_button.on_click(lambda _: self._guarded(self.runner.start, self.steps.value))
+        self.stop_button.on_click(lambda _: self._guarded(self._stop))
+        self.price.observe(self._on_price, names="value")
+
+    def _make_fit_controls(self) -> None:
+        """The machine to check against, the badge, and the fit and longest-context searches."""
+        session = self.session
+        budget_help = ("The card and host to check the current toggles against: the estimate of "
+                       "the next step's peak on the card, and of what the run holds in host memory "
+                       "(offloaded activations, paged or offloaded optimizer state, a checkpoint "
+                       "being saved), recomputed as you move a control")
+        self.budget = w.Dropdown(options=_budgets(session), tooltip=budget_help,
+                                 # JupyterLab shows no hover text on a dropdown: put it on the label
+                                 description=f"<span title='{html.escape(budget_help, quote=True)}'>"
+                                             "will it fit on</span>", description_allow_html=True,
+                                 style={"description_width": "100px"}, layout=w.Layout(width="330px"))
+        self.badge = w.HTML()
+        self.fit_button = w.Button(description="Find the fastest fit", icon="search",
+                                   layout=w.Layout(width="200px"),
+                                   tooltip="Search toggle combinations with the estimator for the "
+                                           "fastest one predicted to fit this card")
+        self.fit_apply = w.Button(description="Apply", icon="check", button_style="success",
+                                  layout=w.Layout(display="none"),
+                                  tooltip="Apply the combination found")
+        self.context_button = w.Button(description="Longest context", icon="arrows-h",
+                                       layout=w.Layout(width="160px"),
+                                       tooltip="Search seq_len with the estimator for the longest "
+                                               "sequence predicted to fit this card (and its host) "
+                                               "with the techniques as they are")
+        self.context = w.HTML()  # the longest context found, beside the fit buttons
+        self.context_button.on_click(lambda _: self._guarded(self._find_context))
+        self.fit_button.on_click(lambda _: self._guarded(self._find_fit))
+        self.fit_apply.on_click(lambda _: self._guarded(self._apply_fit))
+        self.budget.observe(lambda _: self._check_fit(), names="value")
 
     def close(self) -> None:
         """Detach from the session (no more events) and end the fit check's worker."""

@@ -326,7 +326,7 @@ def test_offloaded_layer_inputs_are_prefetched_a_layer_ahead_in_backward():
 
 def test_a_tensor_every_layer_saves_is_parked_once_and_gradients_stay_exact():
     """The rope tables go into every checkpointed layer: parked once on the host, not once a
-    layer (the 8B at 128k: 2 GiB instead of 64), each layer still given them back in backward,
+    layer (the 8B at 128k: 64 MiB instead of 2 GiB), each layer still given them back in backward,
     and the gradients equal to a run without offloading."""
     from nbtune.activations import OffloadActivations
 

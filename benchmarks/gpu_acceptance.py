@@ -29,12 +29,24 @@ The checks, by the claim they test:
 8. snapshot: ``session.snapshot`` writes what pytorch.org/memory_viz reads (segments and
    device traces).
 9. peers: ``benchmarks/peers.py --device cuda`` on one model, nbtune and transformers.
+
+Long contexts (issue 33), on the largest preset whose long QLoRA step the estimator says fits
+the card (``LONG_PRESETS``, random weights: memory does not depend on their values), with
+checkpointing, tiles and offloading (``LONG_TECHNIQUES``):
+
+10. long-context estimate: the measured peak at two lengths within 5 % of the estimate.
+11. prefetch overlap: host-to-device copies (the offloaded layer inputs coming back) run on a
+    stream other than the compute stream, and some of them while compute kernels run.
+12. compile with offloading: five steps; dynamo compiles no new graph after the first step.
+13. longest context: one step at the length ``longest_context`` predicts for this card (and
+    this host) runs without running out of memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import platform
@@ -373,6 +385,160 @@ def check_snapshot(result: Result) -> None:
         result.detail = f"{result.numbers['trace_events']} allocator events, memory_viz's format"
 
 
+# ---- long contexts ---------------------------------------------------------------------------
+
+LONG_PRESETS = ("llama-3.1-8b", "llama-3.2-3b", "llama-3.2-1b")  # largest first
+LONG_TECHNIQUES = dict(method="qlora", dtype="bf16", lora_rank=32, lora_alpha=64.0, batch_size=1,
+                       activation_checkpointing=True, chunked_loss=16, tile_tokens=2048,
+                       activation_offloading=True)
+LONG_LENGTHS = (8192, 16384)
+_LONG: dict = {}  # the long-context session, built once for checks 10-13
+
+
+def _long_session():
+    """(preset, config, session): the largest of ``LONG_PRESETS`` whose step at the longer
+    of ``LONG_LENGTHS`` the estimator says fits this card, built on the card with random
+    bf16 weights (meta first: no host copy of the weights), its base quantized by the session."""
+    if _LONG:
+        return _LONG["name"], _LONG["config"], _LONG["session"]
+    import torch
+
+    import nbtune as nt
+    from nbtune.data import load_examples
+    from nbtune.models import CausalLM
+    from nbtune.models.presets import preset_config
+    from nbtune.models.tiny import demo_model_dir
+    from nbtune.models.tokenizer import Tokenizer
+    from nbtune.predict import required, usable
+    from nbtune.session import demo_data_file
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    t = nt.Techniques(**LONG_TECHNIQUES, seq_len=max(LONG_LENGTHS))
+    name = next((n for n in LONG_PRESETS
+                 if required(nt.estimate(n, t, device="cuda")) <= usable(total, "cuda")), LONG_PRESETS[-1])
+    config = preset_config(name)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to(torch.bfloat16).to_empty(device="cuda")
+    model.reset_parameters()
+    model.tie_weights()
+    session = nt.Session(model, Tokenizer.from_folder(demo_model_dir()),
+                         load_examples(demo_data_file("train"))[:8], techniques=t, device="cuda")
+    session.echo = False
+    _LONG.update(name=name, config=config, session=session)
+    return name, config, session
+
+
+def _long_step(session, config, tokens: int):
+    """The second of two steps on one full-length random row of ``tokens`` (a StepReport)."""
+    import torch
+
+    from nbtune.step import StepOptions, train_step
+
+    ids = torch.randint(0, config.vocab_size, (1, tokens), device="cuda")
+    options = StepOptions.of(session.techniques)
+    for _ in range(2):
+        report = train_step(session.model, session.optimizer, [{"input_ids": ids, "labels": ids}],
+                            options, pad_id=-1, step=1)
+    return report
+
+
+def check_long_estimate(result: Result) -> None:
+    _needs_cuda()
+    import nbtune as nt
+
+    name, config, session = _long_session()
+    rows, worst = {}, 0.0
+    for tokens in LONG_LENGTHS:
+        measured = _long_step(session, config, tokens).memory.peak
+        guess = nt.estimate(config, session.techniques, seq_len=tokens, device="cuda").peak
+        error = guess / measured - 1
+        worst = max(worst, abs(error))
+        rows[tokens] = {"measured": measured, "estimated": guess, "error": round(error, 4)}
+    result.numbers = {"model": name, "techniques": LONG_TECHNIQUES, "rows": rows, "worst": worst}
+    result.status = "pass" if worst <= ESTIMATE_TOLERANCE else "fail"
+    result.detail = (f"{name} QLoRA, tiles + offloading: {len(rows)} lengths, worst {worst:.1%} "
+                     f"(within {ESTIMATE_TOLERANCE:.0%})")
+
+
+def check_prefetch_overlap(result: Result) -> None:
+    _needs_cuda()
+    from torch.profiler import ProfilerActivity, profile
+
+    name, config, session = _long_session()
+    _long_step(session, config, LONG_LENGTHS[0])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _long_step(session, config, LONG_LENGTHS[0])
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    back = [e for e in events if "Memcpy HtoD" in e.name]
+    compute = [e for e in events if not e.name.startswith("Memcpy") and "Memset" not in e.name]
+
+    def overlaps(a, b) -> bool:
+        return a.time_range.start < b.time_range.end and b.time_range.start < a.time_range.end
+
+    overlapped = sum(any(overlaps(c, k) for k in compute) for c in back)
+    streams = {str(getattr(e, "stream", None)) for e in back}
+    result.numbers = {"model": name, "tokens": LONG_LENGTHS[0], "host_to_device_copies": len(back),
+                      "overlapping_compute": overlapped, "copy_streams": sorted(streams)}
+    if not back:
+        result.status, result.detail = "fail", "no host-to-device copies seen"
+    elif not overlapped:
+        result.status, result.detail = "fail", "no copy back ran while compute ran"
+    else:
+        result.detail = (f"{overlapped} of {len(back)} host-to-device copies ran beside compute "
+                         f"(streams {sorted(streams)})")
+
+
+def check_compile_offload(result: Result) -> None:
+    _needs_cuda()
+    import torch
+    from torch._dynamo.utils import counters  # benchmark only: the product never reads it
+
+    session = _session(dtype="bf16", compile=True, activation_checkpointing=True,
+                       activation_offloading=True)
+    session.step()
+    graphs = [counters["stats"]["unique_graphs"]]
+    for _ in range(4):
+        session.step()
+        graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    result.numbers = {"unique_graphs_after_each_step": graphs}
+    if graphs[-1] > graphs[0]:
+        result.status = "fail"
+        result.detail = f"dynamo compiled {graphs[-1] - graphs[0]} new graphs after the first step"
+    else:
+        result.detail = f"no recompile over steps 2-5 ({graphs[0]} graphs after the first)"
+
+
+def check_longest_step(result: Result) -> None:
+    _needs_cuda()
+    import torch
+
+    import nbtune as nt
+
+    name, config, session = _long_session()
+    card = torch.cuda.get_device_properties(0).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    answer = nt.longest_context(config, card, session.techniques, host=host)
+    result.numbers = {"model": name, "tokens": answer.tokens, "limit": answer.limit,
+                      "predicted_card_bytes": answer.memory.peak if answer.memory else None}
+    if not answer.tokens:
+        raise Skip(f"the estimator says nothing fits: {answer.text}")
+    gc.collect()  # the earlier checks' sessions: nothing but this one on the card
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        report = _long_step(session, config, answer.tokens)
+    except torch.OutOfMemoryError as err:
+        result.status, result.detail = "fail", f"{answer.tokens} tokens ran out of memory: {err}"
+        return
+    result.numbers.update(measured_peak=report.memory.peak,
+                          max_allocated=torch.cuda.max_memory_allocated())
+    result.detail = (f"{name}: {answer.tokens:,} tokens ({answer.limit} limit) ran; peak "
+                     f"{report.memory.peak / 2**30:.1f} GiB")
+
+
 def check_peers(result: Result, left_s: float) -> None:
     _needs_cuda()
     if left_s < 150:
@@ -401,6 +567,11 @@ CHECKS = [
     ("activation offloading", "offloading lowers the peak on a side stream", check_offloading),
     ("compile", "compile keeps the losses", check_compile),
     ("snapshot", "snapshots open in memory_viz", check_snapshot),
+    ("long-context estimate", "tiles + offloading: estimates within 5 % at two lengths",
+     check_long_estimate),
+    ("prefetch overlap", "offloaded inputs come back beside compute", check_prefetch_overlap),
+    ("compile + offloading", "no recompile each step with offloading on", check_compile_offload),
+    ("longest context", "a step at the predicted longest context fits", check_longest_step),
     ("peers", "the GPU half of benchmarks/peers.py runs", None),
 ]
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .demos import DEMOS
-from .session import Session
+from . import runs
+from .runner import Message
 from .techniques import DTYPES, METHODS
 from .units import format_bytes
 
@@ -34,11 +35,14 @@ def run_demo(args: argparse.Namespace) -> int:
     steps = args.steps if args.steps is not None else demo.steps
     changes = {name: value for name, value in (("method", args.method), ("dtype", args.dtype),
                                                ("lr", args.lr)) if value is not None}
-    session = Session.demo(args.model, seed=args.seed, device=args.device, **changes)
-    print(f"nbtune demo {args.model}: {session.model.config.num_parameters / 1e6:.2f}M-parameter "
-          f"model, {len(session.train_examples)} training rows, {steps} steps, {session.device}")
-    measure = "held-out accuracy" + ("" if session.match == "exact" else f" ({session.match})")
-    before = session.evaluate()
+    parts = runs.from_demo(args.model, seed=args.seed, device=args.device, **changes)
+    parts.runner.subscribe(lambda event: print(f"nbtune: {event.text}")
+                           if isinstance(event, Message) else None)
+    parts.runner.relay()  # what building the run had to say
+    print(f"nbtune demo {args.model}: {parts.model.config.num_parameters / 1e6:.2f}M-parameter "
+          f"model, {len(parts.data.train)} training rows, {steps} steps, {parts.device}")
+    measure = "held-out accuracy" + ("" if parts.match == "exact" else f" ({parts.match})")
+    before = parts.evaluate()
     print(f"{measure} before training: {before:.0%}")
     # A bar on a terminal (none in a log), a line for about every tenth step; every step's
     # numbers go to the JSON summary.
@@ -46,7 +50,7 @@ def run_demo(args: argparse.Namespace) -> int:
     rows = []
     with tqdm(total=steps, desc="training", unit="step", disable=None, file=sys.stderr) as bar:
         for _ in range(steps):
-            r = session.step()
+            r = parts.runner.step()
             rows.append({"step": r.step, "loss": r.loss, "tokens": r.tokens, "seconds": r.seconds,
                          "peak_bytes": r.memory.peak, "memory_measured": r.memory.measured})
             bar.update()
@@ -54,23 +58,25 @@ def run_demo(args: argparse.Namespace) -> int:
             if r.step == 1 or r.step % every == 0:
                 bar.write(f"step {r.step:4d}  loss {r.loss:6.3f}  {r.tokens:5d} tok  "
                           f"{r.seconds * 1000:5.0f} ms  {_memory_line(r.memory)}", file=sys.stdout)
-    after = session.evaluate()
-    losses = [r.loss for r in session.history]
+    after = parts.evaluate()
+    losses = [r.loss for r in parts.history]
     summary = {
-        "steps": len(session.history),
+        "steps": len(parts.history),
         "loss_first": losses[0],
         "loss_last": sum(losses[-LAST_WINDOW:]) / len(losses[-LAST_WINDOW:]),
         "loss_last_window": LAST_WINDOW,
         "heldout_accuracy_before": before,
         "heldout_accuracy_after": after,
         "seconds": time.perf_counter() - started,
-        "peak_bytes": max(r.memory.peak for r in session.history),
-        "memory_last_step": session.history[-1].memory.categories,
-        "device": str(session.device),
-        "techniques": session.techniques.as_dict(),
+        "peak_bytes": max(r.memory.peak for r in parts.history),
+        "memory_last_step": parts.history[-1].memory.categories,
+        "device": str(parts.device),
+        "techniques": parts.techniques.as_dict(),
         "history": rows,
     }
-    session.chart().savefig(out / "demo_memory.png", dpi=100)
+    from .ui.charts import memory_figure
+
+    memory_figure(parts.history).savefig(out / "demo_memory.png", dpi=100)
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=2))
     print(f"{measure} after training: {after:.0%}")
     print(f"loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f} "

@@ -1,8 +1,9 @@
-"""``nbtune train run.yaml``: a saved session run unattended, on the notebook's own step.
+"""``nbtune train run.yaml``: a saved run unattended, on the notebook's own step.
 
-The session's own runner trains (the same loop, trainer and transactions as a notebook's
+The run factory (``nbtune.runs``) builds the run a notebook's ``Session.from_config`` would
+wrap, and its runner trains (the same loop, trainer and transactions as a notebook's
 ``run``); after each step this module writes the metrics line, checkpoints and logs, and a
-subscriber prints what the session says. Output
+subscriber prints what the run says. Output
 folder:
 
 * ``run.yaml``: the configuration as run (flags applied);
@@ -25,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import files, runfile
+from . import files, runfile, runs
 from .atomic import write_file_atomically
 from .units import format_bytes
 
@@ -51,12 +52,12 @@ def checkpoints(out: Path) -> list[Path]:
                   if p.is_dir() and p.name.startswith("step-") and (p / "trainer_state.json").is_file())
 
 
-def total_steps(settings, session) -> int:
-    """``steps``, or ``epochs`` turned into optimizer steps over this session's batches."""
+def total_steps(settings, parts) -> int:
+    """``steps``, or ``epochs`` turned into optimizer steps over this run's batches."""
     if settings.steps is not None:
         return settings.steps
-    t = session.techniques
-    per_epoch = math.ceil(len(session.trainer.stream.samples) / (t.batch_size * t.grad_accum))
+    t = parts.techniques
+    per_epoch = math.ceil(len(parts.trainer.stream.samples) / (t.batch_size * t.grad_accum))
     return max(1, math.ceil((settings.epochs or 1) * per_epoch))
 
 
@@ -113,8 +114,8 @@ def check_loggers(settings) -> None:
                                        "pip install tensorboard, or drop it from run.log.") from None
 
 
-def _save_checkpoint(session, out: Path, keep: int, lead: bool = True, parallel=None) -> Path:
-    folder = session.save_checkpoint(out / CHECKPOINTS / f"step-{len(session.history):08d}")
+def _save_checkpoint(parts, out: Path, keep: int, lead: bool = True, parallel=None) -> Path:
+    folder = parts.save_checkpoint(out / CHECKPOINTS / f"step-{len(parts.history):08d}")
     if lead:
         for old in checkpoints(out)[:-keep]:
             shutil.rmtree(old)
@@ -123,11 +124,11 @@ def _save_checkpoint(session, out: Path, keep: int, lead: bool = True, parallel=
     return folder
 
 
-def rank_memory(session, parallel) -> list[dict] | None:
+def rank_memory(parts, parallel) -> list[dict] | None:
     """Each rank's last measured breakdown (a collective under torchrun), else None."""
     if parallel is None:
         return None
-    memory = session.trainer.last_memory
+    memory = parts.trainer.last_memory
     return parallel.gather({"rank": parallel.rank, "peak": memory.peak if memory else 0,
                             **(memory.categories if memory else {})})
 
@@ -187,7 +188,6 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
 
     from .distributed import Parallel
     from .runner import Message
-    from .session import Session
 
     config = runfile.load(path, overrides)
     settings = config.run
@@ -208,10 +208,10 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
 
     try:
         started = time.perf_counter()
-        session = Session.from_config(config, device=device, parallel=parallel)
-        session.echo = False  # what the session says is printed by this subscriber instead
-        session.subscribe(lambda event: say(f"nbtune: {event.text}") if isinstance(event, Message)
-                          else None)
+        parts = runs.from_config(config, device=device, parallel=parallel)
+        parts.runner.subscribe(lambda event: say(f"nbtune: {event.text}")
+                               if isinstance(event, Message) else None)
+        parts.runner.relay()  # what building the run had to say (rows skipped)
         if lead:
             out_dir.mkdir(parents=True, exist_ok=True)
             write_file_atomically(out_dir / OURS, json.dumps({"written_by": "nbtune train"}))
@@ -222,44 +222,44 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
             write_file_atomically(out_dir / "run.yaml", runfile.dump(effective))
         if parallel is not None:
             parallel.barrier()
-        return _run(session, path, out, out_dir, settings, resume, parallel, rank, say, started,
+        return _run(parts, path, out, out_dir, settings, resume, parallel, rank, say, started,
                     progress)
     finally:
         if parallel is not None:
             parallel.close()
 
 
-def _run(session, path, out, out_dir, settings, resume, parallel, rank, say, started,
+def _run(parts, path, out, out_dir, settings, resume, parallel, rank, say, started,
          progress) -> int:
     from tqdm.auto import tqdm
 
     lead = rank == 0
     found = checkpoints(out_dir) if resume else []
     if found:
-        session.load_checkpoint(found[-1])
-        say(f"resumed from {found[-1]} (step {len(session.history)})")
+        parts.load_checkpoint(found[-1])
+        say(f"resumed from {found[-1]} (step {len(parts.history)})")
     elif resume:
         say(f"no checkpoint under {out_dir / CHECKPOINTS}: starting at step 0")
-    total = total_steps(settings, session)
-    model = session.model
+    total = total_steps(settings, parts)
+    model = parts.model
     numbers = [sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters()
                                                                if p.requires_grad)]
-    where = (f"{session.device}" if parallel is None else
-             f"{parallel.world} ranks (FSDP2, {session.device}),")
+    where = (f"{parts.device}" if parallel is None else
+             f"{parallel.world} ranks (FSDP2, {parts.device}),")
     say(f"nbtune train {path}: {model.config.model_type}, {where} {numbers[0] / 1e6:.1f}M parameters "
-        f"({numbers[1] / 1e6:.2f}M trained), {session.techniques.method}, {total} steps -> {out_dir}")
-    summary = {"run_file": str(Path(path).resolve()), "steps": total, "resumed_at": len(session.history),
+        f"({numbers[1] / 1e6:.2f}M trained), {parts.techniques.method}, {total} steps -> {out_dir}")
+    summary = {"run_file": str(Path(path).resolve()), "steps": total, "resumed_at": len(parts.history),
                "ranks": parallel.world if parallel is not None else 1}
-    evaluate = settings.evaluate and session.heldout_examples and parallel is None
+    evaluate = settings.evaluate and parts.data.heldout and parallel is None
     if settings.evaluate and parallel is not None:
         say("nbtune: run.evaluate is skipped under torchrun (generation is not sharded yet).")
     if evaluate:
-        summary["heldout_accuracy_before"] = session.evaluate()
+        summary["heldout_accuracy_before"] = parts.evaluate()
         say(f"held-out accuracy before: {summary['heldout_accuracy_before']:.0%}")
-    loggers = _Loggers(out_dir, settings, rank=rank, resumed_at=len(session.history))
+    loggers = _Loggers(out_dir, settings, rank=rank, resumed_at=len(parts.history))
     interrupted = False
     try:
-        with tqdm(total=total, initial=len(session.history), desc="training", unit="step",
+        with tqdm(total=total, initial=len(parts.history), desc="training", unit="step",
                   disable=None if progress and lead else True, file=sys.stderr) as bar:
             def after(report) -> None:  # between steps, in the runner's loop
                 loggers.write(report)
@@ -268,51 +268,57 @@ def _run(session, path, out, out_dir, settings, resume, parallel, rank, say, sta
                 bar.set_postfix(loss=f"{report.loss:.3f}")
                 every = settings.checkpoint_every
                 if every and (report.step % every == 0 or report.step == total):
-                    _save_checkpoint(session, out_dir, settings.keep_checkpoints, lead, parallel)
+                    _save_checkpoint(parts, out_dir, settings.keep_checkpoints, lead, parallel)
 
-            if len(session.history) < total:
-                session.runner.run(total - len(session.history), shown=after)
+            if len(parts.history) < total:
+                parts.runner.run(total - len(parts.history), shown=after)
             # Ctrl-C during a step: the runner rolled it back and ended the run (consistent)
-            interrupted = len(session.history) < total
+            interrupted = len(parts.history) < total
     except KeyboardInterrupt:  # between steps: the state is that of the last completed step
         interrupted = True
     finally:
         loggers.close()
     if interrupted:
-        if session.history and parallel is None:
-            folder = _save_checkpoint(session, out_dir, settings.keep_checkpoints, lead, parallel)
-            say(f"interrupted after step {len(session.history)}: saved {folder}; continue with "
+        if parts.history and parallel is None:
+            folder = _save_checkpoint(parts, out_dir, settings.keep_checkpoints, lead, parallel)
+            say(f"interrupted after step {len(parts.history)}: saved {folder}; continue with "
                 f"nbtune train {path} --resume" + (f" --out {out}" if out else ""))
         return 130
-    ranks = rank_memory(session, parallel)
+    ranks = rank_memory(parts, parallel)
     if ranks is not None:
         summary["rank_memory"] = ranks
         say(rank_table(ranks))
-    saved = {}
-    for kind in settings.save:
-        folder = out_dir / {"hf": "final", "merged": "merged", "gguf": "gguf"}[kind]
-        if kind == "merged" and session.techniques.method == "full":
-            continue  # full weights are already whole: "hf" holds them
-        session.save(folder, merge=kind == "merged", format="gguf" if kind == "gguf" else "hf")
-        saved[kind] = str(folder)
+    saved = _save_outputs(parts, out_dir, settings.save)
     if not lead:
         return 0
-    losses = [r.loss for r in session.history]
+    losses = [r.loss for r in parts.history]
     window = losses[-10:]
     summary.update({
         "loss_first": losses[0], "loss_last": sum(window) / len(window),
-        "peak_bytes": max(r.memory.peak for r in session.history),
+        "peak_bytes": max(r.memory.peak for r in parts.history),
         "seconds": time.perf_counter() - started, "saved": saved,
-        "techniques": session.techniques.as_dict(), "device": str(session.device)})
+        "techniques": parts.techniques.as_dict(), "device": str(parts.device)})
     if evaluate:
-        summary["heldout_accuracy_after"] = session.evaluate()
+        summary["heldout_accuracy_after"] = parts.evaluate()
         say(f"held-out accuracy after: {summary['heldout_accuracy_after']:.0%}")
     write_file_atomically(out_dir / "summary.json", json.dumps(summary, indent=2))
-    say(f"done: {len(session.history)} steps, loss {summary['loss_first']:.3f} -> "
+    say(f"done: {len(parts.history)} steps, loss {summary['loss_first']:.3f} -> "
           f"{summary['loss_last']:.3f} (mean of steps {len(losses) - len(window) + 1}-{len(losses)}), peak "
           f"{format_bytes(summary['peak_bytes'])}, {summary['seconds']:.0f} s; saved "
           + (", ".join(saved.values()) or "nothing") + f"; metrics in {out_dir / METRICS}")
     return 0
+
+
+def _save_outputs(parts, out_dir: Path, kinds) -> dict:
+    """The saves the run file asks for ("hf", "merged", "gguf"): kind -> folder."""
+    saved = {}
+    for kind in kinds:
+        folder = out_dir / {"hf": "final", "merged": "merged", "gguf": "gguf"}[kind]
+        if kind == "merged" and parts.techniques.method == "full":
+            continue  # full weights are already whole: "hf" holds them
+        parts.save(folder, merge=kind == "merged", format="gguf" if kind == "gguf" else "hf")
+        saved[kind] = str(folder)
+    return saved
 
 
 # ---- nbtune ladder: seed 001's table, one row per added technique ------------------------
@@ -336,7 +342,6 @@ def ladder(path: str, *, rows=FSDP_LADDER, steps: int = 2, out: str | None = Non
     import gc
 
     from .distributed import Parallel
-    from .session import Session
 
     config = runfile.load(path, overrides)
     parallel = Parallel.from_env(config.to_sharding())
@@ -355,13 +360,13 @@ def ladder(path: str, *, rows=FSDP_LADDER, steps: int = 2, out: str | None = Non
             try:
                 row_config = runfile.load(path, trial)
                 row_parallel = None if parallel is None else replaced_parallel(parallel, row_config)
-                session = Session.from_config(row_config, device=device, parallel=row_parallel)
+                parts = runs.from_config(row_config, device=device, parallel=row_parallel)
             except ValueError as err:
                 results.append({"label": label, "refused": str(err).splitlines()[0]})
                 continue
             carried = trial
-            session.memory_tracking = "every_step"
-            reports = session.runner.run(steps)  # no subscriber: the rows say nothing
+            parts.runner.sampler.mode = "every_step"
+            reports = parts.runner.run(steps)  # no subscriber: the rows say nothing
             top = max(reports, key=lambda r: r.memory.peak)
             peak, categories = top.memory.peak, reports[-1].memory.categories
             seconds = sum(r.seconds for r in reports[1:]) or reports[0].seconds
@@ -371,7 +376,7 @@ def ladder(path: str, *, rows=FSDP_LADDER, steps: int = 2, out: str | None = Non
             results.append({"label": label, "peak": max(m["peak"] for m in every),
                             "per_rank": every, "tokens_per_second": tokens / seconds,
                             "changes": {k: v for k, v in trial.items()}})
-            del session, reports
+            del parts, reports
             gc.collect()
     finally:
         if parallel is not None:

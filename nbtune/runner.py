@@ -243,6 +243,17 @@ class Runner:
         self.sampler.stale = True
         self.emit(TechniquesChanged(self.trainer.techniques))
 
+    @contextlib.contextmanager
+    def replacing(self):
+        """Around a command that replaces the state wholesale: on success measure the next
+        step and tell the views (``changed``); either way what the trainer noted is said."""
+        try:
+            yield
+        except BaseException:
+            self.relay()
+            raise
+        self.changed()
+
     # ---- who may touch the training state ---------------------------------------------------
 
     @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """Session: the notebook's front end to one finetuning run.
 
-It builds the run (model, ``TrainingData``, ``Trainer``, ``Runner``), answers questions about
-it (estimate, fit, compare, generate, evaluate), saves it and draws it. Run control (the
+Its run (model, ``TrainingData``, ``Trainer``, ``Runner``) comes from the run factory
+(``nbtune.runs``), as ``nbtune train``'s does; the session answers questions about it
+(estimate, fit, compare, generate, evaluate), saves it and draws it. Run control (the
 claim on the training state, queued changes, the loop, background runs, events) belongs to
 its ``runner``; the training state to its ``trainer``. What a command says is printed in
 the cell that ran it, and nowhere else.
@@ -14,22 +15,22 @@ import functools
 import os
 import threading
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from .data import (DataError, Example, TrainingData, check_renderable, examples_from,
-                   prompt_and_reference, prompt_ids, prompt_text)
-from .generate import Reply, generate_ids
-from .hub import resolve_model_folder
-from .models import Tokenizer, load_model
-from .models.decoder import CausalLM
-from .models.gguf import GGUFFile, gguf_tokenizer, is_gguf
-from .runner import BackgroundRun, Event, Message, Runner, Subscription
+from . import runs
+from .runner import BackgroundRun, Event, Message, Subscription
+from .runs import default_device, demo_data_file  # noqa: F401  (tests and benchmarks use them)
 from .step import StepReport
 from .techniques import Techniques, as_techniques
-from .trainer import Trainer
 from .undo import ROLLBACK_MODES
+
+if TYPE_CHECKING:
+    from .data import Example
+    from .generate import Reply
+    from .models import Tokenizer
+    from .models.decoder import CausalLM
 
 
 def _command(exclusive: bool = True):
@@ -45,17 +46,6 @@ def _command(exclusive: bool = True):
     return wrap
 
 
-def demo_data_file(split: str, demo: str = "tiny") -> Path:
-    """Path of a split ("train" or "heldout") of a demo's dataset shipped with nbtune."""
-    from .demos import data_file
-
-    return data_file(demo, split)
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 class Session:
     """Finetune one model cell by cell: ``step()``, ``run(n)``, ``set(...)``, ``panel()``.
 
@@ -69,26 +59,42 @@ class Session:
                  techniques: Techniques | dict | None = None,
                  device: str | torch.device | None = None, parallel=None,
                  source: str | None = None, base=None):
-        self.tokenizer = tokenizer
-        self.parallel = parallel  # a distributed.Parallel under torchrun (FSDP2), else None
-        if parallel is not None:
-            device = parallel.device
-        self.device = torch.device(device) if device is not None else default_device()
-        self.data = TrainingData(train, tokenizer, heldout)
-        self.source = source  # the folder, repo id or .gguf file of the base model
-        self.match: str | Callable[[str, str], bool] = "exact"  # how evaluate() scores replies
+        self._adopt(runs.assemble(model, tokenizer, train, heldout=heldout, techniques=techniques,
+                                  device=device, parallel=parallel, source=source, base=base))
+
+    def _adopt(self, parts: runs.Run) -> None:
+        """Front the run the factory built: say what building it had to say."""
+        self.parts = parts  # the run's parts; ``nbtune train`` drives the same kind directly
+        self.tokenizer, self.data, self.device = parts.tokenizer, parts.data, parts.device
+        self.parallel = parts.parallel  # a distributed.Parallel under torchrun (FSDP2), else None
+        self.trainer, self.runner = parts.trainer, parts.runner
         self.price_per_hour: float | None = None  # the rented card's price: status shows cost
-        # What save_config writes: where the data came from, the demo, the run's settings.
-        self.data_files: dict[str, str] = {}
-        self.demo_name: str | None = None
-        self.run_settings = None  # a runfile.RunSettings, once read from or written to a run file
         self._speaking = threading.local()  # inside a command that prints what is said
         self.echo = True  # commands print what they say; a program with its own printer turns it off
-        self.trainer = Trainer(model, self.data, as_techniques(techniques), self.device,
-                               parallel=parallel, base=base, base_name=source)
-        self.runner = Runner(self.trainer)
         with self._voice():
             self.runner.relay()  # what building the run had to say (rows skipped)
+
+    @classmethod
+    def _of(cls, parts: runs.Run) -> "Session":
+        session = cls.__new__(cls)
+        session._adopt(parts)
+        return session
+
+    # What save_config writes back and evaluate scores by: the run's, settable here.
+    source = property(lambda self: self.parts.source,
+                      lambda self, v: setattr(self.parts, "source", v),
+                      doc="The folder, repo id or .gguf file of the base model.")
+    match = property(lambda self: self.parts.match, lambda self, v: setattr(self.parts, "match", v),
+                     doc='How evaluate() scores replies: "exact", "json_keys" or a function.')
+    data_files = property(lambda self: self.parts.data_files,
+                          lambda self, v: setattr(self.parts, "data_files", v),
+                          doc="Where the data came from (split -> file).")
+    demo_name = property(lambda self: self.parts.demo_name,
+                         lambda self, v: setattr(self.parts, "demo_name", v),
+                         doc="The demo this session is, if any.")
+    run_settings = property(lambda self: self.parts.settings,
+                            lambda self, v: setattr(self.parts, "settings", v),
+                            doc="A runfile.RunSettings, once read from or written to a run file.")
 
     # The training state belongs to the trainer; these names are the notebook's view of it.
     model = property(lambda self: self.trainer.model, doc="The nn.Module being trained.")
@@ -141,17 +147,6 @@ class Session:
         finally:
             self._speaking.on = False
 
-    @contextlib.contextmanager
-    def _replacing(self):
-        """Around a command that replaces the state wholesale: on success the runner measures
-        the next step and tells the views; either way what the trainer noted is said."""
-        try:
-            yield
-        except BaseException:
-            self.runner.relay()
-            raise
-        self.runner.changed()
-
     # ---- construction -------------------------------------------------------------------
 
     @classmethod
@@ -160,26 +155,8 @@ class Session:
                         revision: str | None = None, parallel=None) -> "Session":
         """Load a Hugging Face folder, Hub repo id or ``.gguf`` file, and the training data
         (JSONL path, rows or a datasets.Dataset)."""
-        techniques = as_techniques(techniques)
-        train = examples_from(data)  # read the data before the weights: fail fast on bad rows
-        held = examples_from(heldout, "the held-out data") if heldout is not None else None
-        if is_gguf(path_or_id):
-            base = GGUFFile(path_or_id)  # parsed once for the tokenizer and the weights
-            tokenizer = gguf_tokenizer(base)
-        else:
-            base = resolve_model_folder(path_or_id, revision)
-            tokenizer = Tokenizer.from_folder(base)
-        check_renderable(train + (held or []), tokenizer)
-        quantize = techniques.lora_targets if techniques.method == "qlora" else ()
-        if parallel is not None:
-            device = parallel.device
-        model = load_model(base, dtype=techniques.dtype, device=device or default_device(),
-                           quantize=quantize)  # NF4 as each weight is read: lean loading
-        session = cls(model, tokenizer, train, heldout=held, techniques=techniques, device=device,
-                      parallel=parallel, source=str(path_or_id), base=base)
-        session.data_files = {split: str(value) for split, value in (("train", data), ("heldout", heldout))
-                              if isinstance(value, (str, os.PathLike))}
-        return session
+        return cls._of(runs.from_pretrained(path_or_id, data, heldout=heldout, techniques=techniques,
+                                            device=device, revision=revision, parallel=parallel))
 
     @classmethod
     def from_config(cls, config, *, overrides: dict | None = None, device=None,
@@ -189,27 +166,8 @@ class Session:
         ``overrides`` are dotted fields that win over the file, e.g. ``{"techniques.lr": 1e-4}``;
         a bad field is refused naming its line (``RunFileError``) before anything loads. torch's
         random generator is seeded with ``techniques.seed`` first, so two runs of a file agree."""
-        from . import runfile
-
-        if not isinstance(config, runfile.RunConfig):
-            config = runfile.load(config, overrides)
-        elif overrides:
-            raise ValueError("overrides apply to a run file path; change a RunConfig with "
-                             "config.model_copy(update=...) instead.")
-        techniques = config.to_techniques()
-        device = device or config.device
-        torch.manual_seed(techniques.seed)  # adapters' initial values and dropout: repeatable runs
-        if config.demo is not None:
-            session = cls.demo(config.demo, techniques=techniques, device=device, parallel=parallel)
-        else:
-            session = cls.from_pretrained(config.path(config.model), config.path(config.data.train),
-                                          heldout=config.path(config.data.heldout),
-                                          techniques=techniques, device=device,
-                                          revision=config.revision, parallel=parallel)
-            session.match = config.data.match
-        session.memory_tracking = config.memory_tracking
-        session.run_settings = config.run
-        return session
+        return cls._of(runs.from_config(config, overrides=overrides, device=device,
+                                        parallel=parallel))
 
     @classmethod
     def demo(cls, name: str = "tiny", techniques: Techniques | dict | None = None, device=None,
@@ -219,19 +177,7 @@ class Session:
         package, learning to answer in a JSON schema: minutes on a CPU). ``changes`` (or a
         dict given as ``techniques``) adjust the demo's techniques; a ``Techniques`` replaces
         them. ``DEMOS[name].steps`` is how long it takes to learn its task."""
-        from .demos import demo_named
-
-        demo = demo_named(name)
-        if isinstance(techniques, dict):  # a few fields: on top of the demo's (its seq_len fits)
-            techniques, changes = None, {**techniques, **changes}
-        techniques = (as_techniques(techniques) if techniques is not None
-                      else demo.techniques).replace(**changes)
-        session = cls.from_pretrained(demo.model(), demo_data_file("train", name),
-                                      heldout=demo_data_file("heldout", name),
-                                      techniques=techniques, device=device, parallel=parallel)
-        session.match = demo.match
-        session.demo_name = name
-        return session
+        return cls._of(runs.from_demo(name, techniques, device=device, parallel=parallel, **changes))
 
     # ---- techniques ---------------------------------------------------------------------
 
@@ -348,7 +294,7 @@ class Session:
     @_command()
     def load_state_dict(self, state: dict) -> None:
         """Return to a state from ``state_dict`` (same base model and data), all or nothing."""
-        with self._replacing():
+        with self.runner.replacing():
             self.trainer.load_state_dict(state)
 
     @_command()
@@ -357,23 +303,18 @@ class Session:
         failed half-way with no undo copy (or at any time): the last checkpoint this session
         saved or loaded, else step 0 (the base weights read again from the model's files in
         place, a fresh optimizer, the data from its start). Returns what it returned to."""
-        with self._replacing():
+        with self.runner.replacing():
             return str(self.trainer.recover())
 
     @_command()
     def save_checkpoint(self, folder: str | os.PathLike) -> Path:
         """Weights or adapters, optimizer state, RNG, data position and history, to resume exactly."""
-        from .sharded_checkpoint import save_checkpoint
-
-        return save_checkpoint(self.trainer, folder, self.source, self.parallel)
+        return self.parts.save_checkpoint(folder)
 
     @_command()
     def load_checkpoint(self, folder: str | os.PathLike) -> None:
         """Continue a run saved by ``save_checkpoint`` (same base model and training data)."""
-        from .sharded_checkpoint import load_checkpoint
-
-        with self._replacing():
-            load_checkpoint(self.trainer, folder, self.parallel)
+        self.parts.load_checkpoint(folder)
 
     # ---- memory: before, across configurations, in detail -----------------------------
 
@@ -439,20 +380,8 @@ class Session:
         one, else the instruction prompt) unless ``raw``; generation stops at the model's
         end-of-turn or end-of-sequence tokens.
         """
-        if not isinstance(prompt, str) or not isinstance(input, str):
-            raise TypeError(f"generate: prompt and input must be strings, got "
-                            f"{type(prompt).__name__} and {type(input).__name__}.")
-        text = prompt if raw else prompt_text(self.tokenizer, prompt, input)
-        generator = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            new = generate_ids(self.model, prompt_ids(self.tokenizer, text),
-                               max_new_tokens=max_new_tokens, stop_ids=self.tokenizer.stop_ids,
-                               temperature=temperature, top_p=top_p, generator=generator)
-        finally:
-            self.model.train(was_training)
-        return Reply(self.tokenizer.decode(new))
+        return self.parts.generate(prompt, input=input, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_p=top_p, seed=seed, raw=raw)
 
     @_command()
     def evaluate(self, examples: Iterable[Example] | None = None,
@@ -460,19 +389,7 @@ class Session:
         """Share of greedy answers to the held-out rows (or ``examples``) that match the
         reference: ``match`` "exact", "json_keys" (a JSON object with the reference's keys)
         or a function (reply, reference) -> bool; by default ``session.match``."""
-        from .scoring import resolve_match
-
-        matches = resolve_match(self.match if match is None else match)
-        examples = list(self.heldout_examples if examples is None else examples)
-        if not examples:
-            raise DataError("No held-out rows to evaluate on: pass heldout= when creating the "
-                            "session, or give examples.")
-        hits = 0
-        for ex in examples:
-            prompt, reference = prompt_and_reference(ex, self.tokenizer)
-            budget = len(self.tokenizer.encode(reference)) + 4
-            hits += bool(matches(self.generate(prompt, raw=True, max_new_tokens=budget), reference))
-        return hits / len(examples)
+        return self.parts.evaluate(examples, match)
 
     # ---- saving -------------------------------------------------------------------------
 
@@ -485,14 +402,7 @@ class Session:
         ``format="gguf"`` writes ``model.gguf`` (full weights, LoRA merged in; ``quantization``
         "f16" by default, or "bf16", "q8_0", "f32") with the tokenizer and chat template, and
         an Ollama ``Modelfile``: ``ollama create mymodel -f folder/Modelfile``."""
-        from .checkpoint import check_save_args, save_session
-        from .sharded_checkpoint import save_sharded_session
-
-        if format == "gguf" and quantization is None:
-            quantization = "f16"
-        check_save_args(format, quantization)
-        save = save_session if self.parallel is None else save_sharded_session
-        return save(self, folder, merge=merge, format=format, quantization=quantization)
+        return self.parts.save(folder, merge=merge, format=format, quantization=quantization)
 
     def push_to_hub(self, repo_id: str, *, merge: bool = False, private: bool | None = None,
                     token: str | None = None) -> str:

@@ -31,7 +31,7 @@ LAYERS = [
     # 3. the training state
     ["trainer"],
     # 4. run control and what drives it (and the charts a ladder draws)
-    ["runner", "ladder", "runfile", "demos", "ui.charts"],
+    ["runner", "runs", "ladder", "runfile", "demos", "ui.charts"],
     # 5. front ends
     ["session", "ui", "headless", "cli", "__main__", ""],
 ]
@@ -134,6 +134,16 @@ def test_no_circle_between_folders():
         if name not in seen:
             visit(name, [name])
     assert not circles, circles
+
+
+def test_the_cli_builds_its_run_with_the_factory_not_the_notebook_front_end():
+    """``nbtune train`` and ``nbtune demo`` build through ``runs`` (as ``Session`` does) and
+    never import the notebook's front end."""
+    modules = _modules()
+    for name in ("headless", "cli"):
+        found = _imports(name, modules[name], modules)
+        assert "runs" in found and "session" not in found, (name, sorted(found))
+    assert "runs" in _imports("session", modules["session"], modules)
 
 
 def test_memory_only_measures_and_prediction_lives_in_one_package():

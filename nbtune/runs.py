@@ -1,0 +1,218 @@
+"""The run factory: one finetuning run's parts, built once for either front end.
+
+``Session`` (the notebook) and ``nbtune train`` (unattended, and under torchrun) both build
+their run here, from a model and data, a model folder or Hub id, a demo or a run file, and
+both drive what is built: its ``trainer`` (the training state), its ``runner`` (run control
+and events) and the operations on the run as a whole (checkpoints, saves, held-out scores).
+The session adds the notebook's side (printing in the cell, the panel, charts, questions
+for the estimator); the CLI adds its output folder.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from .data import (DataError, Example, TrainingData, check_renderable, examples_from,
+                   prompt_and_reference, prompt_ids, prompt_text)
+from .generate import Reply, generate_ids
+from .hub import resolve_model_folder
+from .models import Tokenizer, load_model
+from .models.decoder import CausalLM
+from .models.gguf import GGUFFile, gguf_tokenizer, is_gguf
+from .runner import Runner
+from .techniques import Techniques, as_techniques
+from .trainer import Trainer
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def demo_data_file(split: str, demo: str = "tiny") -> Path:
+    """Path of a split ("train" or "heldout") of a demo's dataset shipped with nbtune."""
+    from .demos import data_file
+
+    return data_file(demo, split)
+
+
+@dataclass(eq=False)
+class Run:
+    """One run's parts. ``source``: the base model's folder, repo id or ``.gguf`` file;
+    ``match``: how ``evaluate`` scores replies; ``data_files``, ``demo_name`` and ``settings``
+    (a run file's ``run`` section): what ``save_config`` writes back."""
+
+    trainer: Trainer
+    runner: Runner
+    tokenizer: Tokenizer
+    device: torch.device
+    parallel: object = None  # a distributed.Parallel under torchrun (FSDP2), else None
+    source: str | None = None
+    match: str | Callable[[str, str], bool] = "exact"
+    data_files: dict = field(default_factory=dict)
+    demo_name: str | None = None
+    settings: object = None
+
+    data = property(lambda self: self.trainer.data)
+    model = property(lambda self: self.trainer.model)
+    techniques = property(lambda self: self.trainer.techniques)
+    history = property(lambda self: self.trainer.history)
+    base_changed = property(lambda self: self.trainer.base_changed)
+
+    # ---- the state on disk ------------------------------------------------------------------
+
+    def save_checkpoint(self, folder: str | os.PathLike) -> Path:
+        """Weights or adapters, optimizer state, RNG, data position and history."""
+        from .sharded_checkpoint import save_checkpoint
+
+        return save_checkpoint(self.trainer, folder, self.source, self.parallel)
+
+    def load_checkpoint(self, folder: str | os.PathLike) -> None:
+        """Continue from ``save_checkpoint``'s folder; the runner then measures and tells."""
+        from .sharded_checkpoint import load_checkpoint
+
+        with self.runner.replacing():
+            load_checkpoint(self.trainer, folder, self.parallel)
+
+    def save(self, folder: str | os.PathLike, merge: bool = False, format: str = "hf",
+             quantization: str | None = None) -> Path:
+        """The trained model as ``Session.save`` describes it (HF, PEFT, merged or GGUF)."""
+        from .checkpoint import check_save_args, save_session
+        from .sharded_checkpoint import save_sharded_session
+
+        if format == "gguf" and quantization is None:
+            quantization = "f16"
+        check_save_args(format, quantization)
+        save = save_session if self.parallel is None else save_sharded_session
+        return save(self, folder, merge=merge, format=format, quantization=quantization)
+
+    # ---- using the model --------------------------------------------------------------------
+
+    def generate(self, prompt: str, *, input: str = "", max_new_tokens: int = 48,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                 raw: bool = False) -> Reply:
+        """``Session.generate``: the prompt written as training rows are unless ``raw``."""
+        if not isinstance(prompt, str) or not isinstance(input, str):
+            raise TypeError(f"generate: prompt and input must be strings, got "
+                            f"{type(prompt).__name__} and {type(input).__name__}.")
+        text = prompt if raw else prompt_text(self.tokenizer, prompt, input)
+        generator = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            new = generate_ids(self.model, prompt_ids(self.tokenizer, text),
+                               max_new_tokens=max_new_tokens, stop_ids=self.tokenizer.stop_ids,
+                               temperature=temperature, top_p=top_p, generator=generator)
+        finally:
+            self.model.train(was_training)
+        return Reply(self.tokenizer.decode(new))
+
+    def evaluate(self, examples: Iterable[Example] | None = None,
+                 match: str | Callable[[str, str], bool] | None = None) -> float:
+        """``Session.evaluate``: the share of greedy replies that match the references."""
+        from .scoring import resolve_match
+
+        matches = resolve_match(self.match if match is None else match)
+        examples = list(self.data.heldout if examples is None else examples)
+        if not examples:
+            raise DataError("No held-out rows to evaluate on: pass heldout= when creating the "
+                            "session, or give examples.")
+        hits = 0
+        for ex in examples:
+            prompt, reference = prompt_and_reference(ex, self.tokenizer)
+            budget = len(self.tokenizer.encode(reference)) + 4
+            hits += bool(matches(self.generate(prompt, raw=True, max_new_tokens=budget), reference))
+        return hits / len(examples)
+
+
+# ---- building ---------------------------------------------------------------------------------
+
+def assemble(model: CausalLM, tokenizer: Tokenizer, train: Iterable[Example] | str, *,
+             heldout: Iterable[Example] | str | None = None,
+             techniques: Techniques | dict | None = None, device=None, parallel=None,
+             source: str | None = None, base=None) -> Run:
+    """A run of a built ``model`` on ``train`` rows. What building it had to say (rows
+    skipped) waits in the trainer's notes: the caller relays them once it listens."""
+    if parallel is not None:
+        device = parallel.device
+    device = torch.device(device) if device is not None else default_device()
+    data = TrainingData(train, tokenizer, heldout)
+    trainer = Trainer(model, data, as_techniques(techniques), device, parallel=parallel,
+                      base=base, base_name=source)
+    return Run(trainer, Runner(trainer), tokenizer, device, parallel=parallel, source=source)
+
+
+def from_pretrained(path_or_id: str | os.PathLike, data, *, heldout=None,
+                    techniques: Techniques | None = None, device=None,
+                    revision: str | None = None, parallel=None) -> Run:
+    """A Hugging Face folder, Hub repo id or ``.gguf`` file, and the training data (JSONL
+    path, rows or a datasets.Dataset); the data is read first, to fail fast on bad rows."""
+    techniques = as_techniques(techniques)
+    train = examples_from(data)
+    held = examples_from(heldout, "the held-out data") if heldout is not None else None
+    if is_gguf(path_or_id):
+        base = GGUFFile(path_or_id)  # parsed once for the tokenizer and the weights
+        tokenizer = gguf_tokenizer(base)
+    else:
+        base = resolve_model_folder(path_or_id, revision)
+        tokenizer = Tokenizer.from_folder(base)
+    check_renderable(train + (held or []), tokenizer)
+    quantize = techniques.lora_targets if techniques.method == "qlora" else ()
+    if parallel is not None:
+        device = parallel.device
+    model = load_model(base, dtype=techniques.dtype, device=device or default_device(),
+                       quantize=quantize)  # NF4 as each weight is read: lean loading
+    run = assemble(model, tokenizer, train, heldout=held, techniques=techniques, device=device,
+                   parallel=parallel, source=str(path_or_id), base=base)
+    run.data_files = {split: str(value) for split, value in (("train", data), ("heldout", heldout))
+                      if isinstance(value, (str, os.PathLike))}
+    return run
+
+
+def from_demo(name: str = "tiny", techniques: Techniques | dict | None = None, device=None,
+              parallel=None, **changes) -> Run:
+    """``Session.demo``'s run: the demo's model, data and techniques (``changes`` on top)."""
+    from .demos import demo_named
+
+    demo = demo_named(name)
+    if isinstance(techniques, dict):  # a few fields: on top of the demo's (its seq_len fits)
+        techniques, changes = None, {**techniques, **changes}
+    techniques = (as_techniques(techniques) if techniques is not None
+                  else demo.techniques).replace(**changes)
+    run = from_pretrained(demo.model(), demo_data_file("train", name),
+                          heldout=demo_data_file("heldout", name),
+                          techniques=techniques, device=device, parallel=parallel)
+    run.match, run.demo_name = demo.match, name
+    return run
+
+
+def from_config(config, *, overrides: dict | None = None, device=None, parallel=None) -> Run:
+    """A run file's run (``save_config`` writes one) or a loaded ``RunConfig``'s.
+
+    ``overrides`` are dotted fields that win over the file (``{"techniques.lr": 1e-4}``); a
+    bad field is refused naming its line (``RunFileError``) before anything loads. torch's
+    random generator is seeded with ``techniques.seed`` first, so two runs of a file agree."""
+    from . import runfile
+
+    if not isinstance(config, runfile.RunConfig):
+        config = runfile.load(config, overrides)
+    elif overrides:
+        raise ValueError("overrides apply to a run file path; change a RunConfig with "
+                         "config.model_copy(update=...) instead.")
+    techniques = config.to_techniques()
+    device = device or config.device
+    torch.manual_seed(techniques.seed)  # adapters' initial values and dropout: repeatable runs
+    if config.demo is not None:
+        run = from_demo(config.demo, techniques=techniques, device=device, parallel=parallel)
+    else:
+        run = from_pretrained(config.path(config.model), config.path(config.data.train),
+                              heldout=config.path(config.data.heldout), techniques=techniques,
+                              device=device, revision=config.revision, parallel=parallel)
+        run.match = config.data.match
+    run.runner.sampler.mode = config.memory_tracking
+    run.settings = config.run
+    return run

@@ -379,7 +379,10 @@ HOSTILE = {
     "tojson_indent": ("{{ range(100000) | list | tojson(indent=1000000) }}", {"template_output"}),
     "sum_of_lists": ("{{ ([[1]] * 100000) | sum(start=[]) }}", {"template_output"}),
     "batch_fill": ("{{ [1] | batch(10**9, 'x') | list }}", {"template_int"}),
-    "striptags_quadratic": ("{{ ('<>' * 1000000) | striptags }}", {"template_render_ms"}),
+    # MarkupSafe 3's striptags is linear but a Python loop: one 2 MB string took about the
+    # whole render budget on a fast machine (refused or rendered by chance); eight are over it
+    "striptags_quadratic": ("{% for i in range(8) %}{{ ('<>' * 1000000) | striptags }}{% endfor %}",
+                            {"template_render_ms"}),
     "scan_in_a_loop": ("{% set s = 'ab' * 2000000 %}{% for i in range(100000) %}"
                        "{% if 'abc' in s %}{% endif %}{% endfor %}",
                        {"template_render_ms", "template_steps"}),

@@ -409,7 +409,7 @@ def test_session_trains_and_evaluates_chat_rows(tmp_path):
 def test_chat_rows_without_a_template_fail_before_the_weights_load(tmp_path, monkeypatch):
     import json
 
-    import nbtune.session as session_module
+    import nbtune.runs as runs  # the run factory loads the weights, for Session too
     from nbtune.models import demo_model_dir
 
     rows = tmp_path / "chat.jsonl"
@@ -419,6 +419,6 @@ def test_chat_rows_without_a_template_fail_before_the_weights_load(tmp_path, mon
     def must_not_load(*args, **kwargs):
         raise AssertionError("weights were loaded before the data was checked")
 
-    monkeypatch.setattr(session_module, "load_model", must_not_load)
+    monkeypatch.setattr(runs, "load_model", must_not_load)
     with pytest.raises(DataError, match="no chat template"):
-        session_module.Session.from_pretrained(demo_model_dir(), data=rows)
+        nt.Session.from_pretrained(demo_model_dir(), data=rows)

@@ -133,6 +133,9 @@ class Trainer:
         self.last_memory: MemoryBreakdown | None = None
         self.last_undo_bytes = 0  # host bytes the last step's undo copy held
         self._undo = UndoCopy(device)
+        # the model's Predictor, held: its estimates outlive the registry's few shapes, so a
+        # step never re-estimates because the notebook asked about other models meanwhile
+        self._predictor: Predictor | None = None
         self._undo_said: tuple | None = None  # the last "no copy kept" said, not to repeat it
         self._new_optimizer = True  # no update made by this optimizer yet
         self._interrupted = False
@@ -522,8 +525,10 @@ class Trainer:
         from .memory.accounting import paged_state_bytes
 
         reserve = paged_state_bytes(self.optimizer)
-        if t.activation_offloading:  # the model's Predictor estimates each configuration once
-            reserve += Predictor.of(self.model.config, "cuda").estimate(t).host.offloaded
+        if t.activation_offloading:  # estimated once per configuration
+            if self._predictor is None:
+                self._predictor = Predictor.of(self.model.config, "cuda")
+            reserve += self._predictor.estimate(t).host.offloaded
         return reserve
 
     @contextlib.contextmanager

@@ -62,6 +62,9 @@ def prefetch_window(runs: list[tuple[int | None, int]]) -> range:
     return range(runs[-2][1], runs[-1][1])
 
 
+MIN_BYTES = 1024  # smaller saved tensors stay on the device (a copy costs more than it frees)
+
+
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """Within this context, tensors saved for backward are copied to CPU memory and the
     originals released; backward brings each back when it needs it.
@@ -85,7 +88,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     copies of its rope tables, one a layer; now 64 MiB.
     """
 
-    def __init__(self, model: nn.Module, min_bytes: int = 1024, to: str | None = None) -> None:
+    def __init__(self, model: nn.Module, min_bytes: int = MIN_BYTES, to: str | None = None) -> None:
         keep = {p.untyped_storage()._cdata for p in model.parameters()}
         device = next(model.parameters()).device
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
 # torch internal (pyproject pins torch <2.14): MemTracker, its reference types and snapshot key.
 # If torch renames or reshapes them, every measured and estimated breakdown breaks: the
 # trackers subclass MemTracker and read its snapshots (tests/test_memory.py fails first).
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
 from torch.distributed.tensor import DTensor
 from torch._guards import active_fake_mode
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -35,6 +36,7 @@ _CATEGORY_OF = {
 }
 
 
+TOTAL_KEY = _TOTAL_KEY  # a snapshot's key of its total
 _CPU = torch.device("cpu")  # the device counted (the estimator parks off-device tensors on meta)
 _ACT = _MemRefType.ACT
 _META = torch.device("meta")  # where the estimator parks what leaves the device (filed as "meta", ref)
@@ -70,6 +72,90 @@ class Segment:
         """The most activation bytes parked off the device (on "meta": what the estimator
         files as offloaded to the host) at any moment of the stretch."""
         return self.highs.get(("meta", _ACT), 0)
+
+
+class Moments(NamedTuple):
+    """What one stretch of a step held (a segment, from one tile's start to the next), as the
+    estimator carries a step to more tiles (``nbtune.predict.carry``): ``peaks``, the
+    snapshot at each op's end (values in ``Recorder.peak_keys`` order) where something was
+    freed since the one before (else the one before cannot be a first most-held moment and
+    is replaced); ``values``, each type's bytes each time it fell, and at the end."""
+
+    peaks: list
+    values: dict
+
+
+class Recorder:
+    """Every moment of a step, apart per stretch, for ``Moments``. A moment the next one
+    holds everything of and more is left out, as a value before it rose again: a step
+    that makes a tensor per tile at once (backward prefetching a layer's parked tiles)
+    takes one moment, at any number of tiles."""
+
+    def __init__(self) -> None:
+        self.stretches: dict[tuple, Moments] = {}  # (segment, tiles begun in it) -> Moments
+        self.tiles: dict[tuple, int] = {}  # segment -> tiles begun in it
+        self.peak_keys: tuple = ()
+        self.whole = True  # every snapshot had the keys of the first
+        self._pending: dict[tuple, int] = {}  # (stretch, key) -> bytes since it last fell
+        self._begun: set = set()  # segments seen updating
+        self._fell = True  # something on the device fell since the last op's end
+        self._last = None  # the stretch of the last op's end
+
+    def begin_tile(self, segment: tuple) -> None:
+        self.tiles[segment] = self.tiles.get(segment, 0) + 1
+
+    def _where(self, segment: tuple) -> tuple:
+        return (segment, self.tiles.get(segment, 0))
+
+    def _stretch(self, where: tuple) -> Moments:
+        found = self.stretches.get(where)
+        if found is None:
+            found = self.stretches[where] = Moments([], {})
+        return found
+
+    def update(self, segment: tuple, snaps: dict, device, moved: dict) -> None:
+        """``moved``: bytes by which each of ``device``'s types changed (rose or fell).
+        A segment's first update takes every value (its highs start there)."""
+        if device not in (_CPU, _META):
+            return
+        where = self._where(segment)
+        for key, by in moved.items():
+            name = key if device == _CPU else ("meta", key)
+            if by < 0:
+                if device == _CPU:
+                    self._fell = True
+                if (where, name) in self._pending:
+                    self._stretch(where).values.setdefault(name, []).append(
+                        self._pending.pop((where, name)))
+            elif by > 0:
+                self._pending[(where, name)] = snaps.get(device, {}).get(key, 0)
+        if segment not in self._begun:
+            self._begun.add(segment)
+            for dev, tag in ((_CPU, None), (_META, "meta")):
+                for key, nbytes in snaps.get(dev, {}).items():
+                    self._pending[(where, key if tag is None else (tag, key))] = nbytes
+
+    def moment(self, segment: tuple, snap: dict) -> None:
+        """An op ended: the device's snapshot ``snap``."""
+        if not self.peak_keys:
+            self.peak_keys = tuple(snap)
+        elif len(snap) != len(self.peak_keys):  # (never seen: a new kind of reference)
+            self.whole = False
+        where, moment = self._where(segment), tuple(snap.values())
+        peaks = self._stretch(where).peaks
+        if peaks and self._last == where and (not self._fell or peaks[-1] == moment):
+            peaks[-1] = moment
+        else:
+            peaks.append(moment)
+        self._last, self._fell = where, False
+
+    def result(self) -> tuple[dict, tuple, dict] | None:
+        """(Moments by stretch, peak keys, tiles begun by segment), or None where a snapshot
+        had other keys."""
+        for (where, name), nbytes in self._pending.items():
+            self._stretch(where).values.setdefault(name, []).append(nbytes)
+        self._pending.clear()
+        return (self.stretches, self.peak_keys, dict(self.tiles)) if self.whole else None
 
 
 class _StepPhase:
@@ -112,6 +198,11 @@ class _HighWaterTracker(MemTracker):
         self.segment: tuple = ("forward", 0, "start", None)
         self.segments: dict[tuple, Segment] = {}
         self.track_resizes = False
+        self.recorder: Recorder | None = None  # every moment, where recording
+
+    def begin_tile(self, *args) -> None:
+        """A tile (or a loss piece) begins: what follows is recorded apart."""
+        self.recorder.begin_tile(self.segment)
 
     # MemTracker also swaps torch.UntypedStorage.resize_ process-wide on enter and puts back
     # what it saw on exit: two trackers in two threads would restore out of order. Only
@@ -201,8 +292,8 @@ class _HighWaterTracker(MemTracker):
             segment = self.segments[self.segment] = Segment()
         return segment
 
-    def _update_snap(self, *args, **kwargs) -> None:
-        super()._update_snap(*args, **kwargs)
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
         highs = self._current().highs
         for ref, nbytes in self._curr_mem_snap.get(_CPU, {}).items():
             if nbytes > highs.get(ref, 0):
@@ -210,6 +301,21 @@ class _HighWaterTracker(MemTracker):
         for ref, nbytes in self._curr_mem_snap.get(_META, {}).items():
             if nbytes > highs.get(("meta", ref), 0):
                 highs[("meta", ref)] = nbytes
+        if self.recorder is not None:
+            self._record_update(u_type, winfo, old_mem_consumed, old_reftype)
+
+    def _record_update(self, u_type, winfo, old_mem_consumed, old_reftype) -> None:
+        """Tell the recorder what rose and what fell: a tensor made or freed, its type
+        changed (a temporary found to be a gradient), a storage resized."""
+        if u_type == _UpdateType.REF:
+            moved = {winfo.reftype: winfo.mem_consumed, old_reftype: -winfo.mem_consumed}
+        else:
+            change = {_UpdateType.ADD: winfo.mem_consumed,
+                      _UpdateType.DEL: -winfo.mem_consumed}.get(u_type)
+            if change is None:  # a resize
+                change = winfo.mem_consumed - old_mem_consumed
+            moved = {winfo.reftype: change, _TOTAL_KEY: change}
+        self.recorder.update(self.segment, self._curr_mem_snap, winfo.device, moved)
 
     def track_gradients(self, model: nn.Module) -> None:
         """File every gradient the model's trainable parameters receive as a gradient.
@@ -229,6 +335,8 @@ class _HighWaterTracker(MemTracker):
     def _update_peak_stats(self, peak_state) -> None:
         snap = self._curr_mem_snap.get(_CPU)
         if snap:
+            if self.recorder is not None:
+                self.recorder.moment(self.segment, snap)
             segment = self._current()
             if snap[_TOTAL_KEY] > segment.peak.get(_TOTAL_KEY, 0):
                 segment.peak = dict(snap)
@@ -279,17 +387,24 @@ class CpuStepMemory:
     their own (phase, micro-batch, "layer", index), apart from the embedding, the head and
     the rest of each phase: the estimator extrapolates a deep model's step from two shallow
     ones with them (``nbtune.predict.estimator``).
+
+    ``tiles``: modules called once at the start of each tile (or loss piece): every moment is
+    then recorded, apart per tile (``recorded``), for the estimator to carry the step to
+    more tiles (``nbtune.predict.carry``).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *inputs: torch.Tensor,
-                 by_layer: bool = False):
+                 by_layer: bool = False, tiles: tuple[nn.Module, ...] = ()):
         self._model, self._optimizer = model, optimizer
         self._tracker = _HighWaterTracker()
+        if tiles:
+            self._tracker.recorder = Recorder()
         self._tracker.track_external(model, optimizer, *inputs)
         self._tracker.track_gradients(model)
         self._tracker.track_gathered_weights(model)
         self._micro = -1
         self._hooks = _layer_hooks(model, self._tracker) if by_layer else []
+        self._hooks += [m.register_forward_pre_hook(self._tracker.begin_tile) for m in tiles]
 
     def __enter__(self) -> "CpuStepMemory":
         self._tracker.__enter__()
@@ -317,6 +432,12 @@ class CpuStepMemory:
 
     def before_optimizer(self) -> None:
         self._enter("optimizer", "step")
+
+    @property
+    def recorded(self) -> tuple[dict, tuple, dict] | None:
+        """Every moment, where recorded (``Recorder.result``)."""
+        recorder = self._tracker.recorder
+        return recorder.result() if recorder is not None else None
 
     @property
     def segments(self) -> dict[tuple, Segment]:

@@ -49,6 +49,7 @@ from ..plan import check, transform_model
 from ..step import StepOptions, evaluate_sum, update
 from ..techniques import PAGED_OPTIMIZERS, Techniques, as_techniques
 from ..undo import UNDO_AUTO_BYTES
+from .carry import BASE, TraceCache, carried_tiles, lines
 
 _QUANTIZED_OPTIMIZERS = {"adamw8bit", "paged_adamw8bit", "paged_adamw", "ao_adamw8bit",
                          "ao_adamw4bit"}
@@ -171,7 +172,7 @@ def _fake_batch(config: ModelConfig, t: Techniques, batch_size: int, seq_len: in
 
 def estimate(model, techniques: Techniques | None = None, *, batch_size: int | None = None,
              seq_len: int | None = None, device: str | torch.device = "cpu",
-             extrapolate: bool = True) -> MemoryBreakdown:
+             extrapolate: bool = True, traces: TraceCache | None = None) -> MemoryBreakdown:
     """Predict one training step's memory without allocating the model.
 
     ``model``: a preset name (``nbtune.models.presets.PRESETS``), a Hub repo id (only its
@@ -180,8 +181,10 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     theirs. Rows are taken full length (no padding): the worst case of that shape.
     ``device`` is the device the step will run on ("cpu" or "cuda").
 
-    A deep model's step is extrapolated from two shallow ones (``layer_period``): equal to
-    the byte to running all of its layers, which ``extrapolate=False`` does.
+    A deep model's step is extrapolated from two shallow ones (``layer_period``), and a
+    step of many tiles from two of a few (``carry``): equal to the byte to running all of
+    its layers and tiles, which ``extrapolate=False`` does. ``traces`` keeps the few-tile
+    runs for the next length (a ``Predictor``'s).
     """
     config = resolve_config(model)
     t = as_techniques(techniques)  # a dict of fields too, as Session takes
@@ -195,14 +198,16 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     if problems:  # (an explicit seq_len may go beyond the context: the estimate says what it costs)
         raise ValueError(" ".join(problems))
     period = layer_period(config, t) if extrapolate else None
+    tiles = carried_tiles(config, t, shape[1]) if extrapolate else None
     step = None
     if period is not None:
-        shallow, deeper = 2 * period, 3 * period
-        step = _extrapolated(_fake_step(config.replace(num_layers=shallow), t, target, shape, True),
-                             _fake_step(config.replace(num_layers=deeper), t, target, shape, True),
-                             shallow, deeper, config.num_layers, period)
+        shallow, deeper, front, back = shallow_units(t)
+        step = _extrapolated(*(_traced(config.replace(num_layers=units * period), t, target,
+                                       shape, True, tiles, traces) for units in (shallow, deeper)),
+                             shallow * period, deeper * period, config.num_layers, period,
+                             (front, back))
     if step is None:
-        step = _fake_step(config, t, target, shape, False)
+        step = _traced(config, t, target, shape, False, tiles, traces)
     result = breakdown_of(step.segments.items(), step.state, step.weights)
     result = replace(result, device=target, measured=False, outside=step.paged,
                      eval_peak=step.eval_peak)
@@ -286,11 +291,24 @@ def _adapted_weights(config: ModelConfig, t: Techniques) -> int:
 def layer_period(config: ModelConfig, t: Techniques) -> int | None:
     """How many decoder layers repeat as one unit in a step (checkpointing every N-th layer
     makes N), or None where the depth is not a whole number of units, or too shallow for two
-    shallow runs (two and three units) to be cheaper than one whole one."""
+    shallow runs (``shallow_units``) to be cheaper than one whole one."""
     period = t.checkpoint_every or 1
-    if config.num_layers % period or config.num_layers <= 3 * period:
+    if config.num_layers % period or config.num_layers <= shallow_units(t)[1] * period:
         return None
     return period
+
+
+def shallow_units(t: Techniques) -> tuple[int, int, int, int]:
+    """The units of the two shallow runs, and how many at the front and at the back of a
+    run are kept apart (``_slots``): 2 and 3 units, the first two and the last apart. Where
+    offloading parks what each layer saves without checkpointing, backward brings back the
+    layer before's tensors while a layer runs: the first layer parks fewer (its input needs
+    no gradient when the embedding is frozen), so the second unit differs too, and the
+    last brings back its own as it goes, so the one before it differs from it: 5 and 6
+    units, the first three and the last two apart."""
+    if t.activation_offloading and not t.activation_checkpointing:
+        return 5, 6, 3, 2
+    return 2, 3, 2, 1
 
 
 @dataclass
@@ -303,13 +321,38 @@ class _FakeStep:
     weights: dict
     paged: int
     eval_peak: int
+    recorded: tuple | None = None  # every moment, where recorded (``carry``)
+
+
+def _traced(config: ModelConfig, t: Techniques, target: str, shape: tuple[int, int],
+            by_layer: bool, tiles: tuple[int, bool] | None, traces: TraceCache | None) -> _FakeStep:
+    """The fake step of ``shape``: traced, or where ``tiles`` says so (``carried_tiles``)
+    carried from recordings at ``BASE`` and ``BASE + 1`` tiles (kept in ``traces``)."""
+    if tiles is None:
+        return _fake_step(config, t, target, shape, by_layer)
+    n, loss_per_tile = tiles
+    key = (config.num_layers, t.replace(seq_len=t.tile_tokens), target, shape[0], by_layer)
+    found = traces.get(key) if traces is not None else None
+    if found is None:
+        runs = [_fake_step(config, t.replace(seq_len=k * t.tile_tokens), target,
+                           (shape[0], k * t.tile_tokens), by_layer, (True, loss_per_tile))
+                for k in (BASE, BASE + 1)]
+        recorded = [(run.recorded, run.segments) for run in runs]
+        drawn = lines(*recorded) if all(r for r, _ in recorded) else None
+        same = all(getattr(runs[0], f) == getattr(runs[1], f) for f in ("state", "weights", "paged"))
+        found = (drawn if same else None, runs[1])
+        if traces is not None:
+            traces.put(key, found)
+    drawn, run = found
+    if drawn is None:  # a condition failed: traced at this length
+        return _fake_step(config, t, target, shape, by_layer)
+    return replace(run, segments=drawn.at(n), recorded=None)
 
 
 def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int, int],
-               by_layer: bool) -> _FakeStep:
-    """Build ``config`` of fake tensors the way a session would and track a steady step."""
-
-
+               by_layer: bool, tiles: tuple[bool, bool] = (False, False)) -> _FakeStep:
+    """Build ``config`` of fake tensors the way a session would and track a steady step;
+    ``tiles``: record every moment, apart per tile of the layers (and per loss piece)."""
     real = _fake_batch(config, t, *shape)
     micro_batches = [real] * t.grad_accum
     trained = real["labels"].numel() * t.grad_accum
@@ -327,7 +370,9 @@ def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int
         # is offloaded leaves the device counted
         options = StepOptions.of(t, compile=False, offload_to="meta" if target == "cuda" else None)
         _make_state(optimizer)  # as after a first step, without running one
-        memory = CpuStepMemory(built, optimizer, *inputs, by_layer=by_layer)
+        marks = [layer.post_attention_layernorm for layer in built.model.layers] if tiles[0] else []
+        marks += [built.model.norm] if tiles[1] else []
+        memory = CpuStepMemory(built, optimizer, *inputs, by_layer=by_layer, tiles=tuple(marks))
         with memory:
             update(built, optimizer, batches, trained, memory, options)
         eval_peak = 0
@@ -339,33 +384,37 @@ def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int
             eval_peak = evaluation.result().peak
     return _FakeStep(dict(memory.segments), optimizer_state_bytes(optimizer),
                      parameter_bytes(built), optimizer_state_bytes(optimizer, torch.device("meta")),
-                     eval_peak)
+                     eval_peak, memory.recorded)
 
 
-def _slots(step: _FakeStep, depth: int, period: int) -> dict:
+def _slots(step: _FakeStep, depth: int, period: int, apart: tuple[int, int]) -> dict:
     """A step's segments keyed by where they sit rather than by layer: a layer's segment
-    becomes the first, the second or the last unit's (at position ``index % period`` in it;
-    with two units, the second is also the last).
+    becomes that of one of the first units, or of the last ones (``apart``: how many at
+    the front and at the back, ``shallow_units``), at position ``index % period`` in it (in
+    the shallow run one unit may be both: with two units, the second is also the last).
 
     The first unit differs from the others (its input needs no gradient when the embedding
-    is frozen; the embedding's own backward follows it); from the second on, each unit holds
-    what the one before it held plus one unit's share, so the units between the second and
-    the last lie on the line between those two and never hold the most: they are left out.
+    is frozen; the embedding's own backward follows it); from the second on (where the ones
+    at either end differ too: the ones kept apart), each unit holds what the one before it
+    held plus one unit's share, so the units between the front and the back lie on the line
+    between those two and never hold the most: they are left out.
     """
     units, out = depth // period, {}
+    front, back = apart
     for (phase, micro, part, index), segment in step.segments.items():
         if index is None:
             out[(phase, micro, part, None, None)] = segment
             continue
         unit, position = divmod(index, period)
-        for name, at in (("first", 0), ("second", 1), ("last", units - 1)):
-            if unit == at:
-                out[(phase, micro, part, position, name)] = segment
+        if unit < front:
+            out[(phase, micro, part, position, ("front", unit))] = segment
+        if units - 1 - unit < back:
+            out[(phase, micro, part, position, ("back", units - 1 - unit))] = segment
     return out
 
 
 def _extrapolated(a: _FakeStep, b: _FakeStep, depth_a: int, depth_b: int, depth: int,
-                  period: int) -> _FakeStep | None:
+                  period: int, apart: tuple[int, int] = (2, 1)) -> _FakeStep | None:
     """The step of a ``depth``-layer model from those of ``depth_a`` and ``depth_b`` layers.
 
     With identical layers every byte count of a segment (and the weights, the state, the
@@ -374,7 +423,7 @@ def _extrapolated(a: _FakeStep, b: _FakeStep, depth_a: int, depth_b: int, depth:
     each number is carried along the line through its two values, to the byte. None where
     the two runs do not have the same segments (then the whole model is run instead).
     """
-    slots_a, slots_b = _slots(a, depth_a, period), _slots(b, depth_b, period)
+    slots_a, slots_b = _slots(a, depth_a, period, apart), _slots(b, depth_b, period, apart)
     if any(key not in slots_a for key in slots_b) or any(
             key[3] is None for key in slots_a.keys() - slots_b.keys()):
         return None

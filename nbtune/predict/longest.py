@@ -18,6 +18,7 @@ from ..memory.breakdown import MemoryBreakdown
 from ..models.config import ModelConfig
 from ..techniques import Techniques, as_techniques
 from ..units import format_bytes
+from .carry import BASE, carried_tiles
 from .budgets import host_usable, parse_budget, parse_machine, required, usable
 from .predictor import Predictor
 
@@ -136,6 +137,12 @@ def longest_context(model, card="RTX 3090", techniques: Techniques | dict | None
     lo, lo_memory, hi = 0, None, None  # the longest seen to fit, the shortest seen not to
     binds = "card"  # which room the line reaches first
     guess = min(FIRST, ceiling)
+    tile = t.tile_tokens
+    if tile and 2 * BASE * tile <= ceiling and carried_tiles(config, t, 2 * BASE * tile):
+        # Tiled: the line is drawn through BASE and 2 * BASE tiles (below BASE tiles memory
+        # follows another line: one tile holds all of the MLP's temporaries), and every
+        # whole number of tiles from BASE on is carried from two short runs (``carry``).
+        guess = BASE * tile
     while True:
         memory, fits = measure(guess)
         if fits:

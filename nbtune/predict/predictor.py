@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from ..memory.breakdown import MemoryBreakdown
 from ..techniques import Techniques, as_techniques
+from .carry import TraceCache
 from .estimator import estimate, resolve_config
 
 # What an estimate may raise for a combination it cannot run (remembered, raised again as is).
@@ -59,6 +60,7 @@ class Predictor:
         self.config, self.device = resolve_config(config), str(device)
         self._estimator = estimator
         self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._traces = TraceCache()  # few-tile recordings of tiled steps (``carry``)
         self._lock = threading.Lock()
         self._running: dict[tuple, threading.Event] = {}  # questions being answered now
         self.estimates = 0
@@ -90,8 +92,12 @@ class Predictor:
             running.wait()  # another thread is answering it: take its answer
         try:
             try:
-                result = (self._estimator or estimate)(self.config, key[0], batch_size=key[1], seq_len=key[2],
-                                  device=self.device)
+                if self._estimator is not None:
+                    result = self._estimator(self.config, key[0], batch_size=key[1],
+                                             seq_len=key[2], device=self.device)
+                else:
+                    result = estimate(self.config, key[0], batch_size=key[1], seq_len=key[2],
+                                      device=self.device, traces=self._traces)
             except ESTIMATE_ERRORS as err:
                 result = _Failed(type(err), " ".join(str(err).split()))
             with self._lock:
@@ -108,6 +114,7 @@ class Predictor:
         """Forget every estimate."""
         with self._lock:
             self._cache.clear()
+        self._traces.clear()
 
     @classmethod
     def of(cls, model, device: str = "cuda") -> "Predictor":

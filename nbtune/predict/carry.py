@@ -4,16 +4,18 @@ With sequence tiling every tile of a layer runs the same ops on tensors of the s
 and everything else in the step is ``[tokens, ...]`` (attention without a mask), so at each
 moment of a step the bytes held are affine in the number of tiles ``n``. The estimator
 records every moment of a step at ``BASE`` and ``BASE + 1`` tiles, apart per tile (the
-tracker's ``tiles`` marks), draws each moment's line through the two and reads the lines at
-``n``: the step traced at ``n`` tiles, to the byte, for the cost of the two short ones (a
-long context's answer in seconds rather than a minute; one trace per tile is what made it
-slow).
+tracker's ``Recorder``, told where each tile begins), draws each moment's line through the
+two and reads the lines at ``n``: the step traced at ``n`` tiles, to the byte, for the cost
+of the two short ones (an 8B model's longest context in seconds rather than a minute: one
+trace per tile was what made it slow).
 
-Within one pass over the tiles, tile ``i``'s moments lie on a line in ``i`` too: the first,
-the second and the last tile are kept, the ones between are on the line from the second to
-the last and never hold the most, as with the layers of a deep model (``estimator._slots``).
-Each condition is checked on the recordings (the same moments in both, the tile between on
-its line, the two runs given back exactly); where one fails the step is traced at ``n``.
+A segment's stretches (before its first tile, then from each tile's start to the next)
+come in runs of like ones: a pass over the tiles is one such run, one stretch longer in
+the longer run. Within it tile ``i``'s moments lie on a line in ``i`` too (checked on the
+longer run), so its first and last stretch are kept and the ones between, which never hold
+the most, are left out, as with the layers of a deep model (``estimator._slots``). Each
+condition is checked on the recordings (the same stretches in both, the tiles between on
+their line, both runs given back exactly); where one fails the step is traced at ``n``.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ class Lines:
                     best, peak = held, (a, b)
             snapshot = ({} if peak is None else
                         {k: x + y * d for k, x, y in zip(self.peak_keys, *peak)})
-            high = {k: max(a + b * d for a, b in pairs) for k, pairs in highs.items()}
+            high = {k: max((a + b * d for a, b in pairs), default=0) for k, pairs in highs.items()}
             out[key] = Segment(peak=snapshot, highs={k: v for k, v in high.items() if v > 0})
         return out
 

@@ -331,7 +331,8 @@ def _traced(config: ModelConfig, t: Techniques, target: str, shape: tuple[int, i
     if tiles is None:
         return _fake_step(config, t, target, shape, by_layer)
     n, loss_per_tile = tiles
-    key = (config.num_layers, t.replace(seq_len=t.tile_tokens), target, shape[0], by_layer)
+    key = (config.num_layers, t.replace(seq_len=t.tile_tokens), target, shape[0], by_layer,
+           loss_per_tile)
     found = traces.get(key) if traces is not None else None
     if found is None:
         runs = [_fake_step(config, t.replace(seq_len=k * t.tile_tokens), target,
@@ -339,8 +340,9 @@ def _traced(config: ModelConfig, t: Techniques, target: str, shape: tuple[int, i
                 for k in (BASE, BASE + 1)]
         recorded = [(run.recorded, run.segments) for run in runs]
         drawn = lines(*recorded) if all(r for r, _ in recorded) else None
-        same = all(getattr(runs[0], f) == getattr(runs[1], f) for f in ("state", "weights", "paged"))
-        found = (drawn if same else None, runs[1])
+        same = all(getattr(runs[0], name) == getattr(runs[1], name)
+                   for name in ("state", "weights", "paged"))
+        found = (drawn if same else None, replace(runs[1], recorded=None))
         if traces is not None:
             traces.put(key, found)
     drawn, run = found

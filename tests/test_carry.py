@@ -53,19 +53,37 @@ def drawn(monkeypatch):
     return made
 
 
-def carried_and_traced(family, changes, device, tiles):
+def carried_and_traced(family, changes, device, tiles, layers=8):
     changes = {"tile_tokens": 8, **changes}
     t = nt.Techniques(batch_size=2, seq_len=changes["tile_tokens"] * tiles, **changes)
-    config = FAMILIES[family]
+    config = FAMILIES[family].replace(num_layers=layers)  # (4: still two shallow runs)
     return est.estimate(config, t, device=device), est.estimate(config, t, device=device,
                                                                 extrapolate=False)
 
 
-def test_a_tiled_step_carried_to_more_tiles_equals_every_tile_traced(drawn):
-    carried, traced = carried_and_traced(*COMBOS[0], tiles=7)
+def test_a_tiled_step_carried_to_more_tiles_equals_every_tile_traced(monkeypatch, drawn):
+    """Through a model's Predictor: the two runs are recorded once (3 and 4 tiles, each at the
+    two shallow depths), give themselves back, and carry the step to 6 tiles; each answer
+    equals the step traced on every tile and every layer."""
+    made = []
+    real = est._fake_step
+
+    def spy(config, t, target, shape, by_layer, tiles=(False, False)):
+        made.append((config.num_layers, shape, tiles))
+        return real(config, t, target, shape, by_layer, tiles)
+
+    monkeypatch.setattr(est, "_fake_step", spy)
+    family, changes, device = COMBOS[0]
+    config = FAMILIES[family].replace(num_layers=4)  # (4: still two shallow runs)
+    predictor = Predictor(config, device)
+    t = nt.Techniques(batch_size=2, tile_tokens=8, **changes)
+    answers = {n: predictor.estimate(t, seq_len=8 * n) for n in (carry.BASE, carry.BASE + 1, 6)}
+    assert len(made) == 4 and all(tiles[0] for *_, tiles in made)  # 2 depths x 3 and 4 tiles
     assert drawn and all(d is not None for d in drawn), "the step was not carried"
-    assert_same(carried, traced)
-    assert carried.peak > carried.parameters > 0
+    assert drawn[0].segments[("backward", 0, "layer", 1)][0]  # (lines of a layer's backward)
+    for n, answer in answers.items():
+        assert_same(answer, est.estimate(config, t.replace(seq_len=8 * n), extrapolate=False))
+    assert answers[6].peak > answers[6].parameters > 0
 
 
 @pytest.mark.slow
@@ -75,16 +93,6 @@ def test_every_combination_carried_equals_every_tile_traced(drawn, number, tiles
     carried, traced = carried_and_traced(*COMBOS[number], tiles=tiles)
     assert drawn and all(d is not None for d in drawn), "the step was not carried"
     assert_same(carried, traced)
-
-
-def test_the_two_recorded_runs_are_given_back_and_the_tiles_between_are_dropped(drawn):
-    # The runs themselves (3 and 4 tiles) are read from the lines, equal to their trace.
-    for tiles in (carry.BASE, carry.BASE + 1):
-        carried, traced = carried_and_traced(*COMBOS[0], tiles=tiles)
-        assert_same(carried, traced)
-    lines = drawn[0]
-    key = ("backward", 0, "layer", 1)
-    assert key in lines.segments and lines.segments[key][0]
 
 
 @pytest.mark.parametrize("changes,tokens,why", [
@@ -111,29 +119,12 @@ def test_a_failed_condition_traces_the_step(monkeypatch, drawn):
     # The tile between the second and the last is taken off its line: nothing is carried,
     # and the estimate is the traced one.
     monkeypatch.setattr(carry, "_between", lambda *moments: False)
-    carried, traced = carried_and_traced(*COMBOS[0], tiles=7)
+    carried, traced = carried_and_traced(*COMBOS[0], tiles=5, layers=4)
     assert drawn and all(d is None for d in drawn)
     assert_same(carried, traced)
 
 
-def test_a_predictor_records_the_runs_once_for_every_length(monkeypatch):
-    made = []
-    real = est._fake_step
-
-    def spy(config, t, target, shape, by_layer, tiles=(False, False)):
-        made.append((config.num_layers, shape, tiles))
-        return real(config, t, target, shape, by_layer, tiles)
-
-    monkeypatch.setattr(est, "_fake_step", spy)
-    predictor = Predictor(FAMILIES["llama"], "cpu")
-    t = nt.Techniques(tile_tokens=8, batch_size=1, activation_checkpointing=True, chunked_loss=8)
-    answers = {n: predictor.estimate(t, seq_len=8 * n) for n in (3, 6, 8)}
-    assert len(made) == 4 and all(tiles[0] for *_, tiles in made)  # 2 depths x 3 and 4 tiles
-    for n, answer in answers.items():
-        assert_same(answer, est.estimate(FAMILIES["llama"], t.replace(seq_len=8 * n),
-                                         extrapolate=False))
-
-
+@pytest.mark.slow
 def test_longest_context_of_a_tiled_run_draws_its_line_through_carried_lengths():
     """The first two lengths are BASE and 2 * BASE tiles: the line is drawn where tiling
     holds, and every length that is whole tiles costs no trace of its own."""

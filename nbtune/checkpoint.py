@@ -211,11 +211,11 @@ class CheckpointRefused(FileRefused):
 AGAIN = "Nothing was loaded; resume from another checkpoint, or save this one again."
 
 
-def _refused(path, problem: str) -> CheckpointRefused:
+def refused(path, problem: str) -> CheckpointRefused:
     return CheckpointRefused(f"{path}: {problem}. {AGAIN}")
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
@@ -224,14 +224,14 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 _KINDS = {
     "an integer": _is_int,
-    "a number": _is_number,
-    "a number or null": lambda v: v is None or _is_number(v),
+    "a number": is_number,
+    "a number or null": lambda v: v is None or is_number(v),
     "true or false": lambda v: isinstance(v, bool),
     "a string": lambda v: isinstance(v, str),
     "a string or null": lambda v: v is None or isinstance(v, str),
@@ -240,18 +240,18 @@ _KINDS = {
 }
 
 
-def _field(record: dict, name: str, kind: str, path, where: str = ""):
+def state_field(record: dict, name: str, kind: str, path, where: str = ""):
     """``record[name]``, refused naming the file and the field when absent or not ``kind``."""
     label = where + name
     if name not in record:
-        raise _refused(path, f"the field {label!r} is missing")
+        raise refused(path, f"the field {label!r} is missing")
     value = record[name]
     if not _KINDS[kind](value):
-        raise _refused(path, f"the field {label!r} is {_shown(value)}, but it must be {kind}")
+        raise refused(path, f"the field {label!r} is {shown(value)}, but it must be {kind}")
     return value
 
 
-def _read_state_json(path: Path, what: str = "training checkpoint state") -> dict:
+def read_state_json(path: Path, what: str = "training checkpoint state") -> dict:
     """A checkpoint's JSON through the trust boundary (bounded, regular file, an object)."""
     try:
         return read_json(path, what, "state_bytes")
@@ -266,21 +266,21 @@ def _techniques(raw: dict, path) -> Techniques:
     known = {f.name for f in dataclasses.fields(Techniques)}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise _refused(path, f"the field 'techniques' names techniques this nbtune does not know "
+        raise refused(path, f"the field 'techniques' names techniques this nbtune does not know "
                              f"({', '.join(unknown)})")
     values = dict(raw)
     if "lora_targets" in raw:
-        targets = _field(raw, "lora_targets", "a list", path, "techniques.")
+        targets = state_field(raw, "lora_targets", "a list", path, "techniques.")
         if not all(isinstance(t, str) for t in targets):
-            raise _refused(path, f"the field 'techniques.lora_targets' is {_shown(targets)}, but it "
+            raise refused(path, f"the field 'techniques.lora_targets' is {shown(targets)}, but it "
                                  "must be a list of strings")
         values["lora_targets"] = tuple(targets)
     if "seed" in raw:
-        _field(raw, "seed", "an integer", path, "techniques.")
+        state_field(raw, "seed", "an integer", path, "techniques.")
     try:
         return Techniques(**values)
     except (TypeError, ValueError) as err:
-        raise _refused(path, f"the field 'techniques' does not hold valid techniques ({err})") from None
+        raise refused(path, f"the field 'techniques' does not hold valid techniques ({err})") from None
 
 
 _ROW_FIELDS = (("step", "an integer"), ("loss", "a number"), ("tokens", "an integer"),
@@ -294,38 +294,38 @@ def _history(rows: list, path) -> list[StepReport]:
     for i, row in enumerate(rows):
         where = f"history[{i}]."
         if not isinstance(row, dict):
-            raise _refused(path, f"the field 'history[{i}]' is {_shown(row)}, but it must be an object")
+            raise refused(path, f"the field 'history[{i}]' is {shown(row)}, but it must be an object")
         for name, kind in _ROW_FIELDS:
-            _field(row, name, kind, path, where)
+            state_field(row, name, kind, path, where)
         if "eval_loss" in row:
-            _field(row, "eval_loss", "a number or null", path, where)
+            state_field(row, "eval_loss", "a number or null", path, where)
         if "shape" in row:
-            shape = _field(row, "shape", "a list", path, where)
+            shape = state_field(row, "shape", "a list", path, where)
             if len(shape) != 2 or not all(_is_int(n) for n in shape):
-                raise _refused(path, f"the field '{where}shape' is {_shown(shape)}, but it must be "
+                raise refused(path, f"the field '{where}shape' is {shown(shape)}, but it must be "
                                      "[batch, sequence]")
         for name in _MEMORY_NUMBERS:
             if name in row["memory"]:
-                _field(row["memory"], name, "a number", path, where + "memory.")
+                state_field(row["memory"], name, "a number", path, where + "memory.")
         try:
             out += history_from_rows([row])
         except (TypeError, ValueError) as err:
-            raise _refused(path, f"the field 'history[{i}]' is not a step report ({err})") from None
+            raise refused(path, f"the field 'history[{i}]' is not a step report ({err})") from None
     return out
 
 
-def _common_fields(state: dict, path) -> dict:
+def common_fields(state: dict, path) -> dict:
     """The fields single-process and sharded checkpoints share, checked and parsed."""
-    techniques = _techniques(_field(state, "techniques", "an object", path), path)
-    data = _field(state, "data", "an object", path)
+    techniques = _techniques(state_field(state, "techniques", "an object", path), path)
+    data = state_field(state, "data", "an object", path)
     for name in ("seed", "epoch", "position", "samples"):
-        _field(data, name, "an integer", path, "data.")
+        state_field(data, name, "an integer", path, "data.")
     if "source" in state:
-        _field(state, "source", "a string or null", path)
+        state_field(state, "source", "a string or null", path)
     return {"techniques": techniques, "data": data,
-            "history": _history(_field(state, "history", "a list", path), path),
-            "base_changed": _field(state, "base_changed", "true or false", path),
-            "base_fingerprint": _field(state, "base_fingerprint", "a string", path)}
+            "history": _history(state_field(state, "history", "a list", path), path),
+            "base_changed": state_field(state, "base_changed", "true or false", path),
+            "base_fingerprint": state_field(state, "base_fingerprint", "a string", path)}
 
 
 def check_rng(rng: dict[str, torch.Tensor], path) -> dict[str, torch.Tensor]:
@@ -333,11 +333,11 @@ def check_rng(rng: dict[str, torch.Tensor], path) -> dict[str, torch.Tensor]:
     checked before anything else is applied, since the RNG is restored last."""
     problem = rng_problem(rng)
     if problem:
-        raise _refused(path, problem)
+        raise refused(path, problem)
     return rng
 
 
-def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except Exception as err:  # safetensors raises its own error types
@@ -345,19 +345,19 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _optimizer_meta(optimizer: dict, path) -> dict:
-    groups = _field(optimizer, "param_groups", "a list", path, "optimizer.")
+    groups = state_field(optimizer, "param_groups", "a list", path, "optimizer.")
     for i, group in enumerate(groups):
         where = f"optimizer.param_groups[{i}]"
         if not isinstance(group, dict):
-            raise _refused(path, f"the field {where!r} is {_shown(group)}, but it must be an object")
-        params = _field(group, "params", "a list", path, where + ".")
+            raise refused(path, f"the field {where!r} is {shown(group)}, but it must be an object")
+        params = state_field(group, "params", "a list", path, where + ".")
         if not all(_is_int(p) for p in params):
-            raise _refused(path, f"the field '{where}.params' is {_shown(params)}, but it must list "
+            raise refused(path, f"the field '{where}.params' is {shown(params)}, but it must list "
                                  "parameter numbers")
-    scalars = _field(optimizer, "scalars", "an object", path, "optimizer.")
+    scalars = state_field(optimizer, "scalars", "an object", path, "optimizer.")
     for key, entry in scalars.items():
         if not re.fullmatch(r"0|[1-9][0-9]*", key) or not isinstance(entry, dict):
-            raise _refused(path, f"the field 'optimizer.scalars.{key}' is not a parameter number "
+            raise refused(path, f"the field 'optimizer.scalars.{key}' is not a parameter number "
                                  "with an object of values")
     return optimizer
 
@@ -371,7 +371,7 @@ def read_training_checkpoint(folder) -> dict:
     if not folder.is_dir() or not os.path.lexists(path):  # a pipe there is refused when read
         raise FileNotFoundError(f"{folder} is not an nbtune training checkpoint (no {TRAINER_STATE}): "
                                 "give the folder that session.save_checkpoint wrote.")
-    trainer = _read_state_json(path)
+    trainer = read_state_json(path)
     if trainer.get("sharded") is True:
         raise CheckpointRefused(f"{folder} is a sharded checkpoint, saved under torchrun by "
                                 f"{trainer.get('world')!r} ranks: resume it under torchrun with as "
@@ -381,18 +381,18 @@ def read_training_checkpoint(folder) -> dict:
                                 f"{trainer.get('format')!r}, this one reads {FORMAT}): it records no "
                                 "fingerprint of its base model, so it cannot be checked. Nothing was "
                                 "loaded; save it again.")
-    common = _common_fields(trainer, path)
-    full = _field(trainer, "full_weights", "true or false", path)
-    optimizer = _optimizer_meta(_field(trainer, "optimizer", "an object", path), path)
+    common = common_fields(trainer, path)
+    full = state_field(trainer, "full_weights", "true or false", path)
+    optimizer = _optimizer_meta(state_field(trainer, "optimizer", "an object", path), path)
     files = trainer.get("files", {"weights": ["weights.safetensors"],
                                   "optimizer": ["optimizer.safetensors"]})
     if not isinstance(files, dict):
-        raise _refused(path, f"the field 'files' is {_shown(files)}, but it must be an object")
+        raise refused(path, f"the field 'files' is {shown(files)}, but it must be an object")
     names = {}
     for part in ("weights", "optimizer"):
-        group = _field(files, part, "a list", path, "files.")
+        group = state_field(files, part, "a list", path, "files.")
         if not all(isinstance(name, str) for name in group):
-            raise _refused(path, f"the field 'files.{part}' is {_shown(group)}, but it must list file names")
+            raise refused(path, f"the field 'files.{part}' is {shown(group)}, but it must list file names")
         names[part] = group
     names["rng"] = ["rng.safetensors"]
     listed = [name for group in names.values() for name in group]
@@ -407,11 +407,11 @@ def read_training_checkpoint(folder) -> dict:
     for part, group in names.items():
         tensors[part] = {}
         for name in group:
-            tensors[part].update(_load_tensors(inside(folder, name, "checkpoint file")))
+            tensors[part].update(load_tensors(inside(folder, name, "checkpoint file")))
     for key in tensors["optimizer"]:
         index, _, name = key.partition(".")
         if not name or index not in optimizer["scalars"]:
-            raise _refused(folder / names["optimizer"][0], f"the optimizer tensor {key!r} is not "
+            raise refused(folder / names["optimizer"][0], f"the optimizer tensor {key!r} is not "
                            f"'<parameter number>.<name>' of a parameter {TRAINER_STATE} lists")
     return {
         "techniques": common["techniques"],

@@ -35,9 +35,9 @@ from typing import Callable
 import torch
 
 from . import checkpoint
-from .checkpoint import (AGAIN, TRAINER_STATE, CheckpointRefused, _common_fields, _field,
-                         _is_number, _load_tensors, _read_state_json, _refused, _shown, check_rng,
-                         history_rows, parts, save_session)
+from .checkpoint import (AGAIN, TRAINER_STATE, CheckpointRefused, check_rng, common_fields,
+                         history_rows, is_number, load_tensors, parts, read_state_json, refused,
+                         save_session, shown, state_field)
 from .files import inside
 from .models.hf import write_atomically
 from .state import rng_state
@@ -275,7 +275,7 @@ def _read_sharded_state(folder: Path, trainer, parallel) -> dict:
     if not folder.is_dir() or not path.is_file():
         raise FileNotFoundError(f"{folder} is not an nbtune training checkpoint (no {TRAINER_STATE}): "
                                 "give the folder that a torchrun job of nbtune train wrote.")
-    about = _read_state_json(path)
+    about = read_state_json(path)
     if about.get("sharded") is not True:
         raise CheckpointRefused(f"{folder} is a single-process checkpoint; resume it without "
                                 "torchrun. Nothing was loaded.")
@@ -286,13 +286,13 @@ def _read_sharded_state(folder: Path, trainer, parallel) -> dict:
             "torch.distributed.checkpoint, whose pickled metadata nbtune no longer reads, since "
             "unpickling a crafted file runs code). Nothing was loaded; resume from a checkpoint "
             "this version wrote, or start the run again.")
-    world = _field(about, "world", "an integer", path)
+    world = state_field(about, "world", "an integer", path)
     if world != parallel.world:
         raise CheckpointRefused(f"{folder} was saved by {world} ranks; this job has "
                                 f"{parallel.world}: resume with --nproc_per_node {world}. "
                                 "Nothing was loaded.")
-    frozen = _field(about, "frozen_skipped", "true or false", path)
-    common = _common_fields(about, path)
+    frozen = state_field(about, "frozen_skipped", "true or false", path)
+    common = common_fields(about, path)
     if common["techniques"] != trainer.techniques or common["base_fingerprint"] != trainer.base_fingerprint:
         raise CheckpointRefused(f"{folder} was saved with other techniques or another base model "
                                 "than this run file's: resume with the run file that wrote it. "
@@ -302,11 +302,11 @@ def _read_sharded_state(folder: Path, trainer, parallel) -> dict:
 
 
 def _part_names(files: dict, part: str, stem: str, folder: Path, path: Path) -> list[Path]:
-    names = _field(files, part, "a list", path, "files.")
+    names = state_field(files, part, "a list", path, "files.")
     pattern = re.compile(rf"{re.escape(stem)}(-[0-9]{{5}}-of-[0-9]{{5}})?\.safetensors")
     for name in names:
         if not isinstance(name, str) or not pattern.fullmatch(name):
-            raise _refused(path, f"the field 'files.{part}' lists {_shown(name)}, not one of this "
+            raise refused(path, f"the field 'files.{part}' lists {shown(name)}, not one of this "
                                  f"rank's files ({stem}.safetensors or its parts)")
     absent = [name for name in names if not (folder / name).is_file()]
     if absent:
@@ -320,15 +320,15 @@ def _read_shards(paths: list[Path], targets: dict[str, torch.Tensor], what: str)
     every key present once, none unknown, the same shape and dtype."""
     found, where = {}, {}
     for path in paths:
-        for key, tensor in _load_tensors(path).items():
+        for key, tensor in load_tensors(path).items():
             if key in where:
-                raise _refused(path, f"the tensor {key!r} is also in {where[key].name}")
+                raise refused(path, f"the tensor {key!r} is also in {where[key].name}")
             if key not in targets:
-                raise _refused(path, f"it holds {key!r}, which this run's {what} has not: it was "
+                raise refused(path, f"it holds {key!r}, which this run's {what} has not: it was "
                                      "saved from another model or with other settings")
             target = targets[key]
             if tensor.shape != target.shape or tensor.dtype != target.dtype:
-                raise _refused(path, f"{key!r} is {tensor.dtype} {tuple(tensor.shape)}, but this "
+                raise refused(path, f"{key!r} is {tensor.dtype} {tuple(tensor.shape)}, but this "
                                      f"rank's shard of it is {target.dtype} {tuple(target.shape)}: "
                                      "it was saved from another model or with other settings")
             found[key], where[key] = tensor, path
@@ -336,7 +336,7 @@ def _read_shards(paths: list[Path], targets: dict[str, torch.Tensor], what: str)
     if missing:
         named = paths[0] if len(paths) == 1 else f"{paths[0].parent} ({', '.join(p.name for p in paths)})"
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise _refused(named, f"the {what} tensor {missing[0]!r}{more} is missing")
+        raise refused(named, f"the {what} tensor {missing[0]!r}{more} is missing")
     return found
 
 
@@ -345,51 +345,51 @@ def _like(template, value, path, label: str):
     becomes a tuple where the optimizer holds a tuple."""
     if isinstance(template, (tuple, list)):
         if not isinstance(value, list) or len(value) != len(template):
-            raise _refused(path, f"the field {label!r} is {_shown(value)}, but this run's optimizer "
-                                 f"holds {_shown(template)} there")
+            raise refused(path, f"the field {label!r} is {shown(value)}, but this run's optimizer "
+                                 f"holds {shown(template)} there")
         return type(template)(_like(t, v, path, f"{label}[{i}]")
                               for i, (t, v) in enumerate(zip(template, value)))
-    if _is_number(template):
-        ok = _is_number(value)
+    if is_number(template):
+        ok = is_number(value)
     elif template is None or isinstance(template, (bool, str)):
         ok = type(value) is type(template)
     else:  # a value JSON does not hold
         ok = False
     if not ok:
-        raise _refused(path, f"the field {label!r} is {_shown(value)}, but this run's optimizer "
-                             f"holds {_shown(template)} there")
+        raise refused(path, f"the field {label!r} is {shown(value)}, but this run's optimizer "
+                             f"holds {shown(template)} there")
     return value
 
 
 def _optimizer_values(optim_sd: dict, saved: dict, path) -> list[tuple[dict, str, object]]:
     """(record, key, value): the JSON values of ``saved`` where get_state_dict's optimizer
     state dict holds them, checked (the same parameters, names and kinds of value)."""
-    state = _field(saved, "state", "an object", path, "optimizer.")
-    groups = _field(saved, "param_groups", "a list", path, "optimizer.")
+    state = state_field(saved, "state", "an object", path, "optimizer.")
+    groups = state_field(saved, "param_groups", "a list", path, "optimizer.")
     out = []
     missing = sorted(set(optim_sd["state"]) - set(state))
     extra = sorted(set(state) - set(optim_sd["state"]))
     if missing or extra:
-        raise _refused(path, f"the optimizer state is for other weights (missing {missing[:3]}, "
+        raise refused(path, f"the optimizer state is for other weights (missing {missing[:3]}, "
                              f"unknown {extra[:3]})")
     for fqn, entry in optim_sd["state"].items():
-        values = _field(state, fqn, "an object", path, "optimizer.state.")
+        values = state_field(state, fqn, "an object", path, "optimizer.state.")
         wanted = {name: v for name, v in entry.items() if not isinstance(v, torch.Tensor)}
         if set(values) != set(wanted):
-            raise _refused(path, f"the field 'optimizer.state.{fqn}' holds {sorted(values)}, but this "
+            raise refused(path, f"the field 'optimizer.state.{fqn}' holds {sorted(values)}, but this "
                                  f"run's optimizer keeps {sorted(wanted)} there besides tensors")
         out += [(entry, name, _like(wanted[name], value, path, f"optimizer.state.{fqn}.{name}"))
                 for name, value in values.items()]
     if len(groups) != len(optim_sd["param_groups"]):
-        raise _refused(path, f"the field 'optimizer.param_groups' has {len(groups)} groups, but this "
+        raise refused(path, f"the field 'optimizer.param_groups' has {len(groups)} groups, but this "
                              f"run's optimizer has {len(optim_sd['param_groups'])}")
     for i, (group, values) in enumerate(zip(optim_sd["param_groups"], groups)):
         label = f"optimizer.param_groups[{i}]"
         if not isinstance(values, dict) or set(values) != set(group):
-            raise _refused(path, f"the field {label!r} is {_shown(values)}, but this run's optimizer "
+            raise refused(path, f"the field {label!r} is {shown(values)}, but this run's optimizer "
                                  f"holds the settings {sorted(group)} there")
         if values["params"] != list(group["params"]):
-            raise _refused(path, f"the field '{label}.params' lists other weights than this run's")
+            raise refused(path, f"the field '{label}.params' lists other weights than this run's")
         out += [(group, key, _like(group[key], value, path, f"{label}.{key}"))
                 for key, value in values.items() if key != "params"]
     return out
@@ -401,8 +401,8 @@ def _read_rank_files(folder: Path, rank: int, model_sd: dict, optim_sd: dict) ->
     path = folder / f"rank{rank}.json"
     if not path.is_file():
         raise FileNotFoundError(f"The checkpoint {folder} is incomplete: {path.name} missing. {AGAIN}")
-    listing = _read_state_json(path, "checkpoint's list of one rank's files")
-    files = _field(listing, "files", "an object", path)
+    listing = read_state_json(path, "checkpoint's list of one rank's files")
+    files = state_field(listing, "files", "an object", path)
     model_paths = _part_names(files, "model", f"model.rank{rank}", folder, path)
     optimizer_paths = _part_names(files, "optimizer", f"optimizer.rank{rank}", folder, path)
     rng_path = folder / f"rng.rank{rank}.safetensors"
@@ -415,8 +415,8 @@ def _read_rank_files(folder: Path, rank: int, model_sd: dict, optim_sd: dict) ->
                          for name, value in entry.items() if isinstance(value, torch.Tensor)}
     model = _read_shards(model_paths, model_targets, "model")
     optimizer = _read_shards(optimizer_paths, optimizer_targets, "optimizer state")
-    values = _optimizer_values(optim_sd, _field(listing, "optimizer", "an object", path), path)
-    rng = check_rng(_load_tensors(inside(folder, rng_path.name, "checkpoint file")), rng_path)
+    values = _optimizer_values(optim_sd, state_field(listing, "optimizer", "an object", path), path)
+    rng = check_rng(load_tensors(inside(folder, rng_path.name, "checkpoint file")), rng_path)
     copies = [(model_targets[k], v) for k, v in model.items()]
     copies += [(optimizer_targets[k], v) for k, v in optimizer.items()]
     return {"copies": copies, "values": values, "rng": rng}

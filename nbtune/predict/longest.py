@@ -18,8 +18,8 @@ from ..memory.breakdown import MemoryBreakdown
 from ..models.config import ModelConfig
 from ..techniques import Techniques, as_techniques
 from ..units import format_bytes
-from .carry import BASE, carried_tiles
 from .budgets import host_usable, parse_budget, parse_machine, required, usable
+from .carry import BASE, carried_tiles
 from .predictor import Predictor
 
 GRAIN = 256  # answers are whole multiples of this many tokens

@@ -50,7 +50,9 @@ class Predictor:
     """Estimates of one model ``config`` on one ``device`` ("cpu" or "cuda"), cached.
 
     ``estimate(t)`` is ``nbtune.estimate(config, t, device=device)`` asked once per memory
-    twin (``memory_twin``) and shape; ``estimates`` counts the estimator's runs.
+    twin (``memory_twin``) and shape; ``estimates`` counts the estimator's runs. A tiled
+    step's two recorded runs are kept beside (``carry.TraceCache``), so every other length
+    of it is read from them.
     ``estimator``: a stand-in with ``estimate``'s signature (tests).
     """
 

@@ -295,9 +295,9 @@ MUTANTS: list[Mutant] = [
            (T + "test_predictor.py::test_the_advice_offers_the_moves_it_always_did",)),
     Mutant("offloading", "a tensor parked again is taken for another one of its size",
            "nbtune/activations.py",
-           "            if known is not None and known[0]() is t and known[1] == t._version:",
-           "            known = next((c for c in self._copies.values() if c[2].shape == t.shape), known)\n"
-           "            if known is not None:",
+           "        if known is not None and known[0]() is t and known[1] == t._version:",
+           "        known = next((c for c in self._copies.values() if c[2].shape == t.shape), known)\n"
+           "        if known is not None:",
            (T + "test_long_context.py::test_a_tensor_every_layer_saves_is_parked_once_and_gradients_stay_exact",)),
     Mutant("extrapolation", "offloading without checkpointing is extrapolated as any step",
            "nbtune/predict/estimator.py",
@@ -333,8 +333,8 @@ MUTANTS: list[Mutant] = [
             T + "test_carry.py::test_every_combination_carried_equals_every_tile_traced")),
     Mutant("tile carry", "the longest-context line starts at the short lengths again",
            "nbtune/predict/longest.py",
-           "        guess = BASE * tile",
-           "        guess = min(FIRST, ceiling)",
+           "        return BASE * tile\n",
+           "        return min(FIRST, ceiling)\n",
            (T + "test_carry.py::test_longest_context_of_a_tiled_run_draws_its_line_through_carried_lengths",)),
 ]
 

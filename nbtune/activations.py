@@ -89,91 +89,92 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, model: nn.Module, min_bytes: int = MIN_BYTES, to: str | None = None) -> None:
-        keep = {p.untyped_storage()._cdata for p in model.parameters()}
-        device = next(model.parameters()).device
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._keep = {p.untyped_storage()._cdata for p in model.parameters()}
+        self._device = next(model.parameters()).device
+        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+        self._min_bytes, self._to = min_bytes, to
         self._layers = list(getattr(getattr(model, "model", None), "layers", ()))
         self._handles: list = []
         self._inside = [None]  # the decoder layer running forward now, None between layers
-        parked: list = []  # weak references, in pack order: what backward may prefetch
+        self._parked: list = []  # weak references, in pack order: what backward may prefetch
         # id(tensor) -> (weak reference to it, its version, host copy, copy's event): a tensor
         # parked before, still alive and unchanged, is not copied again
         self._copies: dict[int, tuple] = {}
         self.runs: list[tuple[int | None, int]] = []  # (layer, first index) of each run
         self.log: list[tuple[str, int]] = []  # ("fetch" | "unpack", index): for the tests
+        super().__init__(self._pack, self._unpack)
 
-        def pack(t: torch.Tensor):
-            if (t.untyped_storage()._cdata in keep
-                    or t.numel() * t.element_size() < min_bytes):
-                return t
-            index, layer = len(parked), self._inside[0]
-            if not self.runs or self.runs[-1][0] != layer:
-                self.runs.append((layer, index))
-            # the first tensor of a run is the last its layer's backward unpacks: then the
-            # run before starts coming back (with checkpointing: the layer's only tensor)
-            window = prefetch_window(self.runs) if self.runs[-1][1] == index else range(0)
-            entry = _Parked(t.device, *copy(t), index, window)
-            parked.append(weakref.ref(entry))
-            return entry
+    def _pack(self, t: torch.Tensor):
+        if (t.untyped_storage()._cdata in self._keep
+                or t.numel() * t.element_size() < self._min_bytes):
+            return t
+        index, layer = len(self._parked), self._inside[0]
+        if not self.runs or self.runs[-1][0] != layer:
+            self.runs.append((layer, index))
+        # the first tensor of a run is the last its layer's backward unpacks: then the
+        # run before starts coming back (with checkpointing: the layer's only tensor)
+        window = prefetch_window(self.runs) if self.runs[-1][1] == index else range(0)
+        entry = _Parked(t.device, *self._copy(t), index, window)
+        self._parked.append(weakref.ref(entry))
+        return entry
 
-        def copy(t: torch.Tensor) -> tuple:
-            """(host copy, event its copy ends at): made once per tensor and version."""
-            known = self._copies.get(id(t))
-            # torch internal: ``_version`` counts in-place changes. Were it gone, a tensor changed
-            # in place would come back as its old value (test_long_context compares gradients).
-            if known is not None and known[0]() is t and known[1] == t._version:
-                return known[2], known[3]
-            done = None
-            if to == "meta":
-                host = t.detach().to("meta")
-            elif stream is None:
-                host = t.detach().clone()
-            else:
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream):
-                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                    host.copy_(t, non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record(stream)
-                t.record_stream(stream)  # the allocator must not reuse t before the copy ends
-            self._copies[id(t)] = (weakref.ref(t), t._version, host, done)
-            return host, done
-
-        def fetch(entry: _Parked) -> None:
-            """Start bringing ``entry`` back to its device (CUDA: on the side stream)."""
-            if entry.fetched is not None or (stream is None and to != "meta"):
-                return
-            self.log.append(("fetch", entry.index))
-            if to == "meta":
-                entry.fetched = (torch.empty_like(entry.host, device=entry.device), None)
-                return
+    def _copy(self, t: torch.Tensor) -> tuple:
+        """(host copy, event its copy ends at): made once per tensor and version."""
+        known = self._copies.get(id(t))
+        # torch internal: ``_version`` counts in-place changes. Were it gone, a tensor changed
+        # in place would come back as its old value (test_long_context compares gradients).
+        if known is not None and known[0]() is t and known[1] == t._version:
+            return known[2], known[3]
+        done, stream = None, self._stream
+        if self._to == "meta":
+            host = t.detach().to("meta")
+        elif stream is None:
+            host = t.detach().clone()
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self._device))
             with torch.cuda.stream(stream):
-                stream.wait_event(entry.done)
-                back = entry.host.to(entry.device, non_blocking=True)
-                arrived = torch.cuda.Event()
-                arrived.record(stream)
-            entry.fetched = (back, arrived)
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            t.record_stream(stream)  # the allocator must not reuse t before the copy ends
+        self._copies[id(t)] = (weakref.ref(t), t._version, host, done)
+        return host, done
 
-        def unpack(packed):
-            if isinstance(packed, torch.Tensor):
-                return packed
-            self.log.append(("unpack", packed.index))
-            for i in packed.window:
-                earlier = parked[i]()
-                if earlier is not None:
-                    fetch(earlier)
-            if stream is None and to != "meta":
-                return packed.host
-            fetch(packed)
-            back, arrived = packed.fetched
-            packed.fetched = None  # the device copy belongs to autograd from here on
-            if arrived is not None:
-                current = torch.cuda.current_stream(packed.device)
-                current.wait_event(arrived)
-                back.record_stream(current)  # made on the side stream, used on this one
-            return back
+    def _fetch(self, entry: "_Parked") -> None:
+        """Start bringing ``entry`` back to its device (CUDA: on the side stream)."""
+        stream = self._stream
+        if entry.fetched is not None or (stream is None and self._to != "meta"):
+            return
+        self.log.append(("fetch", entry.index))
+        if self._to == "meta":
+            entry.fetched = (torch.empty_like(entry.host, device=entry.device), None)
+            return
+        with torch.cuda.stream(stream):
+            stream.wait_event(entry.done)
+            back = entry.host.to(entry.device, non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record(stream)
+        entry.fetched = (back, arrived)
 
-        super().__init__(pack, unpack)
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        self.log.append(("unpack", packed.index))
+        for i in packed.window:
+            earlier = self._parked[i]()
+            if earlier is not None:
+                self._fetch(earlier)
+        if self._stream is None and self._to != "meta":
+            return packed.host
+        self._fetch(packed)
+        back, arrived = packed.fetched
+        packed.fetched = None  # the device copy belongs to autograd from here on
+        if arrived is not None:
+            current = torch.cuda.current_stream(packed.device)
+            current.wait_event(arrived)
+            back.record_stream(current)  # made on the side stream, used on this one
+        return back
 
     def __enter__(self):
         """Also note which decoder layer runs, so each parked tensor knows its layer."""

@@ -225,6 +225,21 @@ def test_the_session_class_is_a_front_end_of_under_500_lines():
     assert cls.end_lineno - cls.lineno + 1 < 500
 
 
+def test_no_file_over_700_lines_and_no_function_over_80():
+    """Issue 33's bound on size: a file of the package reads in one sitting, a function on
+    one screen and a half."""
+    long_files, long_functions = [], []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > 700:
+            long_files.append(str(path.relative_to(PACKAGE)))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.end_lineno - node.lineno + 1 > 80:
+                    long_functions.append(f"{path.relative_to(PACKAGE)}:{node.name}")
+    assert long_files == [] and long_functions == []
+
+
 def test_a_new_toggle_touches_only_the_files_the_readme_lists():
     """The README's contributor section names the files a toggle touches; the latest toggle
     (and two the step reads) appear in no other file of the package."""

@@ -136,13 +136,7 @@ def longest_context(model, card="RTX 3090", techniques: Techniques | dict | None
 
     lo, lo_memory, hi = 0, None, None  # the longest seen to fit, the shortest seen not to
     binds = "card"  # which room the line reaches first
-    guess = min(FIRST, ceiling)
-    tile = t.tile_tokens
-    if tile and 2 * BASE * tile <= ceiling and carried_tiles(config, t, 2 * BASE * tile):
-        # Tiled: the line is drawn through BASE and 2 * BASE tiles (below BASE tiles memory
-        # follows another line: one tile holds all of the MLP's temporaries), and every
-        # whole number of tiles from BASE on is carried from two short runs (``carry``).
-        guess = BASE * tile
+    guess = _first_length(config, t, ceiling)
     while True:
         memory, fits = measure(guess)
         if fits:
@@ -175,6 +169,17 @@ def longest_context(model, card="RTX 3090", techniques: Techniques | dict | None
         return answer(0, memory, _binding(tried[-1], room, host_room))
     over = next((p for p in tried if p[0] == hi), None)
     return answer(lo, lo_memory, _binding(over, room, host_room) if over else binds)
+
+
+def _first_length(config: ModelConfig, t: Techniques, ceiling: int) -> int:
+    """The first length estimated (the second is twice as long). Tiled: ``BASE`` tiles, so
+    the line is drawn through ``BASE`` and ``2 * BASE`` tiles (below ``BASE`` tiles memory
+    follows another line: one tile holds all of the MLP's temporaries), and every whole
+    number of tiles from ``BASE`` on is carried from two short runs (``carry``)."""
+    tile = t.tile_tokens
+    if tile and 2 * BASE * tile <= ceiling and carried_tiles(config, t, 2 * BASE * tile):
+        return BASE * tile
+    return min(FIRST, ceiling)
 
 
 def _on_the_line(a, b, room: int, host_room: int | None) -> tuple[int, str]:

@@ -49,3 +49,16 @@ def torchrun(run_file, out, *flags):
                           capture_output=True, text=True, timeout=600, env={**os.environ})
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     return done
+
+
+def returns_of(monkeypatch, module, name: str) -> list:
+    """Every value ``module.name`` returns from now on (the function still runs), in order."""
+    made = []
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(module, name, spy)
+    return made

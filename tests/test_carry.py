@@ -11,6 +11,8 @@ import nbtune.predict.estimator as est
 from nbtune.models import ModelConfig
 from nbtune.predict import Predictor, longest_context
 
+from helpers import returns_of
+
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_layers=8, num_heads=4,
              num_kv_heads=2, head_dim=16, max_position_embeddings=1 << 16)
 FAMILIES = {
@@ -42,15 +44,7 @@ def assert_same(a: nt.MemoryBreakdown, b: nt.MemoryBreakdown) -> None:
 @pytest.fixture
 def drawn(monkeypatch):
     """The Lines each pair of recorded runs gave (None where a condition failed)."""
-    made = []
-    real = est.lines
-
-    def spy(*args):
-        made.append(real(*args))
-        return made[-1]
-
-    monkeypatch.setattr(est, "lines", spy)
-    return made
+    return returns_of(monkeypatch, est, "lines")
 
 
 def carried_and_traced(family, changes, device, tiles, layers=8):

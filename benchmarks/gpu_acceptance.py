@@ -120,7 +120,7 @@ def _session(name: str = "smollm2", **techniques):
         from nbtune.models import ModelConfig
 
         session = _random_model_session(ModelConfig(**SMOLLM2_SHAPES),
-                                        nt.Techniques(**base, **techniques), device)
+                                        nt.Techniques(**{**base, **techniques}), device)
     else:
         session = nt.Session.demo(demo, device=device, techniques={**base, **techniques})
     session.echo = False
@@ -167,7 +167,7 @@ def check_allocator_phases(result: Result) -> None:
     import torch
 
     from nbtune.memory.accounting import optimizer_state_bytes, parameter_bytes
-    from nbtune.step import _Untracked, update
+    from nbtune.step import StepOptions, _Untracked, update
 
     session = _session(dtype="bf16")
     session.step()  # optimizer state exists
@@ -175,7 +175,8 @@ def check_allocator_phases(result: Result) -> None:
     trained = int((batch["labels"] != -100).sum())
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    update(session.model, session.optimizer, [batch], trained, _Untracked())
+    update(session.model, session.optimizer, [batch], trained, _Untracked(),
+           StepOptions.of(session.techniques))
     torch.cuda.synchronize()
     untracked = torch.cuda.max_memory_allocated()
     report = session.step()

@@ -200,6 +200,13 @@ class _HighWaterTracker(MemTracker):
         self.track_resizes = False
         self.recorder: Recorder | None = None  # every moment, where recording
 
+    def __enter__(self) -> "_HighWaterTracker":
+        super().__enter__()
+        # What torch 2.13's enter keeps for the dispatch below; 2.11's (the rented GPU
+        # machines' build, benchmarks/gpu_acceptance.py) keeps nothing.
+        self._fake_mode_on_entry = active_fake_mode()
+        return self
+
     def begin_tile(self, *args) -> None:
         """A tile (or a loss piece) begins: what follows is recorded apart."""
         self.recorder.begin_tile(self.segment)

@@ -40,12 +40,15 @@ checkpointing, tiles and offloading (``LONG_TECHNIQUES``):
 12. compile with offloading: five steps; dynamo compiles no new graph after the first step.
 13. longest context: one step at the length ``longest_context`` predicts for this card (and
     this host) runs without running out of memory.
+14. cuBLAS workspace: what the first matrix products of a fresh process leave allocated (a
+    workspace per thread, which the estimate does not count yet).
+
+``--only 'estimate,compile'`` runs the checks named (a short rerun inside a lease).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
 import os
@@ -154,10 +157,23 @@ def _weights(session) -> dict:
     return {n: p.detach().clone() for n, p in session.model.named_parameters()}
 
 
+def _host_state(session) -> tuple:
+    """Weights, optimizer state (flattened to name -> tensor), data position and history
+    length, the tensors copied to the host."""
+    from torch.utils._pytree import tree_flatten_with_path, keystr
+
+    weights = {n: p.detach().to("cpu", copy=True) for n, p in session.model.named_parameters()}
+    leaves, _ = tree_flatten_with_path(session.optimizer.state_dict())
+    state = {keystr(k): v.detach().to("cpu", copy=True) if hasattr(v, "detach") else v
+             for k, v in leaves}
+    return weights, state, session.trainer.stream.state_dict(), len(session.history)
+
+
 def _same(a: dict, b: dict) -> bool:
     import torch
 
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
 # ---- the checks ------------------------------------------------------------------------------
@@ -247,8 +263,7 @@ def check_oom(result: Result) -> None:
     total = torch.cuda.get_device_properties(0).total_memory
     fraction = min(1.0, (held + 0.5 * (need - held)) / total)  # half of what the step adds
     torch.cuda.empty_cache()  # else the blocks cached by the first step serve it under any cap
-    before = (_weights(session), copy.deepcopy(session.optimizer.state_dict()),
-              session.trainer.stream.state_dict(), len(session.history))
+    before = _host_state(session)  # on the host: copies on the card would crowd the capped step
     torch.cuda.set_per_process_memory_fraction(fraction)
     try:
         try:
@@ -257,10 +272,9 @@ def check_oom(result: Result) -> None:
             return
         except nt.OutOfMemory as err:
             suggestions = [s.label for s in err.suggestions]
-        after = (_weights(session), copy.deepcopy(session.optimizer.state_dict()),
-                 session.trainer.stream.state_dict(), len(session.history))
-        same = (_same(before[0], after[0]) and before[2:] == after[2:]
-                and json.dumps(before[1], default=str) == json.dumps(after[1], default=str))
+        after = _host_state(session)
+        same = (_same(before[0], after[0]) and _same(before[1], after[1])
+                and before[2:] == after[2:])
         reports = session.run(2, progress=False, live=False, on_oom="adapt")
         result.numbers = {"fraction": round(fraction, 4), "suggestions": suggestions,
                           "adapted_to": session.techniques.as_dict(), "steps_after": len(reports)}

@@ -28,8 +28,12 @@ HOST_RAM: dict[str, int] = {
 }
 
 # Not all of a card holds tensors. The CUDA context (driver state, the module images of
-# torch's kernels, cuBLAS workspaces) takes about 0.3-0.5 GiB before the first tensor and
-# is outside what the estimate predicts: ``usable`` takes off the upper end of that. The
+# torch's kernels) takes about 0.3-0.5 GiB before the first tensor (rough; measured 1.0 GiB
+# on an H200 with torch 2.11 and CUDA 13, benchmarks/results/gpu/NVIDIA-H200-rerun.json) and
+# is outside what the estimate predicts: ``usable`` takes off 512 MiB for it. It also covers
+# what the estimate does not yet count inside the allocator: a cuBLAS workspace for each
+# thread that runs matrix products (the caller's and autograd's), 32 MiB each on compute
+# capability 9.0 and 8 MiB + 128 KiB on a 3090 (measured on the H200: 65.2 MiB a step). The
 # caching allocator then holds more than the live tensors (rounding to blocks,
 # fragmentation); the estimate predicts live tensors only, so a further share is kept
 # free (rough: reserved is typically a few percent above the peak of live tensors).

@@ -10,7 +10,7 @@ folder:
 * ``metrics.jsonl``: one JSON object per optimizer step (``step``, ``loss``, ``tokens``,
   ``seconds``, ``peak_bytes``, ``rank`` and more);
 * ``checkpoints/step-NNNNNNNN/``: exact training state every ``checkpoint_every`` steps and at
-  the end (always when interrupted), the newest ``keep_checkpoints`` kept; ``--resume``
+  the end (always when interrupted: Ctrl-C, SIGTERM, SIGHUP), the newest ``keep_checkpoints`` kept; ``--resume``
   continues the newest, also to train further with a larger ``--steps``;
 * ``final/`` (and ``merged/``, ``gguf/``): the saves the run file asks for;
 * ``summary.json``: the run in numbers.
@@ -18,11 +18,14 @@ folder:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -183,7 +186,8 @@ def check_out(out_dir: Path, run_file: Path) -> None:
 
 def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: str | None,
           progress: bool = True) -> int:
-    """Run a run file; returns the process exit code (0 done, 130 interrupted)."""
+    """Run a run file; returns the process exit code (0 done, 130 interrupted by Ctrl-C, 143
+    by SIGTERM, 129 by SIGHUP: each saves a checkpoint first)."""
     from tqdm.auto import tqdm
 
     from .distributed import Parallel
@@ -222,11 +226,47 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
             write_file_atomically(out_dir / "run.yaml", runfile.dump(effective))
         if parallel is not None:
             parallel.barrier()
-        return _run(parts, path, out, out_dir, settings, resume, parallel, rank, say, started,
-                    progress)
+        with stop_signals() as stopped:
+            code = _run(parts, path, out, out_dir, settings, resume, parallel, rank, say, started,
+                        progress)
+        return 128 + stopped[0] if code == 130 and stopped else code
     finally:
         if parallel is not None:
             parallel.close()
+
+
+# Rented GPUs are stopped with SIGTERM (spot instances, ``docker stop``, a platform's stop
+# button), followed by SIGKILL 10-30 s later; SIGHUP comes when the terminal goes away.
+STOP_SIGNALS = ("SIGTERM", "SIGHUP")
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """While training, SIGTERM and SIGHUP end the run as Ctrl-C does: the step in flight
+    finished or undone, a checkpoint saved, the exit code 128 + the signal's number. Yields
+    the list the signal's number goes in. A second signal while saving is ignored: the save
+    it would cut short is what the first one asked for. (Handlers only exist in the main
+    thread; elsewhere the signals keep their defaults.)"""
+    stopped: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield stopped
+        return
+
+    def handler(signum, frame) -> None:
+        if stopped:
+            return
+        stopped.append(signum)
+        sys.stderr.write(f"\nnbtune: {signal.Signals(signum).name}: ending the step, then saving a "
+                         "checkpoint\n")
+        raise KeyboardInterrupt
+
+    known = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
+    previous = {number: signal.signal(number, handler) for number in known}
+    try:
+        yield stopped
+    finally:
+        for number, old in previous.items():
+            signal.signal(number, old)
 
 
 def _run(parts, path, out, out_dir, settings, resume, parallel, rank, say, started,

@@ -533,13 +533,17 @@ with torch.no_grad():
     gguf_logits = nt.load_model("out/gguf/model.gguf").eval()(ids)
 session.model.train()
 print("merged, max |logit difference|:", f"{(merged_logits - trained_logits).abs().max():.1e}")
-print("GGUF f16, same next token everywhere:", torch.equal(gguf_logits.argmax(-1), trained_logits.argmax(-1)))"""),
+gguf_error = (gguf_logits - trained_logits).abs().max()
+same_token = gguf_logits.argmax(-1) == trained_logits.argmax(-1)
+print(f"GGUF f16, max |logit difference|: {gguf_error:.1e}")
+print(f"GGUF f16, same next token at {int(same_token.sum())} of {same_token.numel()} positions "
+      "(f16 rounding can only flip a near tie: a lead under twice that difference)")"""),
     ("md", "The outcomes this notebook promises, checked:"),
     ("code", """# NBVAL_CHECK_OUTPUT
 print("only the reply is trained on:", 0 < int(trained.sum()) < len(sample.input_ids) / 2)
 print("learned the schema on unseen names:", before == 0 and after >= 0.75)
 print("merged weights reload with the same logits:", torch.allclose(merged_logits, trained_logits, atol=1e-3))
-print("GGUF reloads with the same predictions:", torch.equal(gguf_logits.argmax(-1), trained_logits.argmax(-1)))"""),
+print("GGUF reloads with the trained logits up to f16 rounding:", bool(gguf_error < 0.1))"""),
     ("md", "The three exports take about 800 MB; remove them (and the data) when you are done:"),
     ("code", """shutil.rmtree("out")
 shutil.rmtree("my_data")"""),
@@ -547,7 +551,7 @@ shutil.rmtree("my_data")"""),
 
 YOUR_DATA_CHECK = ("only the reply is trained on: True\nlearned the schema on unseen names: True\n"
                    "merged weights reload with the same logits: True\n"
-                   "GGUF reloads with the same predictions: True\n")
+                   "GGUF reloads with the trained logits up to f16 rounding: True\n")
 
 
 SCALE_OUT = [

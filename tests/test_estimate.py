@@ -174,3 +174,40 @@ def test_session_estimate_bounds_its_steps_and_matches_their_shape():
         assert shaped.peak == pytest.approx(report.memory.peak, rel=0.02)
         assert report.shape[1] <= 96 and full_length.peak >= report.memory.peak
     assert session.estimate(batch_size=8).activations > full_length.activations
+
+
+def test_cublas_workspace_size_follows_torchs_rule(monkeypatch):
+    """torch's CublasHandlePool: CUBLAS_WORKSPACE_CONFIG's ":KiB:count" pairs, else 32 MiB
+    from compute capability 9.0 on and 8 MiB + 128 KiB before; one per thread of the step."""
+    from nbtune.predict.budgets import cublas_workspaces
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before_hopper, hopper = 4096 * 1024 * 2 + 16 * 1024 * 8, 4096 * 1024 * 8
+    assert cublas_workspaces((8, 6)) == 2 * before_hopper  # a 3090
+    assert cublas_workspaces((9, 0)) == cublas_workspaces((12, 0)) == 2 * hopper
+    assert cublas_workspaces() == 2 * hopper  # no GPU here: the larger
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert cublas_workspaces((8, 6)) == 2 * hopper
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "not a config")  # torch ignores it, so do we
+    assert cublas_workspaces((8, 6)) == 2 * before_hopper
+
+
+def test_cuda_estimate_holds_the_cublas_workspaces_at_every_moment(monkeypatch):
+    """Measured on an H200: every step held 65.2 MiB (two 32 MiB workspaces) more than the
+    fake step. The CUDA estimate adds them as other, to the peak, each phase and the held-out
+    evaluation; the CPU estimate has none."""
+    config = ModelConfig(**DEMO_SHAPE)
+    t = nt.Techniques(method="lora", batch_size=2, seq_len=32, eval_every=5)
+    estimates = {}
+    for setting in (":16:1", ":4096:2:16:8"):
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", setting)
+        estimates[setting] = (nt.estimate(config, t, device="cuda"), nt.estimate(config, t))
+    (small, cpu_small), (large, cpu_large) = estimates.values()
+    extra = 2 * (4096 * 1024 * 2 + 16 * 1024 * 8) - 2 * 16 * 1024
+    assert large.peak - small.peak == large.other - small.other == extra
+    assert large.eval_peak - small.eval_peak == extra and small.eval_peak > 0
+    assert {p: large.phases[p]["peak"] - small.phases[p]["peak"] for p in large.phases} == {
+        p: extra for p in ("forward", "backward", "optimizer")}
+    assert large.peak == sum(large.at_peak.values())
+    assert large.at_peak["other"] - small.at_peak["other"] == extra
+    assert cpu_small == cpu_large and cpu_small.peak < small.peak

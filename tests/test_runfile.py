@@ -213,6 +213,110 @@ def test_interrupted_then_resumed_equals_an_uninterrupted_run(tmp_path, monkeypa
     assert [m["step"] for m in _metrics(tmp_path / "whole")] == list(range(1, 9))
 
 
+def _adapters(out, folder="final"):
+    return load_file(str(out / folder / "adapter_model.safetensors"))
+
+
+def _equal_runs(whole, cut):
+    wa, wb = _adapters(whole), _adapters(cut)
+    return ([m["loss"] for m in _metrics(cut)] == [m["loss"] for m in _metrics(whole)]
+            and wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa))
+
+
+def test_sigterm_mid_step_undoes_it_saves_and_resumes_like_an_uninterrupted_run(tmp_path,
+                                                                               monkeypatch):
+    """A rented GPU is stopped with SIGTERM: a real signal to this process in the middle of
+    step 4's forward ends the run as Ctrl-C does (the step undone, a checkpoint of step 3,
+    exit 143), and the resumed run equals one never stopped, bit for bit."""
+    import os
+    import signal
+
+    session_in_code().save_config(tmp_path / "run.yaml", steps=6, checkpoint_every=4)
+    assert _train(tmp_path / "run.yaml", tmp_path / "whole") == 0
+    build = headless.runs.from_config
+    forwards = []
+
+    def stopped_in_step_4(*args, **kwargs):
+        run = build(*args, **kwargs)
+
+        def hook(module, inputs):
+            if not module.training:  # generation (the held-out evaluation) runs in eval mode
+                return
+            forwards.append(1)
+            if len(forwards) == 4:  # one micro-batch a step: step 4's forward
+                os.kill(os.getpid(), signal.SIGTERM)
+        run.model.model.layers[1].register_forward_pre_hook(hook)
+        return run
+
+    monkeypatch.setattr(headless.runs, "from_config", stopped_in_step_4)
+    before = signal.getsignal(signal.SIGTERM)
+    assert _train(tmp_path / "run.yaml", tmp_path / "cut") == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+    monkeypatch.setattr(headless.runs, "from_config", build)
+    assert [m["step"] for m in _metrics(tmp_path / "cut")] == [1, 2, 3]
+    assert [p.name for p in headless.checkpoints(tmp_path / "cut")] == ["step-00000003"]
+    assert _train(tmp_path / "run.yaml", tmp_path / "cut", "--resume") == 0
+    assert [m["step"] for m in _metrics(tmp_path / "cut")] == [1, 2, 3, 4, 5, 6]
+    assert _equal_runs(tmp_path / "whole", tmp_path / "cut")
+
+
+def test_sighup_between_steps_saves_and_a_second_signal_does_not_cut_the_save(tmp_path,
+                                                                             monkeypatch):
+    """The terminal goes away (SIGHUP) after step 2, and a second signal comes while the
+    checkpoint is written: the checkpoint is whole (it resumes), the exit code 129."""
+    import os
+    import signal
+
+    session_in_code().save_config(tmp_path / "run.yaml", steps=3)
+    line, save = headless._line, headless._save_checkpoint
+
+    def hang_up_after_2(report):
+        if report.step == 2:
+            os.kill(os.getpid(), signal.SIGHUP)
+        return line(report)
+
+    def save_through_a_second_signal(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return save(*args)
+
+    monkeypatch.setattr(headless, "_line", hang_up_after_2)
+    monkeypatch.setattr(headless, "_save_checkpoint", save_through_a_second_signal)
+    assert _train(tmp_path / "run.yaml", tmp_path / "cut") == 128 + signal.SIGHUP
+    monkeypatch.setattr(headless, "_line", line)
+    monkeypatch.setattr(headless, "_save_checkpoint", save)
+    assert [p.name for p in headless.checkpoints(tmp_path / "cut")] == ["step-00000002"]
+    assert _train(tmp_path / "run.yaml", tmp_path / "cut", "--resume") == 0
+    assert [m["step"] for m in _metrics(tmp_path / "cut")] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_real_nbtune_train_stopped_with_sigterm_resumes_exactly(tmp_path):
+    """``python -m nbtune train`` as its own process, sent SIGTERM from outside once it has
+    written two steps: exit 143, a checkpoint, and the resumed run equals an unstopped one."""
+    import signal
+    import time
+
+    session_in_code().save_config(tmp_path / "run.yaml", steps=40)
+    assert _train(tmp_path / "run.yaml", tmp_path / "whole") == 0
+    cut = tmp_path / "cut"
+    process = subprocess.Popen([sys.executable, "-m", "nbtune", "train", str(tmp_path / "run.yaml"),
+                                "--out", str(cut)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    deadline = time.monotonic() + 240
+    while not ((cut / "metrics.jsonl").exists() and len(_metrics(cut)) >= 2):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "SIGTERM: ending the step, then saving a checkpoint" in stderr
+    saved = headless.checkpoints(cut)
+    assert len(saved) == 1 and f"saved {saved[0]}" in stdout
+    assert 2 <= len(_metrics(cut)) < 40
+    assert _train(tmp_path / "run.yaml", cut, "--resume") == 0
+    assert _equal_runs(tmp_path / "whole", cut)
+
+
 @pytest.mark.slow
 def test_python_m_nbtune_train_runs_headless_with_flags_over_the_file(tmp_path):
     session_in_code().save_config(tmp_path / "run.yaml", steps=50)

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import re
+
+import torch
 
 from ..host import margin as host_margin
 from ..memory.breakdown import MemoryBreakdown
-from .tables import ALLOCATOR_MARGIN, CARDS, CUDA_CONTEXT, GiB, HOST_RAM
+from .tables import (ALLOCATOR_MARGIN, CARDS, CUBLAS_THREADS, CUBLAS_WORKSPACE, CUDA_CONTEXT, GiB,
+                     HOST_RAM)
 
 _UNITS = {"": 1, "b": 1,
           "k": 2**10, "kib": 2**10, "kb": 10**3,
@@ -101,3 +105,18 @@ def required(memory: MemoryBreakdown) -> int:
     highest = getattr(memory, "highest", memory.peak)
     return highest + memory.outside
 
+
+
+_WORKSPACE_PAIR = re.compile(r":([0-9]+):([0-9]+)")
+
+
+def cublas_workspaces(capability: tuple[int, int] | None = None) -> int:
+    """Bytes of cuBLAS workspace a training step finds in torch's allocator (``tables``:
+    ``CUBLAS_THREADS`` threads). ``capability``: the card's compute capability; None asks the
+    attached GPU, and without one takes the larger size."""
+    if capability is None and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+    default = CUBLAS_WORKSPACE["before 9.0" if capability and capability[0] < 9 else "9.0 and later"]
+    pairs = _WORKSPACE_PAIR.findall(os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    size = sum(int(kib) * 1024 * int(count) for kib, count in pairs) if pairs else default
+    return CUBLAS_THREADS * size

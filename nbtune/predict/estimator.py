@@ -16,8 +16,9 @@ What fake tensors cannot run, the estimate stands in for:
 
 For a CUDA target the step is still traced with CPU kernels (fake CUDA tensors cannot
 choose an attention kernel on a CPU-only build): AdamW is the fused one, offloaded
-activations and paged optimizer state leave the device. The allocator's cache and
-fragmentation and the CUDA context are not predicted: ``peak`` is what tensors hold.
+activations and paged optimizer state leave the device, and the cuBLAS workspaces torch keeps
+in its allocator are added as other (``budgets.cublas_workspaces``). The allocator's cache
+and fragmentation and the CUDA context are not predicted: ``peak`` is what tensors hold.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from ..plan import check, transform_model
 from ..step import StepOptions, evaluate_sum, update
 from ..techniques import PAGED_OPTIMIZERS, Techniques, as_techniques
 from ..undo import UNDO_AUTO_BYTES
+from .budgets import cublas_workspaces
 from .carry import BASE, TraceCache, carried_tiles, lines
 
 _QUANTIZED_OPTIMIZERS = {"adamw8bit", "paged_adamw8bit", "paged_adamw", "ao_adamw8bit",
@@ -211,7 +213,20 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     result = breakdown_of(step.segments.items(), step.state, step.weights)
     result = replace(result, device=target, measured=False, outside=step.paged,
                      eval_peak=step.eval_peak)
+    if target == "cuda":
+        result = held_throughout(result, cublas_workspaces())
     return replace(result, host=host_memory(config, t, target, result, step))
+
+
+def held_throughout(result: MemoryBreakdown, nbytes: int) -> MemoryBreakdown:
+    """``result`` with ``nbytes`` more held at every moment of the step and of its held-out
+    evaluation (the cuBLAS workspaces: made by the first step, kept for the process), filed
+    as other."""
+    phases = {name: {**phase, "peak": phase["peak"] + nbytes} for name, phase in result.phases.items()}
+    at_peak = {**result.at_peak, "other": result.at_peak.get("other", 0) + nbytes}
+    return replace(result, other=result.other + nbytes, peak=result.peak + nbytes,
+                   eval_peak=result.eval_peak + nbytes if result.eval_peak else 0,
+                   at_peak=at_peak, phases=phases)
 
 
 # The process itself: Python, torch and (CUDA) its kernel libraries mapped in, the CUDA

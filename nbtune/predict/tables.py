@@ -30,15 +30,23 @@ HOST_RAM: dict[str, int] = {
 # Not all of a card holds tensors. The CUDA context (driver state, the module images of
 # torch's kernels) takes about 0.3-0.5 GiB before the first tensor (rough; measured 1.0 GiB
 # on an H200 with torch 2.11 and CUDA 13, benchmarks/results/gpu/NVIDIA-H200-rerun.json) and
-# is outside what the estimate predicts: ``usable`` takes off 512 MiB for it. It also covers
-# what the estimate does not yet count inside the allocator: a cuBLAS workspace for each
-# thread that runs matrix products (the caller's and autograd's), 32 MiB each on compute
-# capability 9.0 and 8 MiB + 128 KiB on a 3090 (measured on the H200: 65.2 MiB a step). The
+# is outside what the estimate predicts: ``usable`` takes off 512 MiB for it. The
 # caching allocator then holds more than the live tensors (rounding to blocks,
 # fragmentation); the estimate predicts live tensors only, so a further share is kept
 # free (rough: reserved is typically a few percent above the peak of live tensors).
 CUDA_CONTEXT = 512 * MiB
 ALLOCATOR_MARGIN = 0.05
+
+# cuBLAS workspaces, inside torch's allocator for the life of the process: one for each thread
+# that runs matrix products, the caller's and autograd's (backward runs on a thread of its
+# own), which a fake step never allocates. Their size is torch's rule (CublasHandlePool.cpp):
+# CUBLAS_WORKSPACE_CONFIG's ":KiB:count" pairs, else 32 MiB from compute capability 9.0 on and
+# 8 MiB + 128 KiB before (a 3090 is 8.6). Measured on an H200 with torch 2.11
+# (benchmarks/results/gpu/NVIDIA-H200-rerun.json): the first bf16 product of a fresh process
+# left 32 MiB allocated, and six SmolLM2 steps and two 8B ones each held 65.2 MiB more than
+# the fake step. Without a GPU to ask, the estimate takes the larger size.
+CUBLAS_THREADS = 2
+CUBLAS_WORKSPACE = {"9.0 and later": 32 * MiB, "before 9.0": 8 * MiB + 128 * 1024}
 
 # What each technique costs in speed, as a fraction of a plain step (one micro-batch,
 # nothing recomputed or moved), with where the number comes from. "measured" values are

@@ -397,6 +397,20 @@ def _put_in_place(parent: _Folder, tmp: str, target: str, exists: bool) -> str |
     raise OSError(errno.EAGAIN, "the folder kept changing while it was being saved", target)
 
 
+def _usual_modes(root: Path) -> None:
+    """Give every file written the mode a plain ``open`` gives (0644 under the usual umask):
+    safetensors writes its files 0600, so an adapter came out unreadable to the group while the
+    JSON beside it was not. The mode is read off a probe file, not by setting the umask
+    (process-wide, and a background save runs beside other threads)."""
+    probe = root / ".nbtune-mode-probe"
+    probe.touch()
+    mode = stat.S_IMODE(probe.stat().st_mode)
+    probe.unlink()
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink() and stat.S_IMODE(path.stat().st_mode) != mode:
+            path.chmod(mode)
+
+
 def write_atomically(folder: str | os.PathLike, write: Callable[[Path], object]) -> Path:
     """Run ``write(tmp_dir)``, then put tmp_dir in place of ``folder`` in one step.
 
@@ -423,6 +437,7 @@ def write_atomically(folder: str | os.PathLike, write: Callable[[Path], object])
         lock = _open_dir(tmp)
         _lock(lock)
         write(tmp)
+        _usual_modes(tmp)
         _fsync_tree(tmp)
         exists = _check_target(target)  # again: the folder may have changed while writing
         try:

@@ -10,11 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from .demos import DEMOS
-from . import runs
-from .runner import Message
 from .techniques import DTYPES, METHODS
 from .units import format_bytes
 
@@ -28,6 +24,11 @@ def _memory_line(memory) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from . import runs
+    from .runner import Message
+
     started = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--no-progress", action="store_true",
                        help="no progress bar (the line per step stays); for logs and notebooks")
     ladder = commands.add_parser(
-        "ladder", help="seed 001's FSDP2 ladder on a run file (under torchrun: per rank)",
+        "ladder", help="the FSDP2 memory ladder on a run file: peak per rank as each "
+                       "memory technique is added (under torchrun)",
         description="Train each row a few steps with every step measured: FSDP2, + activation "
                     "checkpointing, + CPU offload, + sharded embeddings, + chunked loss (each row "
                     "adds to the last); prints peak per rank and the change. Run it under "
@@ -165,8 +167,6 @@ def _one_message(err: BaseException) -> str:
 def run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import yaml
 
-    from .headless import train
-
     overrides = {}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -179,6 +179,8 @@ def run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         overrides.update({"run.epochs": args.epochs, "run.steps": None})
     if args.checkpoint_every is not None:
         overrides["run.checkpoint_every"] = args.checkpoint_every
+    from .headless import train  # torch and the rest: after the arguments are read
+
     return train(args.run_file, overrides=overrides, out=args.out, resume=args.resume,
                  device=args.device, progress=not args.no_progress)
 

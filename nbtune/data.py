@@ -254,7 +254,8 @@ def _check_lines(path: Path, raw: bytes) -> None:
 
 
 def _missing_file_hint(name: str) -> str:
-    hint = f" Check the path (a relative path starts from the current folder, {Path.cwd()})."
+    hint = (" Check the path." if Path(name).expanduser().is_absolute() else
+            f" Check the path (a relative path starts from the current folder, {Path.cwd()}).")
     parts = name.split("/")
     if len(parts) == 2 and all(parts) and not Path(name).suffix and not name.startswith((".", "~")):
         hint += (f" If {name!r} is a Hub dataset id: nbtune reads files, so pass "

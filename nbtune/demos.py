@@ -12,9 +12,21 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
-from .models import demo_model_dir
-from .models.gguf import smollm2_path
 from .techniques import Techniques
+
+
+# The models' paths, found on first use: importing them brings torch, which the command
+# line's help and argument errors do without.
+def _tiny() -> Path:
+    from .models import demo_model_dir
+
+    return demo_model_dir()
+
+
+def _smollm2() -> Path:
+    from .models.gguf import smollm2_path
+
+    return smollm2_path()
 
 
 @dataclass(frozen=True)
@@ -28,11 +40,11 @@ class Demo:
 
 
 DEMOS = {
-    "tiny": Demo(demo_model_dir, "demo",
+    "tiny": Demo(_tiny, "demo",
                  Techniques(method="full", dtype="fp32", batch_size=16, seq_len=96, lr=1e-3),
                  steps=300, match="exact",
                  about="0.8M-parameter Llama-shaped model made on first use; four toy tasks"),
-    "smollm2": Demo(smollm2_path, "countries",
+    "smollm2": Demo(_smollm2, "countries",
                     Techniques(method="lora", dtype="fp32", batch_size=8, seq_len=96, lr=2e-3,
                                lora_rank=16, lora_alpha=32.0),
                     steps=30, match="json_keys",

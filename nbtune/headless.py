@@ -361,9 +361,9 @@ def _save_outputs(parts, out_dir: Path, kinds) -> dict:
     return saved
 
 
-# ---- nbtune ladder: seed 001's table, one row per added technique ------------------------
+# ---- nbtune ladder: the FSDP2 memory ladder, one row per added technique ----------------
 
-# Seed 001's FSDP2 ladder: each row adds its change to the rows before it.
+# The FSDP2 ladder: each row adds its change to the rows before it.
 FSDP_LADDER = (
     ("FSDP2", {}),
     ("+ activation checkpointing", {"techniques.activation_checkpointing": True}),

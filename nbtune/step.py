@@ -74,6 +74,15 @@ class StepReport:
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
+    def __repr__(self) -> str:
+        """One line (the memory's categories: ``report.memory``)."""
+        from .units import format_bytes
+
+        held_out = f", held-out loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""
+        return (f"StepReport(step {self.step}: loss {self.loss:.4f}{held_out}, {self.tokens:,} tokens "
+                f"in {self.seconds:.2f} s, lr {self.lr:.3g}, peak {format_bytes(self.memory.peak)}"
+                f"{'' if self.memory.measured else ' (carried)'})")
+
 
 @dataclass(frozen=True)
 class EvalReport:

@@ -9,6 +9,7 @@ its reason: the same reason is the error message and the panel's tooltip.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, fields
 from typing import Callable
@@ -121,6 +122,10 @@ class Techniques:
     seed: int = 0
     eval_every: int = 0  # held-out loss every N steps; 0 = off
 
+    def __new__(cls, *args, **kwargs):
+        _refuse_unknown("Techniques", kwargs)
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         if isinstance(self.lora_targets, str):
             object.__setattr__(self, "lora_targets", (self.lora_targets,))
@@ -228,10 +233,7 @@ class Techniques:
         return self.lr
 
     def replace(self, **changes) -> "Techniques":
-        unknown = set(changes) - {f.name for f in fields(self)}
-        if unknown:
-            raise TypeError(f"Unknown technique(s) {sorted(unknown)}; known: "
-                            f"{', '.join(f.name for f in fields(self))}.")
+        _refuse_unknown("", changes)
         return dataclasses.replace(self, **changes)
 
     def changed(self, other: "Techniques") -> set[str]:
@@ -321,6 +323,17 @@ def label_of(changes: dict) -> str:
         else:
             parts.append(f"{name}={value}")
     return ", ".join(parts)
+
+
+def _refuse_unknown(where: str, given: dict) -> None:
+    """A misspelt field gets the command line's "did you mean", not Python's bare TypeError."""
+    known = [f.name for f in fields(Techniques)]
+    unknown = [name for name in given if name not in known]
+    if unknown:
+        hints = [f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
+                 for name in unknown for close in [difflib.get_close_matches(name, known, n=1)]]
+        raise TypeError(f"{where + ': ' if where else ''}unknown technique {', '.join(hints)}. "
+                        f"Known: {', '.join(known)}.")
 
 
 def as_techniques(value, base: "Techniques | None" = None) -> Techniques:

@@ -372,3 +372,23 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_folder(tmp_path):
     write_atomically(target, writer("B", n))
     assert assert_complete(target, n) == "B"
     assert leftovers(tmp_path) == []
+
+
+def test_every_saved_file_gets_the_mode_a_plain_file_gets(tmp_path):
+    """safetensors wrote its files 0600 while the JSON beside them got 0644: an adapter the
+    group could not read. Every file of a save now has the mode ``open`` gives here."""
+    import stat
+
+    import nbtune as nt
+
+    plain = tmp_path / "plain"
+    plain.touch()
+    usual = stat.S_IMODE(plain.stat().st_mode)
+    session = nt.Session.demo(techniques=dict(method="lora"))
+    session.echo = False
+    session.save(tmp_path / "adapter")
+    session.save(tmp_path / "merged", merge=True)
+    session.save_checkpoint(tmp_path / "checkpoint")
+    files = [p for folder in ("adapter", "merged", "checkpoint") for p in (tmp_path / folder).iterdir()]
+    assert any(p.suffix == ".safetensors" for p in files) and len(files) >= 8
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: usual for p in files}

@@ -36,3 +36,23 @@ def test_demo_learns_and_writes_chart_and_summary(tmp_path):
     assert summary["peak_bytes"] > 0
     png = (tmp_path / "demo_memory.png").read_bytes()
     assert png[:4] == b"\x89PNG" and len(png) > 10_000
+
+
+def test_help_and_argument_errors_answer_before_torch_is_imported():
+    """``nbtune --help`` took 26 s (torch and the rest imported before parsing): help, a
+    refused argument and a malformed --set now answer with the standard library alone."""
+    probe = ("import sys\n"
+             "from nbtune import cli\n"
+             "for argv in (['--help'], ['train', '--help'], ['demo', '--method', 'lorra'],\n"
+             "             ['train', 'run.yaml', '--set', 'novalue']):\n"
+             "    try:\n"
+             "        cli.main(argv)\n"
+             "    except SystemExit as done:\n"
+             "        print('exit', done.code)\n"
+             "print('torch imported:', 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("exit 0") == 2 and done.stdout.count("exit 2") == 2, done.stdout
+    assert "torch imported: False" in done.stdout
+    assert "invalid choice: 'lorra'" in done.stderr and "write FIELD=VALUE" in done.stderr
+    assert "seed 001" not in done.stdout  # user text says what the ladder is

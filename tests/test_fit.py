@@ -5,6 +5,7 @@ The search is checked two ways: with the real estimator on a tiny model over a s
 and with a stand-in estimator (a monotone formula, instant) over whole search spaces.
 """
 
+from dataclasses import replace
 
 import pytest
 import torch
@@ -180,6 +181,11 @@ def test_fit_between_plain_and_checkpointed_is_the_cheapest_that_fits(tiny_peaks
     text, page = repr(result), result._repr_html_()
     assert "-> " + fitting[0].label in text and "predicted peak" in text
     assert "<table>" in page and "font-weight:bold" in page
+    # what the search cost is a detail: after the table, not in the answer
+    searched = f"{result.estimates} estimate{'s' if result.estimates != 1 else ''} run"
+    assert searched not in result.message and result.search.startswith(searched)
+    assert text.endswith(f"\n\n({result.search}.)")
+    assert f"<details><summary>The search</summary>{result.search}." in page
 
 
 def test_fit_with_an_impossible_budget_says_so(tiny_peaks):
@@ -465,6 +471,11 @@ def test_fit_badge_checks_the_host_and_says_which_binds():
     assert badge.fits_card and badge.fits and badge.binds == "host"
     assert "host 25.0 GiB of 28.8 GiB usable, no undo copy (20.0 GiB would not fit)" in badge.text
     assert badge.text.endswith("the host is the limit; most held by activations")
+    temporaries = fit_badge(replace(estimated, at_peak={"parameters": 4 * GiB, "other": 10 * GiB}),
+                            "RTX 4090")
+    assert temporaries.text.endswith("most held by other (the step's temporaries: attention and MLP "
+                                     "scratch, the loss's logits, the optimizer step's; on CUDA "
+                                     "also cuBLAS workspaces)")
     small = fit_badge(estimated, "RTX 4090 + 16GiB RAM")
     assert small.fits_card and not small.fits and not small.fits_host
     assert small.text.startswith("does not fit on the host: host 10.6 GiB over its 14.4 GiB usable")

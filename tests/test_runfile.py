@@ -400,3 +400,19 @@ def test_tensorboard_logging_writes_each_steps_scalars(tmp_path):
     assert all(math.isclose(a, b, rel_tol=1e-6) for (_, a), (_, b) in zip(logged, expected))
     peak = events.Scalars("train/peak_bytes")[0].value  # stored as float32
     assert math.isclose(peak, _metrics(tmp_path / "o")[0]["peak_bytes"], rel_tol=1e-6)
+
+
+def test_a_missing_data_file_is_named_as_resolved_from_the_run_files_folder(tmp_path, capsys,
+                                                                            monkeypatch):
+    """A relative path in a run file starts from the file's folder (as it always did); the
+    message used to say it started from the current folder."""
+    folder = tmp_path / "runs"
+    session_in_code().save_config(folder / "run.yaml", steps=1)
+    text = yaml.safe_load((folder / "run.yaml").read_text())
+    text["data"]["train"] = "data/missing.jsonl"
+    (folder / "run.yaml").write_text(yaml.safe_dump(text))
+    monkeypatch.chdir(tmp_path)  # elsewhere: the path must not be read from here
+    assert _train(folder / "run.yaml", tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert f"{folder / 'data' / 'missing.jsonl'}: no such data file. Check the path." in err
+    assert "current folder" not in err

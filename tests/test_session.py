@@ -160,11 +160,19 @@ def test_bad_value_changes_nothing_and_names_the_fix():
         session.set(batch_size=0, lr=1.0)
     with pytest.raises(DataError, match="Raise seq_len"):
         session.set(seq_len=8)
-    with pytest.raises(TypeError, match="Unknown technique"):
+    with pytest.raises(TypeError, match="unknown technique"):
         session.set(learning_rate=1.0)
     assert session.techniques is before
     assert session.optimizer is optimizer and session.trainer.stream is stream
     session.step()  # still usable
+
+
+def test_a_misspelt_technique_gets_did_you_mean_as_on_the_command_line():
+    with pytest.raises(TypeError, match=r"Techniques: unknown technique 'methd' \(did you mean 'method'\?\)"):
+        nt.Techniques(methd="lora")
+    with pytest.raises(TypeError, match=r"'lorarank' \(did you mean 'lora_rank'\?\), 'zzz'\. Known: method"):
+        nt.Techniques().replace(lorarank=4, zzz=1)
+    assert nt.Techniques(method="lora").replace(lora_rank=4).lora_rank == 4  # known ones pass
 
 
 def test_techniques_are_immutable_with_a_helpful_message():
@@ -252,3 +260,18 @@ def test_the_bf16_probe_times_this_processor():
 
     slow = hardware.bf16_slowdown()
     assert slow > 0 and hardware.bf16_slowdown() is slow  # measured once per process
+
+
+def test_a_step_report_and_its_memory_print_in_one_line():
+    """Outside a notebook ``print(report)`` was a screenful of nested dataclass fields."""
+    from nbtune.units import format_bytes
+
+    session = small_session()
+    report = session.step()
+    line, memory = repr(report), repr(report.memory)
+    assert "\n" not in line + memory and len(line) < 160 and len(memory) < 200
+    assert line.startswith(f"StepReport(step 1: loss {report.loss:.4f}, ")
+    assert f"peak {format_bytes(report.memory.peak)}" in line and f"lr {report.lr:.3g}" in line
+    assert memory.startswith(f"MemoryBreakdown(peak {format_bytes(report.memory.peak)} on cpu: ")
+    assert f"parameters {format_bytes(report.memory.parameters)}" in memory
+    assert memory.endswith("; measured)") and str(report) == line

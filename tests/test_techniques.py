@@ -92,6 +92,31 @@ def test_compiled_layers_and_loss_match_eager():
     torch.testing.assert_close(compiled, eager, atol=1e-3, rtol=1e-5)
 
 
+def test_a_compiled_layer_compiles_once_more_for_a_new_length_then_never_again():
+    """On an H200 compiled steps of 80 and 81 tokens recompiled again and again (8.1, 5.9,
+    8.7 s each): ``is_causal=T > 1`` was a symbolic bool once the length went dynamic, SDPA
+    refused it, and the graph broke there. Now: one graph, one dynamic recompile, no break."""
+    from torch._dynamo.utils import counters
+
+    from nbtune.models.decoder import DecoderLayer, rope_tables
+
+    torch._dynamo.reset()
+    counters.clear()
+    config = small_session().model.config
+    layer = DecoderLayer(config, 0)
+    layer.train()
+    layer.compile()
+    graphs = []
+    for tokens in (8, 9, 8, 9, 10):
+        x = torch.randn(2, tokens, config.hidden_size, requires_grad=True)
+        cos, sin = rope_tables(config, torch.arange(tokens), torch.float32)
+        layer(x, cos, sin).sum().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert graphs == [1, 2, 2, 2, 2]
+    torch._dynamo.reset()
+
+
 def test_clipping_bounds_the_update():
     clipped, free = small_session(lr=1.0, optimizer="sgd", max_grad_norm=1e-3), small_session(lr=1.0, optimizer="sgd")
     start = {n: p.detach().clone() for n, p in free.model.named_parameters()}

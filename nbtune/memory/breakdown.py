@@ -124,6 +124,15 @@ class MemoryBreakdown:
         """CUDA: reserved by the allocator but not holding tensors at the peak."""
         return max(0, self.reserved - self.peak) if self.reserved else 0
 
+    def __repr__(self) -> str:
+        """One line, what a person reads first (``as_dict()`` has every field)."""
+        from ..units import format_bytes
+
+        parts = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}"
+                          for name, value in self.categories.items() if value)
+        how = "measured" if self.measured else "carried or predicted"
+        return f"MemoryBreakdown(peak {format_bytes(self.peak)} on {self.device}: {parts}; {how})"
+
     def carried(self) -> "MemoryBreakdown":
         """This breakdown marked as not measured on the step it is reported for."""
         return replace(self, measured=False)

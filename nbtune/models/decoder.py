@@ -137,8 +137,13 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         if cache is not None:
             k, v = cache.extend(self.layer_idx, k, v)
+        # Causal unless a mask says otherwise or one cached token's query attends to all the
+        # keys. Without a cache the answer is a plain bool: under torch.compile with a dynamic
+        # length ``T > 1`` is a symbolic bool, which SDPA refuses, so each new length broke the
+        # graph and recompiled the frames after the break, one step at a time (seen on an H200).
+        causal = mask is None and (cache is None or T > 1)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+            q, k, v, attn_mask=mask, is_causal=causal,
             enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 

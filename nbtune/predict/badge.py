@@ -9,6 +9,11 @@ from ..memory.breakdown import MemoryBreakdown
 from ..units import format_bytes
 from .budgets import host_usable, parse_budget, parse_machine, required, usable
 
+# The category holding most at the peak, in words: "other" alone says nothing.
+HELD_BY = {"other": "other (the step's temporaries: attention and MLP scratch, the loss's "
+                    "logits, the optimizer step's; on CUDA also cuBLAS workspaces)",
+           "optimizer_state": "optimizer state"}
+
 @dataclass(frozen=True)
 class FitBadge:
     """Whether a step's memory fits a budget, on the card and (where known) on the host: for
@@ -56,7 +61,8 @@ class FitBadge:
         room = format_bytes(self.usable)
         if self.usable != self.budget:
             room += f" usable of {format_bytes(self.budget)}"
-        most = f"; most held by {self.largest.replace('_', ' ')}" if self.largest else ""
+        most = (f"; most held by {HELD_BY.get(self.largest, self.largest.replace('_', ' '))}"
+                if self.largest else "")
         if self.fits_card:
             card = f"{format_bytes(self.headroom)} to spare of {room}"
         else:

@@ -154,6 +154,7 @@ class FitResult:
     candidates: int = 0  # size of the search space
     host_budget: int | None = None  # the host's memory checked against (None: not checked)
     host_usable: int | None = None
+    search: str = ""  # what the search cost (estimates run, cache hits, ruled out): the details
 
     @property
     def fits(self) -> bool:
@@ -193,7 +194,7 @@ class FitResult:
             lines.append(mark + " " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                                 for i, (c, w) in enumerate(zip(row, widths))))
         lines.insert(1, "   " + "  ".join("-" * w for w in widths))
-        return self.message + "\n\n" + "\n".join(lines)
+        return self.message + "\n\n" + "\n".join(lines) + (f"\n\n({self.search}.)" if self.search else "")
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{h}</th>" for h in self.HEADER)
@@ -206,7 +207,9 @@ class FitResult:
                 f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
                 "<p style='font-size:smaller'>cost: step time relative to a plain step of the "
                 "start's method and dtype (nbtune.predict.tables.COSTS); maths: same updates as the start, "
-                "or changed.</p>")
+                "or changed.</p>"
+                + (f"<details><summary>The search</summary>{html.escape(self.search)}.</details>"
+                   if self.search else ""))
 
 
 def _describe(budget: int, room: int, device: str) -> str:
@@ -381,7 +384,7 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
                    and search.estimated[c.techniques].fits]
         chosen = fitting[0] if fitting else None
     skipped = len(search.pruned - set(search.estimated))
-    tried_text = _tried_text(search, skipped, len(space))
+    tried_text, searched = _failures(search), _searched(search, skipped, len(space))
     card = _describe(limit, room, target)
     if chosen is not None:
         c, memory = chosen, search.memories[chosen.techniques]
@@ -390,25 +393,29 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
                          out_of_tries)
         return FitResult(c.techniques, dict(c.changes), need, limit, room, start, device, search.rows,
                          c.exact, c.cost, message, memory, search.estimates, skipped, len(space),
-                         host_limit, host_room)
+                         host_limit, host_room, searched)
     where = card
     if host_limit is not None:
         where += f" and {format_bytes(host_room)} usable of {format_bytes(host_limit)} host memory"
     message = _nothing(search.rows, where, room, max_tries if out_of_tries else None, tried_text)
     return FitResult(None, {}, None, limit, room, start, device, search.rows, None, None, message,
-                     None, search.estimates, skipped, len(space), host_limit, host_room)
+                     None, search.estimates, skipped, len(space), host_limit, host_room, searched)
 
 
-def _tried_text(search: _Search, skipped: int, size: int) -> str:
-    """What the search cost: estimates run, cache hits, what was ruled out or failed."""
-    text = (f"{search.estimates} estimate{'s' if search.estimates != 1 else ''} run, "
+def _searched(search: _Search, skipped: int, size: int) -> str:
+    """What the search cost: estimates run, cache hits, what was ruled out (the details)."""
+    return (f"{search.estimates} estimate{'s' if search.estimates != 1 else ''} run, "
             f"{len(search.rows) - search.estimates} from the cache, {skipped} combination"
             f"{'s' if skipped != 1 else ''} ruled out without one, of {size}")
+
+
+def _failures(search: _Search) -> str:
+    """The estimates that failed (the message says so: its answer left them out)."""
     errors = [r for r in search.rows if r.error]
-    if errors:
-        text += (f"; {len(errors)} could not be estimated, and combinations including "
-                 f"their toggles were skipped (first: {errors[0].label}: {errors[0].error[:160]})")
-    return text
+    if not errors:
+        return ""
+    return (f" {len(errors)} could not be estimated, and combinations including their toggles "
+            f"were skipped (first: {errors[0].label}: {errors[0].error[:160]}).")
 
 
 def _on_host(memory: MemoryBreakdown, host_room: int | None, host_limit: int | None) -> str:
@@ -430,8 +437,7 @@ def _found(c: Candidate, need: int, card: str, on_host: str, tried_text: str,
            out_of_tries: bool) -> str:
     """The message of a search that found a combination."""
     if not c.changes:
-        return (f"The start fits: predicted peak {format_bytes(need)} of {card}.{on_host} "
-                f"({tried_text}.)")
+        return f"The start fits: predicted peak {format_bytes(need)} of {card}.{on_host}{tried_text}"
     what = ("The cheapest predicted to fit before max_tries ran out (raise it to look "
             "for a faster one)" if out_of_tries else "Fastest predicted to fit")
     message = (f"{what}: {c.label}; predicted peak {format_bytes(need)} of "
@@ -442,7 +448,7 @@ def _found(c: Candidate, need: int, card: str, on_host: str, tried_text: str,
         maths = {k: v for k, v in c.changes.items() if k not in PLACEMENT_FIELDS}
         message += (" No combination that keeps the maths fits, so this one changes it: "
                     + ", ".join(f"{k}={v!r}" for k, v in maths.items()) + ".")
-    return message + f" {APPLY_IN_CODE} ({tried_text}.)"
+    return message + f" {APPLY_IN_CODE}{tried_text}"
 
 
 def _nothing(rows: list[FitRow], where: str, room: int, max_tries: int | None,
@@ -464,5 +470,5 @@ def _nothing(rows: list[FitRow], where: str, room: int, max_tries: int | None,
     else:
         message += (" Shorten seq_len, lower the effective batch (batch_size x grad_accum), "
                     "train fewer weights, or use a card with more memory.")
-    return message + f" ({tried_text}.)"
+    return message + tried_text
 

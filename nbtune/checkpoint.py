@@ -30,7 +30,7 @@ from .state import rng_problem
 from .step import StepReport
 from .techniques import Techniques
 
-ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS  # noqa: E402  (PEFT's file names)
 TRAINER_STATE = "trainer_state.json"
 FORMAT = 2  # 2: records the base model's fingerprint and the data position as a state dict
 # safetensors moves all of a file's CUDA tensors to the host at once before writing, so a

@@ -449,7 +449,7 @@ def tokenize_all(examples: list[Example], tokenizer: Tokenizer, seq_len: int,
     """Tokenize every example; returns the samples and how many were dropped as too long."""
     samples = [tokenize(ex, tokenizer, seq_len) for ex in examples]
     kept = [s for s in samples if s is not None]
-    if not kept:
+    if examples and not kept:
         raise DataError(f"Every row of {source} is longer than seq_len={seq_len} before its "
                         "response starts, so nothing is left to train on. Raise seq_len.")
     return kept, len(samples) - len(kept)
@@ -500,6 +500,11 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     return batch
 
 
+NO_TRAINING_DATA = ("This session has no training rows: it was made without data (to chat, "
+                    "evaluate or save). To train, make it with data: nt.Session.from_pretrained("
+                    "model, 'train.jsonl') (a JSONL path, rows or a datasets.Dataset).")
+
+
 class BatchStream:
     """Endless shuffled batches, reshuffled each epoch from a seed; position is plain data."""
 
@@ -546,6 +551,8 @@ class BatchStream:
         return other
 
     def next(self) -> dict[str, torch.Tensor]:
+        if not self.samples:
+            raise DataError(NO_TRAINING_DATA)
         picked = []
         while len(picked) < self.batch_size:
             if self.position == len(self._order):
@@ -562,7 +569,7 @@ class TrainingData:
     batches of a batch shape; what it has to say (rows skipped) comes back with the stream."""
 
     def __init__(self, train, tokenizer: Tokenizer, heldout=None) -> None:
-        self.train = examples_from(train)
+        self.train = examples_from(train) if train is not None else []  # None: chat, save only
         self.heldout = examples_from(heldout, "the held-out data") if heldout is not None else []
         self.tokenizer = tokenizer
         self._eval: tuple | None = None  # (seq_len, batch_size), batches: the last made

@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from .adapters import adapter_techniques, base_of, is_adapter_folder, load_adapter_weights, read_adapter
 from .data import (DataError, Example, TrainingData, check_renderable, examples_from,
                    prompt_and_reference, prompt_ids, prompt_text)
 from .generate import Reply, generate_ids
@@ -146,13 +147,22 @@ def assemble(model: CausalLM, tokenizer: Tokenizer, train: Iterable[Example] | s
     return Run(trainer, Runner(trainer), tokenizer, device, parallel=parallel, source=source)
 
 
-def from_pretrained(path_or_id: str | os.PathLike, data, *, heldout=None,
+def from_pretrained(path_or_id: str | os.PathLike, data=None, *, heldout=None,
                     techniques: Techniques | None = None, device=None,
-                    revision: str | None = None, parallel=None) -> Run:
-    """A Hugging Face folder, Hub repo id or ``.gguf`` file, and the training data (JSONL
-    path, rows or a datasets.Dataset); the data is read first, to fail fast on bad rows."""
+                    revision: str | None = None, parallel=None, base=None) -> Run:
+    """A Hugging Face folder, Hub repo id, ``.gguf`` file or saved LoRA adapter folder (on
+    its ``base``: the one it names, or the one given), and the training data (JSONL path,
+    rows or a datasets.Dataset; None to chat, evaluate or save only: training then says it
+    needs data). The data is read first, to fail fast on bad rows."""
+    chosen = techniques is not None
+    adapter = read_adapter(path_or_id) if is_adapter_folder(path_or_id) else None
+    if adapter is not None:
+        techniques = adapter_techniques(adapter, techniques)
+        path_or_id = base_of(adapter, base)
+    elif base is not None:
+        raise ValueError(f"base={base!r} is for an adapter folder; {path_or_id} is a whole model.")
     techniques = as_techniques(techniques)
-    train = examples_from(data)
+    train = examples_from(data) if data is not None else None
     held = examples_from(heldout, "the held-out data") if heldout is not None else None
     if is_gguf(path_or_id):
         base = GGUFFile(path_or_id)  # parsed once for the tokenizer and the weights
@@ -160,14 +170,19 @@ def from_pretrained(path_or_id: str | os.PathLike, data, *, heldout=None,
     else:
         base = resolve_model_folder(path_or_id, revision)
         tokenizer = Tokenizer.from_folder(base)
-    check_renderable(train + (held or []), tokenizer)
+    check_renderable((train or []) + (held or []), tokenizer)
     quantize = techniques.lora_targets if techniques.method == "qlora" else ()
     if parallel is not None:
         device = parallel.device
     model = load_model(base, dtype=techniques.dtype, device=device or default_device(),
                        quantize=quantize)  # NF4 as each weight is read: lean loading
+    if not chosen:  # the default rows fit the model's context
+        techniques = techniques.replace(
+            seq_len=min(techniques.seq_len, model.config.max_position_embeddings))
     run = assemble(model, tokenizer, train, heldout=held, techniques=techniques, device=device,
                    parallel=parallel, source=str(path_or_id), base=base)
+    if adapter is not None:
+        load_adapter_weights(run.model, adapter)
     run.data_files = {split: str(value) for split, value in (("train", data), ("heldout", heldout))
                       if isinstance(value, (str, os.PathLike))}
     return run

@@ -150,13 +150,16 @@ class Session:
     # ---- construction -------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path_or_id: str | os.PathLike, data, *, heldout=None,
+    def from_pretrained(cls, path_or_id: str | os.PathLike, data=None, *, heldout=None,
                         techniques: Techniques | None = None, device=None,
-                        revision: str | None = None, parallel=None) -> "Session":
-        """Load a Hugging Face folder, Hub repo id or ``.gguf`` file, and the training data
-        (JSONL path, rows or a datasets.Dataset)."""
+                        revision: str | None = None, parallel=None, base=None) -> "Session":
+        """Load a Hugging Face folder, Hub repo id, ``.gguf`` file or a saved LoRA adapter
+        folder (on the base it names, or ``base=``), and the training data (JSONL path, rows
+        or a datasets.Dataset). Without data the session chats, evaluates and saves; training
+        asks for data."""
         return cls._of(runs.from_pretrained(path_or_id, data, heldout=heldout, techniques=techniques,
-                                            device=device, revision=revision, parallel=parallel))
+                                            device=device, revision=revision, parallel=parallel,
+                                            base=base))
 
     @classmethod
     def from_config(cls, config, *, overrides: dict | None = None, device=None,

@@ -22,7 +22,7 @@ LAYERS = [
     # 0. basics: words, sizes, the model and its files, data, memory accounting, techniques
     ["units", "files", "template", "techniques", "host", "hardware", "overhead", "atomic", "hub", "scoring",
      "generate", "models", "data", "memory.accounting", "memory.breakdown", "memory.tracker",
-     "memory.sampling", "memory.snapshot", "memory", "peft", "optim", "activations", "plan",
+     "memory.sampling", "memory.snapshot", "memory", "peft", "adapters", "optim", "activations", "plan",
      "step", "loss", "undo", "state", "datasets", "quiet"],
     # 1. the state's forms on disk and across ranks
     ["distributed", "checkpoint", "sharded_checkpoint"],

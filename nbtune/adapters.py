@@ -1,0 +1,145 @@
+"""A saved LoRA adapter back onto its base model, to chat with it, evaluate it or train on.
+
+``session.save(folder)`` of a LoRA or QLoRA session writes PEFT's adapter folder
+(``adapter_config.json`` and ``adapter_model.safetensors``, beside the tokenizer); PEFT and
+transformers read it, and so does ``Session.from_pretrained(folder)``. Its base is the one
+``base_model_name_or_path`` names where that is loadable here (a folder, a ``.gguf`` file or a
+Hub repo id), else the ``base=`` given. Both files cross the trust boundary: the config
+bounded and checked field by field, the weights matched name for name and shape for shape
+against the adapters the techniques make before any is copied in.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import files
+from .techniques import LORA_TARGETS, Techniques, as_techniques
+
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+PREFIX = "base_model.model."  # PEFT's names: base_model.model.<module>.lora_A.weight
+
+
+class AdapterError(ValueError):
+    """An adapter folder nbtune cannot put on this base, with the reason and the fix."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    folder: Path
+    base: str | None  # base_model_name_or_path, as written
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+
+
+def is_adapter_folder(path) -> bool:
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    folder = Path(path).expanduser()
+    return folder.is_dir() and (folder / ADAPTER_CONFIG).is_file()
+
+
+def read_adapter(folder) -> Adapter:
+    """The adapter folder's LoRA settings, refused where nbtune does not make such adapters."""
+    folder = Path(folder).expanduser()
+    config = files.read_json(files.inside(folder, ADAPTER_CONFIG, "adapter config"),
+                             "PEFT adapter config")
+
+    def bad(problem: str) -> AdapterError:
+        return AdapterError(f"{folder / ADAPTER_CONFIG}: {problem}")
+
+    if config.get("peft_type", "LORA") != "LORA":
+        raise bad(f"peft_type is {config.get('peft_type')!r}; nbtune loads LoRA adapters only.")
+    for flag in ("use_dora", "use_rslora"):
+        if config.get(flag):
+            raise bad(f"{flag} is set; nbtune's adapters are plain LoRA.")
+    if config.get("bias", "none") != "none" or config.get("modules_to_save"):
+        raise bad("it trains biases or whole modules beside the adapters; nbtune loads plain "
+                  "LoRA adapters (bias='none', no modules_to_save).")
+    if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("layers_to_transform"):
+        raise bad("its rank or alpha differs by layer, or it adapts some layers only; nbtune's "
+                  "adapters share one rank and alpha over every layer.")
+    rank, alpha, dropout = config.get("r"), config.get("lora_alpha"), config.get("lora_dropout", 0.0)
+    if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 < rank <= 1 << 16):
+        raise bad(f"r is {rank!r}, not a rank (a positive integer).")
+    for name, value in (("lora_alpha", alpha), ("lora_dropout", dropout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise bad(f"{name} is {value!r}, not a number.")
+    targets = config.get("target_modules")
+    targets = [targets] if isinstance(targets, str) else targets
+    if not (isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)):
+        raise bad(f"target_modules is {config.get('target_modules')!r}, not a list of module names.")
+    base = config.get("base_model_name_or_path")
+    names = {t.rpartition(".")[2] for t in targets}  # in the order nbtune lists them
+    order = sorted(names, key=lambda n: (LORA_TARGETS.index(n) if n in LORA_TARGETS else len(LORA_TARGETS), n))
+    return Adapter(folder, base if isinstance(base, str) and base else None, rank, float(alpha),
+                   float(dropout), tuple(order))
+
+
+def adapter_techniques(adapter: Adapter, given: Techniques | dict | None) -> Techniques:
+    """The given techniques (default: LoRA) with the adapter's rank, alpha, dropout and targets."""
+    t = as_techniques(given, Techniques(method="lora"))
+    if t.method == "full":
+        t = t.replace(method="lora")  # an adapter is trained as one, on a frozen base
+    return t.replace(lora_rank=adapter.rank, lora_alpha=adapter.alpha,
+                     lora_dropout=adapter.dropout, lora_targets=adapter.targets)
+
+
+def base_of(adapter: Adapter, base) -> str | os.PathLike:
+    """The base to load: ``base`` if given, else the one the adapter names (or why not)."""
+    if base is not None:
+        return base
+    if adapter.base is None:
+        raise AdapterError(f"{adapter.folder} names no base model (base_model_name_or_path): pass "
+                           "base= (the base model's folder, .gguf file or Hub repo id).")
+    named = Path(adapter.base).expanduser()
+    if (named.is_absolute() or adapter.base.startswith(".")) and not named.exists():
+        raise AdapterError(f"{adapter.folder} was trained on {adapter.base}, which is not on this "
+                           "machine: pass base= (that model's folder, .gguf file or Hub repo id).")
+    return adapter.base
+
+
+@torch.no_grad()
+def load_adapter_weights(model: nn.Module, adapter: Adapter) -> None:
+    """Copy the adapter's weights into ``model``'s LoRA modules. Every name and shape is
+    checked first: a mismatch changes nothing."""
+    from safetensors import SafetensorError, safe_open
+
+    from .peft import LoRALinear
+
+    path = files.inside(adapter.folder, ADAPTER_WEIGHTS, "adapter weights", links=True)
+    files.regular_file(path, "adapter weights", "weights_bytes")
+    targets = {f"{PREFIX}{name}.{part}.weight": getattr(module, part).weight
+               for name, module in model.named_modules() if isinstance(module, LoRALinear)
+               for part in ("lora_A", "lora_B")}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = set(f.keys())
+            missing, extra = sorted(targets.keys() - names), sorted(names - targets.keys())
+            if missing or extra:
+                raise AdapterError(
+                    f"{path} does not fit this base: {len(missing)} adapter weights missing"
+                    f"{' (' + missing[0] + ', ...)' if missing else ''}, {len(extra)} the base has "
+                    f"no place for{' (' + extra[0] + ', ...)' if extra else ''}. Is it this "
+                    "base's adapter? Pass base= to load it on another.")
+            for name, target in targets.items():
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(target.shape):
+                    raise AdapterError(f"{path}: {name} is {list(shape)}, but this base's adapter "
+                                       f"there is {list(target.shape)}: another base or rank.")
+            loaded = {name: f.get_tensor(name) for name in targets}
+    except SafetensorError as err:
+        raise AdapterError(f"{path} is damaged ({err}): save the adapter again.") from None
+    bad = [name for name, value in loaded.items() if not torch.isfinite(value).all()]
+    if bad:
+        raise AdapterError(f"{path}: {bad[0]} holds NaN or infinite values: the adapter is damaged.")
+    for name, target in targets.items():
+        target.copy_(loaded[name].to(target.dtype))

@@ -1,0 +1,117 @@
+"""A saved LoRA adapter back onto its base: the same model as the session that saved it,
+without training data until training; damaged or foreign adapters refused, nothing changed."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import nbtune as nt
+from nbtune.adapters import AdapterError
+from nbtune.data import DataError, load_examples
+from nbtune.models import demo_model_dir
+from nbtune.session import demo_data_file
+
+LORA = dict(method="lora", lora_rank=4, lora_alpha=8.0, lr=1e-2, batch_size=4, seq_len=96)
+IDS = torch.tensor([[1, 5, 7, 9, 11, 13, 17]])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny LoRA session trained 3 steps and its adapter folder."""
+    torch.manual_seed(0)
+    session = nt.Session.demo(techniques=LORA)
+    session.echo = False
+    for _ in range(3):
+        session.step()
+    folder = tmp_path_factory.mktemp("adapter") / "adapter"
+    session.save(folder)
+    session.model.eval()
+    with torch.no_grad():
+        logits = session.model(IDS)
+    return session, folder, logits
+
+
+def logits_of(session):
+    session.model.eval()
+    with torch.no_grad():
+        return session.model(IDS)
+
+
+def test_an_adapter_folder_loads_onto_the_base_it_names_and_equals_the_session_that_saved_it(saved):
+    session, folder, logits = saved
+    assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] \
+        == str(demo_model_dir())
+    back = nt.Session.from_pretrained(folder)  # no data: to chat, evaluate or save
+    back.echo = False
+    assert (back.techniques.method, back.techniques.lora_rank, back.techniques.lora_alpha) == \
+        ("lora", 4, 8.0)
+    assert back.techniques.lora_targets == nt.Techniques().lora_targets
+    assert torch.equal(logits_of(back), logits)  # bit for bit
+    assert back.generate("Which vowel is in the word?", input="bcud") == \
+        session.generate("Which vowel is in the word?", input="bcud")
+    # an untrained base gives other logits: the adapter is what made them equal
+    plain = nt.Session.from_pretrained(demo_model_dir(), techniques=nt.Techniques(method="lora",
+                                                                                  seq_len=96))
+    assert not torch.equal(logits_of(plain), logits)
+
+
+def test_without_data_training_asks_for_it_and_changes_nothing(saved):
+    _, folder, logits = saved
+    back = nt.Session.from_pretrained(folder)
+    back.echo = False
+    with pytest.raises(DataError, match="no training rows: it was made without data"):
+        back.step()
+    assert back.history == [] and torch.equal(logits_of(back), logits)
+    rows = load_examples(demo_data_file("train"))[:16]
+    further = nt.Session.from_pretrained(folder, rows, techniques=nt.Techniques(**LORA))
+    further.echo = False
+    assert torch.equal(logits_of(further), logits)
+    further.model.train()
+    report = further.step()  # trains on from the adapter
+    assert torch.isfinite(torch.tensor(report.loss)) and not torch.equal(logits_of(further), logits)
+
+
+def test_a_base_that_is_not_here_asks_for_base_and_base_loads_it(saved, tmp_path):
+    _, folder, logits = saved
+    moved = tmp_path / "moved"
+    shutil.copytree(folder, moved)
+    config = json.loads((moved / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "/nowhere/llama-base"
+    (moved / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterError, match="trained on /nowhere/llama-base, which is not on this "
+                                           "machine: pass base="):
+        nt.Session.from_pretrained(moved)
+    back = nt.Session.from_pretrained(moved, base=demo_model_dir())
+    assert torch.equal(logits_of(back), logits)
+    with pytest.raises(ValueError, match="base= is for an adapter folder|is for an adapter folder"):
+        nt.Session.from_pretrained(demo_model_dir(), base=demo_model_dir())
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"r": "eight"}, "r is 'eight', not a rank"),
+    ({"r": 8}, "lora_A.weight is \\[4, 128\\], but this base's adapter there is \\[8, 128\\]"),
+    ({"lora_alpha": float("nan")}, "lora_alpha is nan, not a number"),
+    ({"use_dora": True}, "use_dora is set"),
+    ({"target_modules": ["q_proj"]}, "adapter weights missing|the base has no place for"),
+    ({"peft_type": "IA3"}, "nbtune loads LoRA adapters only"),
+])
+def test_a_foreign_or_damaged_adapter_is_refused_by_name(saved, tmp_path, change, message):
+    _, folder, _ = saved
+    crafted = tmp_path / "crafted"
+    shutil.copytree(folder, crafted)
+    config = {**json.loads((crafted / "adapter_config.json").read_text()), **change}
+    (crafted / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterError, match=message):
+        nt.Session.from_pretrained(crafted)
+
+
+def test_damaged_adapter_weights_are_refused(saved, tmp_path):
+    _, folder, _ = saved
+    crafted = tmp_path / "crafted"
+    shutil.copytree(folder, crafted)
+    weights = crafted / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(AdapterError, match="is damaged"):
+        nt.Session.from_pretrained(crafted)

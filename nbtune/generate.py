@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from typing import Callable
 
 import torch
 
@@ -65,12 +66,14 @@ def check_generation_args(prompt_tokens: int, limit: int, *, max_new_tokens, tem
 @torch.no_grad()
 def generate_ids(model: CausalLM, prompt_ids: list[int], *, max_new_tokens: int,
                  stop_ids: frozenset[int] | set[int], temperature: float = 0.0, top_p: float = 1.0,
-                 generator: torch.Generator | None = None) -> list[int]:
+                 generator: torch.Generator | None = None,
+                 on_token: Callable[[list[int]], None] | None = None) -> list[int]:
     """New token ids after ``prompt_ids``, up to a stop token (not returned) or the budget.
 
     The prompt is read once; each new token then costs one single-token forward over the
     cached keys and values of everything before it. Bad settings raise ``ValueError`` before
     any of that (see ``check_generation_args``); ``max_new_tokens=0`` returns ``[]``.
+    ``on_token`` is called with the ids so far after each new one (streaming).
     """
     limit = model.config.max_position_embeddings
     check_generation_args(len(prompt_ids), limit, max_new_tokens=max_new_tokens,
@@ -86,7 +89,25 @@ def generate_ids(model: CausalLM, prompt_ids: list[int], *, max_new_tokens: int,
         if token in stop_ids:
             break
         out.append(token)
+        if on_token is not None:
+            on_token(out)
         if cache.length >= limit:
             break
         logits = model(torch.tensor([[token]], device=device), cache=cache)[0, -1]
     return out
+
+
+class TextStream:
+    """Turns the growing list of new ids into the text each one adds, for ``stream``: the
+    whole is decoded each time and only what follows the text already given is passed on
+    (a token may end inside a multi-byte character, which decodes once it is whole)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], write: Callable[[str], object]) -> None:
+        self.decode, self.write, self.given = decode, write, ""
+
+    def __call__(self, ids: list[int], last: bool = False) -> None:
+        text = self.decode(ids)
+        whole = last or not text.endswith("\ufffd")  # else wait for the character's other bytes
+        if text.startswith(self.given) and len(text) > len(self.given) and whole:
+            self.write(text[len(self.given):])
+            self.given = text

@@ -20,7 +20,7 @@ import torch
 from .adapters import adapter_techniques, base_of, is_adapter_folder, load_adapter_weights, read_adapter
 from .data import (DataError, Example, TrainingData, check_renderable, examples_from,
                    prompt_and_reference, prompt_ids, prompt_text)
-from .generate import Reply, generate_ids
+from .generate import Reply, TextStream, generate_ids
 from .hub import resolve_model_folder
 from .models import Tokenizer, load_model
 from .models.decoder import CausalLM
@@ -95,22 +95,55 @@ class Run:
 
     def generate(self, prompt: str, *, input: str = "", max_new_tokens: int = 48,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                 raw: bool = False) -> Reply:
+                 raw: bool = False, stream=None) -> Reply:
         """``Session.generate``: the prompt written as training rows are unless ``raw``."""
         if not isinstance(prompt, str) or not isinstance(input, str):
             raise TypeError(f"generate: prompt and input must be strings, got "
                             f"{type(prompt).__name__} and {type(input).__name__}.")
-        text = prompt if raw else prompt_text(self.tokenizer, prompt, input)
+        return self._reply(prompt if raw else prompt_text(self.tokenizer, prompt, input),
+                           stream, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_p=top_p, seed=seed)
+
+    def _reply(self, text: str, stream, *, max_new_tokens, temperature, top_p, seed) -> Reply:
+        """Generate after ``text``; ``stream``: True prints each piece as it is made, a
+        function is given each piece."""
+        if stream is True:
+            def stream(piece: str) -> None:
+                print(piece, end="", flush=True)
+        elif stream is not None and not callable(stream):
+            raise TypeError(f"stream={stream!r}: pass True (print as it comes) or a function "
+                            "that takes each piece of text.")
         generator = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
+        pieces = TextStream(self.tokenizer.decode, stream) if stream else None
         was_training = self.model.training
         self.model.eval()
         try:
             new = generate_ids(self.model, prompt_ids(self.tokenizer, text),
                                max_new_tokens=max_new_tokens, stop_ids=self.tokenizer.stop_ids,
-                               temperature=temperature, top_p=top_p, generator=generator)
+                               temperature=temperature, top_p=top_p, generator=generator,
+                               on_token=pieces)
         finally:
             self.model.train(was_training)
+        if pieces is not None:
+            pieces(new, last=True)  # what a cut-off character held back
         return Reply(self.tokenizer.decode(new))
+
+    def chat(self, message: str, history: list[dict], **settings) -> Reply:
+        """``Session.chat``: ``message`` after ``history`` (role/content dicts), through the
+        model's chat template."""
+        if not isinstance(message, str):
+            raise TypeError(f"chat: the message must be a string, got {type(message).__name__}.")
+        if self.tokenizer.chat_template is None:
+            raise ValueError("This model has no chat template, so it cannot hold a conversation: "
+                             "use session.generate(prompt), which writes the prompt as its "
+                             "training rows were written.")
+        turns = history + [{"role": "user", "content": message}]
+        stream = settings.pop("stream", None)
+        reply = self._reply(self.tokenizer.render_chat(turns, add_generation_prompt=True), stream,
+                            **{"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0,
+                               "seed": None, **settings})
+        history += [{"role": "user", "content": message}, {"role": "assistant", "content": str(reply)}]
+        return reply
 
     def evaluate(self, examples: Iterable[Example] | None = None,
                  match: str | Callable[[str, str], bool] | None = None) -> float:

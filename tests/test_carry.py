@@ -127,7 +127,7 @@ def test_longest_context_of_a_tiled_run_draws_its_line_through_carried_lengths()
     config = FAMILIES["llama"]
     t = dict(batch_size=1, activation_checkpointing=True, chunked_loss=8, tile_tokens=64,
              method="lora")
-    budget = required(nt.estimate(config, {**t, "seq_len": 64 * 40}, device="cpu"))
+    budget = required(nt.estimate(config, {**t, "seq_len": 64 * 20}, device="cpu"))
     result = longest_context(Predictor(config, "cpu"), budget, t, device="cpu")
     assert [p[0] for p in result.tried[:2]] == [64 * carry.BASE, 64 * 2 * carry.BASE]
     assert required(result.memory) <= budget

@@ -548,8 +548,9 @@ def write_gguf(path: str | os.PathLike, state: dict[str, torch.Tensor], config: 
                  for i in range(config.num_layers) for gg, hf in _LAYER_NAMES.items()})
     writer = GGUFWriter(str(path), arch)
     writer.add_name(name)
-    writer.add_file_type({"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16}.get(
-        quantization) or LlamaFileType[f"MOSTLY_{quantization.upper()}"])
+    plain = {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16}  # (ALL_F32 is 0)
+    writer.add_file_type(plain[quantization] if quantization in plain
+                         else LlamaFileType[f"MOSTLY_{quantization.upper()}"])
     writer.add_vocab_size(config.vocab_size)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)

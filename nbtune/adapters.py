@@ -23,7 +23,6 @@ from . import files
 from .techniques import LORA_TARGETS, Techniques, as_techniques
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
-PREFIX = "base_model.model."  # PEFT's names: base_model.model.<module>.lora_A.weight
 
 
 class AdapterError(ValueError):
@@ -113,13 +112,11 @@ def load_adapter_weights(model: nn.Module, adapter: Adapter) -> None:
     checked first: a mismatch changes nothing."""
     from safetensors import SafetensorError, safe_open
 
-    from .peft import LoRALinear
+    from .peft import adapter_parameters
 
     path = files.inside(adapter.folder, ADAPTER_WEIGHTS, "adapter weights", links=True)
     files.regular_file(path, "adapter weights", "weights_bytes")
-    targets = {f"{PREFIX}{name}.{part}.weight": getattr(module, part).weight
-               for name, module in model.named_modules() if isinstance(module, LoRALinear)
-               for part in ("lora_A", "lora_B")}
+    targets = adapter_parameters(model)  # the names save writes
     try:
         with safe_open(str(path), framework="pt") as f:
             names = set(f.keys())

@@ -319,10 +319,7 @@ def _run(parts, path, out, out_dir, settings, resume, parallel, rank, say, start
     finally:
         loggers.close()
     if interrupted:
-        if parts.history and parallel is None:
-            folder = _save_checkpoint(parts, out_dir, settings.keep_checkpoints, lead, parallel)
-            say(f"interrupted after step {len(parts.history)}: saved {folder}; continue with "
-                f"nbtune train {path} --resume" + (f" --out {out}" if out else ""))
+        _say_interrupted(parts, path, out, out_dir, settings, parallel, lead, say)
         return 130
     ranks = rank_memory(parts, parallel)
     if ranks is not None:
@@ -347,6 +344,21 @@ def _run(parts, path, out, out_dir, settings, resume, parallel, rank, say, start
           f"{format_bytes(summary['peak_bytes'])}, {summary['seconds']:.0f} s; saved "
           + (", ".join(saved.values()) or "nothing") + f"; metrics in {out_dir / METRICS}")
     return 0
+
+
+def _say_interrupted(parts, path, out, out_dir: Path, settings, parallel, lead: bool, say) -> None:
+    """An interrupted run (Ctrl-C, SIGTERM, SIGHUP): save the last completed step and say how
+    to continue; under torchrun (the ranks may not all have stopped at the same step) say
+    which checkpoint is the newest instead."""
+    if parts.history and parallel is None:
+        folder = _save_checkpoint(parts, out_dir, settings.keep_checkpoints, lead, parallel)
+        say(f"interrupted after step {len(parts.history)}: saved {folder}; continue with "
+            f"nbtune train {path} --resume" + (f" --out {out}" if out else ""))
+    elif parallel is not None:
+        found = checkpoints(out_dir)
+        say(f"interrupted after step {len(parts.history)}: under torchrun no checkpoint is "
+            "written on an interrupt; " + (f"the newest is {found[-1]} (--resume continues it)"
+                                           if found else "none was written before it"))
 
 
 def _save_outputs(parts, out_dir: Path, kinds) -> dict:

@@ -239,13 +239,16 @@ def set_lora_options(model: nn.Module, alpha: float, dropout: float) -> None:
         module.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
 
+def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The adapters' parameters under PEFT's file names (``base_model.model.<module>.lora_A.weight``):
+    what a saved adapter holds, and where a loaded one goes."""
+    return {f"base_model.model.{name}.{part}.weight": getattr(module, part).weight
+            for name, module in _lora_modules(model) for part in ("lora_A", "lora_B")}
+
+
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Adapter weights under PEFT's file names (``base_model.model.<module>.lora_A.weight``)."""
-    out = {}
-    for name, module in _lora_modules(model):
-        out[f"base_model.model.{name}.lora_A.weight"] = module.lora_A.weight.detach().contiguous()
-        out[f"base_model.model.{name}.lora_B.weight"] = module.lora_B.weight.detach().contiguous()
-    return out
+    """Adapter weights under PEFT's file names, detached (to save)."""
+    return {name: p.detach().contiguous() for name, p in adapter_parameters(model).items()}
 
 
 def adapter_config(model: nn.Module, base_model: str | None) -> dict:

@@ -128,9 +128,9 @@ class Run:
             pieces(new, last=True)  # what a cut-off character held back
         return Reply(self.tokenizer.decode(new))
 
-    def chat(self, message: str, history: list[dict], **settings) -> Reply:
+    def chat(self, message: str, history: list[dict], stream, **settings) -> Reply:
         """``Session.chat``: ``message`` after ``history`` (role/content dicts), through the
-        model's chat template."""
+        model's chat template; ``settings``: generation's (max_new_tokens, temperature, ...)."""
         if not isinstance(message, str):
             raise TypeError(f"chat: the message must be a string, got {type(message).__name__}.")
         if self.tokenizer.chat_template is None:
@@ -138,10 +138,8 @@ class Run:
                              "use session.generate(prompt), which writes the prompt as its "
                              "training rows were written.")
         turns = history + [{"role": "user", "content": message}]
-        stream = settings.pop("stream", None)
         reply = self._reply(self.tokenizer.render_chat(turns, add_generation_prompt=True), stream,
-                            **{"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0,
-                               "seed": None, **settings})
+                            **settings)
         history += [{"role": "user", "content": message}, {"role": "assistant", "content": str(reply)}]
         return reply
 

@@ -106,7 +106,6 @@ def required(memory: MemoryBreakdown) -> int:
     return highest + memory.outside
 
 
-
 _WORKSPACE_PAIR = re.compile(r":([0-9]+):([0-9]+)")
 
 

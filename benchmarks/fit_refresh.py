@@ -49,6 +49,11 @@ def measure() -> dict:
     again = nt.estimate("llama-3.1-8b", start.replace(seq_len=1024), device="cuda")
     out["estimate_warm_s"] = time.perf_counter() - began
     out["estimate_peak_bytes"] = [first.peak, again.peak]
+    try:
+        from nbtune.predict.budgets import cublas_workspaces
+        out["cublas_bytes"] = cublas_workspaces()
+    except ImportError:  # an earlier tree
+        pass
 
     shown = []
     try:  # the Predictor the panel uses (this tree); an earlier tree's FitCheck took a config
@@ -69,7 +74,8 @@ def measure() -> dict:
     result = nt.fit("llama-3.1-8b", "RTX 3090", full)
     out["fit_s"] = time.perf_counter() - began
     out["fit_answer"] = {"changes": {k: str(v) for k, v in result.changes.items()},
-                         "peak_bytes": result.peak, "estimates": result.estimates}
+                         "peak_bytes": result.peak, "estimates": result.estimates,
+                         "searched_to_the_end": "max_tries ran out" not in result.message}
 
     long = nt.Techniques(method="qlora", dtype="bf16", lora_rank=32, lora_alpha=64.0, batch_size=1,
                          activation_checkpointing=True, chunked_loss=64, tile_tokens=4096,
@@ -127,16 +133,23 @@ def main() -> int:
               f"{(f'{old / now[key]:8.1f}x' if old else '        -'):>9s} "
               f"{(f'<={target:g}s' if target else ''):>7s}")
     if before:
-        same = before["estimate_peak_bytes"] == now["estimate_peak_bytes"]
-        print(f"the two estimates' peaks are {'equal to the byte' if same else 'DIFFERENT'}: "
-              f"{now['estimate_peak_bytes']} vs {before['estimate_peak_bytes']}")
+        apart = {a - b for a, b in zip(now["estimate_peak_bytes"], before["estimate_peak_bytes"])}
+        print("the two estimates' peaks are " + ("equal to the byte" if apart == {0} else
+              f"DIFFERENT by {sorted(apart)} bytes (the cuBLAS workspaces, added after the GPU "
+              f"run, are {now.get('cublas_bytes', '?')})") + f": {now['estimate_peak_bytes']} vs "
+              f"{before['estimate_peak_bytes']}")
     print(f"badge: {now['badge']}; fit: {now['fit_answer']}; longest context: "
           f"{now['longest_answer']['tokens']:,} tokens ({now['longest_answer']['limit']})")
     if before:
-        same = (before["fit_answer"] == now["fit_answer"] and before["badge"] == now["badge"]
-                and before["longest_answer"]["tokens"] == now["longest_answer"]["tokens"])
-        print(f"the badge, fit and longest-context answers are {'the same' if same else 'DIFFERENT'}"
-              " on both trees")
+        fit_before = before["fit_answer"]
+        for name, same in (("badge", before["badge"] == now["badge"]),
+                           ("fit", fit_before["changes"] == now["fit_answer"]["changes"]),
+                           ("longest context", before["longest_answer"]["tokens"]
+                            == now["longest_answer"]["tokens"])):
+            print(f"{name}: {'the same answer' if same else 'a DIFFERENT answer'} on both trees")
+        if not fit_before.get("searched_to_the_end", True):
+            print(f"(the baseline's fit stopped at max_tries with {fit_before['estimates']} "
+                  "estimates: its answer was the cheapest seen, not the cheapest that fits)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     import torch

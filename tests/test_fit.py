@@ -244,8 +244,10 @@ def test_estimates_are_cached_across_calls(monkeypatch):
 
 # ---- the search logic over whole spaces (stand-in estimator) -------------------------------
 
-def _stand_in_need(t: nt.Techniques) -> int:
-    """A step's need that falls along every toggle, as the real estimator's does."""
+def _stand_in_parts(t: nt.Techniques) -> dict:
+    """A step's memory by category, falling along every toggle as the real estimator's does
+    (and as ``fit`` bounds it: checkpointing removes part of each checkpointed layer's share
+    of the activations, the optimizer toggles part of the gradients and the state)."""
     weights = {"full": 100, "lora": 40, "qlora": 15}[t.method] * (1 if t.dtype == "bf16" else 2)
     grads = 0 if t.method != "full" else weights * (0.1 if t.optimizer_in_backward else 1)
     state = {"adamw": 2, "adamw8bit": 0.5, "ao_adamw4bit": 0.25}[t.optimizer] * (
@@ -255,7 +257,19 @@ def _stand_in_need(t: nt.Techniques) -> int:
     kept = 1 - 0.9 * checkpointed_fraction(t, layers)
     acts = 6 * t.batch_size * kept * (0.3 if t.activation_offloading else 1)
     logits = 10 * t.batch_size / (4 if t.chunked_loss > 1 else 1)
-    return int(1000 * (weights + grads + state + acts + logits))
+    return {"parameters": int(1000 * weights), "gradients": int(1000 * grads),
+            "optimizer_state": int(1000 * state), "activations": int(1000 * (acts + logits))}
+
+
+def _stand_in_need(t: nt.Techniques) -> int:
+    return sum(_stand_in_parts(t).values())
+
+
+def _stand_in_memory(t: nt.Techniques, device: str, **more) -> MemoryBreakdown:
+    """The stand-in's breakdown: every category held at the peak."""
+    parts = _stand_in_parts(t)
+    return MemoryBreakdown(peak=sum(parts.values()), device=device, measured=False,
+                           at_peak=parts, **parts, **more)
 
 
 @pytest.fixture
@@ -265,8 +279,7 @@ def stand_in(monkeypatch):
 
     def fake(model, t, device="cpu", **kwargs):
         calls.append(t)
-        return MemoryBreakdown(peak=_stand_in_need(t), device=device, measured=False,
-                               at_peak={"parameters": 1})
+        return _stand_in_memory(t, device)
 
     monkeypatch.setattr(predictor_module, "estimate", fake)
     yield calls
@@ -311,7 +324,7 @@ def test_combinations_the_estimator_cannot_run_are_reported_and_avoided(monkeypa
         calls.append(t)
         if t.activation_offloading and t.chunked_loss > 1:
             raise RuntimeError("torch.utils.checkpoint: Recomputed values differ")
-        return MemoryBreakdown(peak=_stand_in_need(t), device=device, measured=False)
+        return _stand_in_memory(t, device)
 
     monkeypatch.setattr(predictor_module, "estimate", fake)
     start = T(method="lora", batch_size=4, seq_len=256)
@@ -416,8 +429,7 @@ def stand_in_with_host(monkeypatch):
     clear_cache()
 
     def fake(model, t, device="cpu", **kwargs):
-        return MemoryBreakdown(peak=_stand_in_need(t), device=device, measured=False,
-                               at_peak={"parameters": 1}, host=_host_of(t))
+        return _stand_in_memory(t, device, host=_host_of(t))
 
     monkeypatch.setattr(predictor_module, "estimate", fake)
     yield
@@ -510,3 +522,78 @@ def test_fit_turns_down_what_moves_too_much_to_the_host(monkeypatch):
         else:
             assert "fit on the card but not on the host" in result.message
     clear_cache()
+
+
+# ---- what fit rules out by a failed estimate's breakdown (``reach``) ------------------------
+
+def _candidate(start: nt.Techniques, t: nt.Techniques, layers: int):
+    return next(c for c in search_space(start, "cuda", num_layers=layers) if c.techniques == t)
+
+
+@pytest.mark.parametrize("method,every", [("full", False), ("lora", 4)])
+def test_reach_bounds_what_checkpointing_and_the_optimizer_toggles_save_on_real_estimates(method, every):
+    """At a failed combination's peak, one that also checkpoints more layers or moves the
+    optimizer's memory holds at least its peak less ``reach``: checked against the real
+    estimator's answers for both (eight layers, on CUDA)."""
+    from nbtune.predict.search import reach
+
+    config = TINY.replace(num_layers=8)
+    start = T(method=method, batch_size=2, seq_len=64, chunked_loss=8)
+    predictor = Predictor.of(config, "cuda")
+    checked = 0
+    for failed_t in (start.replace(activation_checkpointing=every),):
+        failed = _candidate(start, failed_t, 8)
+        memory = predictor.estimate(failed_t)
+        for change in ({"activation_checkpointing": 2}, {"activation_checkpointing": True},
+                       {"optimizer_in_backward": True}, {"cpu_offload_optimizer": True},
+                       {"activation_checkpointing": True, "optimizer_in_backward": True}):
+            c = _candidate(start, failed_t.replace(**change), 8)
+            saves = reach(failed, memory, c, 8)
+            assert saves is not None and saves >= 0
+            assert predictor.estimate(c.techniques).peak >= memory.peak - saves, (failed_t, change)
+            checked += 1
+        # what it cannot bound: another axis, or other maths
+        for change in ({"batch_size": 1, "grad_accum": 2}, {"activation_offloading": True},
+                       {"optimizer": "adamw8bit"}):
+            assert reach(failed, memory, _candidate(start, failed_t.replace(**change), 8), 8) is None
+    assert checked == 5
+
+
+def test_reach_is_one_share_of_the_activations_per_layer_and_the_optimizers_memory():
+    from nbtune.predict.search import reach
+
+    start = T(method="lora", batch_size=2, seq_len=128)
+    failed = _candidate(start, start, 8)
+    memory = MemoryBreakdown(peak=100, activations=70, gradients=9, optimizer_state=30,
+                             at_peak={"gradients": 5, "optimizer_state": 30, "activations": 60})
+    every_2 = _candidate(start, start.replace(activation_checkpointing=2), 8)
+    assert reach(failed, memory, every_2, 8) == -(-4 * 70 // 7)  # 4 layers, 7 hold theirs whole
+    both = _candidate(start, start.replace(activation_checkpointing=2, optimizer_in_backward=True), 8)
+    assert reach(failed, memory, both, 8) == -(-4 * 70 // 7) + 5 + 30  # what is held at the peak
+    fewer = _candidate(start, start.replace(activation_checkpointing=4), 8)
+    assert reach(_candidate(start, start.replace(activation_checkpointing=4), 8), memory, every_2, 8) \
+        == -(-2 * 70 // 5)  # 2 more; 8 - 2 - 1 hold theirs whole
+    assert reach(every_2, memory, fewer, 8) == 0  # saves less: nothing more to save
+
+
+def test_fit_rules_out_by_reach_and_finds_the_same_answer(stand_in, monkeypatch):
+    """Over the LoRA space, the bound saves estimates and changes no answer."""
+    import nbtune.predict.search as search_module
+
+    start = T(method="lora", batch_size=4, seq_len=256)
+    config, space = TINY.replace(num_layers=8), search_space(start, "cuda", num_layers=8)
+    needs = sorted({_stand_in_need(c.techniques) for c in space})
+
+    def answers():
+        out = []
+        for budget in needs[::max(1, len(needs) // 12)]:
+            clear_cache()
+            result = nt.fit(config, budget, start, reserve=0, margin=0, max_tries=len(space))
+            out.append((result.techniques, result.estimates))
+        return out
+
+    bounded = answers()
+    monkeypatch.setattr(search_module, "reach", lambda *args: None)
+    unbounded = answers()
+    assert [t for t, _ in bounded] == [t for t, _ in unbounded]
+    assert sum(n for _, n in bounded) < sum(n for _, n in unbounded)

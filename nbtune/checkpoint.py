@@ -24,13 +24,14 @@ from safetensors.torch import load_file, save_file
 
 from .files import FileRefused, inside, read_json
 from .memory import MemoryBreakdown
+from .memory.usage import SOURCES, Usage
 from .models.hf import plain_state_dict, write_atomically, write_hf_folder
 from .peft import adapter_config, adapter_state_dict, has_lora, merged_state_dict
 from .state import rng_problem
 from .step import StepReport
 from .techniques import Techniques
 
-from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS  # noqa: E402  (PEFT's file names)
+from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_NOTE, base_name  # noqa: E402
 TRAINER_STATE = "trainer_state.json"
 FORMAT = 2  # 2: records the base model's fingerprint and the data position as a state dict
 # safetensors moves all of a file's CUDA tensors to the host at once before writing, so a
@@ -47,13 +48,16 @@ GGUF_FILE, MODELFILE = "model.gguf", "Modelfile"
 def check_save_args(format: str, quantization: str | None) -> None:
     """Refuse bad ``save`` arguments before anything is computed or written."""
     from .models.gguf import QUANTIZATIONS
+    from .models.kquants import K_QUANTS, llama_cpp
 
     if format not in SAVE_FORMATS:
         raise ValueError(f"format={format!r} is not one of {', '.join(map(repr, SAVE_FORMATS))}: "
                          "'hf' writes safetensors (or a PEFT adapter), 'gguf' one GGUF file.")
-    if format == "gguf" and quantization not in QUANTIZATIONS:
+    if format == "gguf" and quantization not in QUANTIZATIONS + tuple(K_QUANTS):
         raise ValueError(f"quantization={quantization!r} is not one nbtune writes to GGUF; pass one "
-                         f"of {', '.join(map(repr, QUANTIZATIONS))}.")
+                         f"of {', '.join(map(repr, QUANTIZATIONS + tuple(K_QUANTS)))}.")
+    if format == "gguf" and quantization in K_QUANTS:
+        llama_cpp()  # llama.cpp's quantizer is there, or say how to get it before writing
     if format == "hf" and quantization is not None:
         raise ValueError("quantization applies to format='gguf' only; safetensors keep the "
                          "session's dtype. Pass format='gguf' or drop quantization.")
@@ -62,6 +66,7 @@ def check_save_args(format: str, quantization: str | None) -> None:
 def save_gguf(session, folder, quantization: str) -> Path:
     """The full (LoRA: merged) weights as ``model.gguf`` plus an Ollama ``Modelfile``."""
     from .models.gguf import modelfile, write_gguf
+    from .models.kquants import K_QUANTS, quantize
 
     model = session.model
     state = merged_state_dict(model) if has_lora(model) else plain_state_dict(model)
@@ -70,8 +75,14 @@ def save_gguf(session, folder, quantization: str) -> Path:
     name = Path(session.source).stem if session.source else "nbtune model"
 
     def write(tmp: Path) -> None:
-        write_gguf(tmp / GGUF_FILE, state, model.config, session.tokenizer, quantization,
-                   name=f"{name} (nbtune)")
+        if quantization in K_QUANTS:  # llama.cpp quantizes the f16 file, which then goes
+            plain = write_gguf(tmp / "model-f16.gguf", state, model.config, session.tokenizer,
+                               "f16", name=f"{name} (nbtune)")
+            quantize(plain, tmp / GGUF_FILE, quantization)
+            plain.unlink()
+        else:
+            write_gguf(tmp / GGUF_FILE, state, model.config, session.tokenizer, quantization,
+                       name=f"{name} (nbtune)")
         (tmp / MODELFILE).write_text(modelfile(GGUF_FILE, session.tokenizer))
 
     return write_atomically(folder, write)
@@ -91,11 +102,14 @@ def save_session(session, folder, merge: bool = False, format: str = "hf",
                 "The base weights changed since loading (full finetuning or merged adapters), "
                 "so an adapter alone would not reproduce this model. Save with merge=True.")
         state = adapter_state_dict(model)
-        peft_config = adapter_config(model, session.source)
+        name, note = base_name(session.source)
+        peft_config = adapter_config(model, name)
 
         def write(tmp: Path) -> None:
             save_file(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
             (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config, indent=2))
+            if note is not None:
+                (tmp / BASE_NOTE).write_text(json.dumps(note, indent=2))
             session.tokenizer.save(tmp)
 
         return write_atomically(folder, write)
@@ -133,13 +147,15 @@ def _optimizer_state(tensors: dict, meta: dict) -> dict:
 
 def history_rows(history) -> list[dict]:
     """Step reports as JSON-ready dicts (``history_from_rows`` reads them back)."""
-    return [{**{k: v for k, v in vars(r).items() if k != "memory"}, "memory": r.memory.as_dict()}
+    return [{**{k: v for k, v in vars(r).items() if k not in ("memory", "usage")},
+             "memory": r.memory.as_dict(), "usage": r.usage.as_dict() if r.usage else None}
             for r in history]
 
 
 def history_from_rows(rows: list[dict]) -> list[StepReport]:
     return [StepReport(**{**r, "shape": tuple(r.get("shape", (0, 0))),
-                          "memory": MemoryBreakdown(**r["memory"])}) for r in rows]
+                          "memory": MemoryBreakdown(**r["memory"]),
+                          "usage": Usage(**r["usage"]) if r.get("usage") else None}) for r in rows]
 
 
 def parts(tensors: dict[str, torch.Tensor], stem: str) -> list[tuple[str, dict]]:
@@ -307,6 +323,14 @@ def _history(rows: list, path) -> list[StepReport]:
         for name in _MEMORY_NUMBERS:
             if name in row["memory"]:
                 state_field(row["memory"], name, "a number", path, where + "memory.")
+        if row.get("usage") is not None:
+            usage = state_field(row, "usage", "an object", path, where)
+            for name in ("peak", "reserved"):
+                if state_field(usage, name, "an integer", path, where + "usage.") < 0:
+                    raise refused(path, f"the field '{where}usage.{name}' is negative")
+            if state_field(usage, "source", "a string", path, where + "usage.") not in SOURCES:
+                raise refused(path, f"the field '{where}usage.source' must be one of "
+                                    f"{', '.join(SOURCES)}")
         try:
             out += history_from_rows([row])
         except (TypeError, ValueError) as err:

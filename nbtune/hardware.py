@@ -33,3 +33,46 @@ def bf16_slowdown() -> float:
         return min(times)
 
     return best(a.bfloat16()) / max(best(a), 1e-9)
+
+
+BUSY_CORES = 0.25  # other processes using this much of a core on average: a timing is suspect
+
+
+def _busy_jiffies() -> int | None:
+    """CPU time spent on anything but idle and I/O wait, over all cores (Linux ``/proc/stat``,
+    in clock ticks), or None without it."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != b"cpu":
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is inside user already)
+    values = [int(v) for v in fields[1:9]]
+    return sum(values) - values[3] - values[4]
+
+
+class Contention:
+    """How many cores other processes kept busy while the ``with`` block ran, on average
+    (``others``: None where the machine does not say). A speed measured while they did is
+    the machine's, not the technique's."""
+
+    def __init__(self) -> None:
+        self.others: float | None = None
+
+    def __enter__(self) -> "Contention":
+        import os
+
+        self._started, self._busy, self._ours = time.monotonic(), _busy_jiffies(), os.times()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import os
+
+        busy, ours, wall = _busy_jiffies(), os.times(), time.monotonic() - self._started
+        if busy is None or self._busy is None or wall <= 0:
+            return
+        total = (busy - self._busy) / os.sysconf("SC_CLK_TCK")
+        own = (ours.user - self._ours.user) + (ours.system - self._ours.system)
+        self.others = max(0.0, total - own) / wall

@@ -87,20 +87,23 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool | None
                 commit_message: str = "Upload from nbtune") -> str:
     """Publish a folder written by ``Session.save`` to a Hub model repo; returns the commit URL.
 
-    The repo is created if needed. Only a saved model (config.json + *.safetensors) or a
-    PEFT adapter (adapter_config.json + adapter_model.safetensors) is accepted, so nothing
-    else in a working folder is uploaded by mistake.
+    The repo is created if needed. Only a saved model (config.json + *.safetensors), a PEFT
+    adapter (adapter_config.json + adapter_model.safetensors) or a GGUF export (model.gguf +
+    its Ollama Modelfile: those two files only) is accepted, so nothing else in a working
+    folder is uploaded by mistake.
     """
     folder = Path(folder)
     is_model = (folder / "config.json").exists() and any(folder.glob("*.safetensors"))
     is_adapter = (folder / "adapter_config.json").exists() and (folder / "adapter_model.safetensors").exists()
-    if not (is_model or is_adapter):
-        raise FileNotFoundError(f"{folder} is not a saved model or adapter: write it with "
-                                "session.save(folder) first.")
+    is_gguf = (folder / "model.gguf").is_file() and (folder / "Modelfile").is_file()
+    if not (is_model or is_adapter or is_gguf):
+        raise FileNotFoundError(f"{folder} is not a saved model, adapter or GGUF export: write it "
+                                "with session.save(folder) (format='gguf' for GGUF) first.")
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
+    only = {} if is_model or is_adapter else {"allow_patterns": ["model.gguf", "Modelfile"]}
     commit = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
-                               commit_message=commit_message)
+                               commit_message=commit_message, **only)
     return str(getattr(commit, "commit_url", commit))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .hardware import BUSY_CORES, Contention
 from .techniques import Techniques, label_of
 
 
@@ -31,6 +32,13 @@ class LadderRow:
     at_peak: dict = field(default_factory=dict)  # the categories that made up the peak
     categories: dict = field(default_factory=dict)  # each category's high point in the step
     error: str | None = None  # the row could not run (out of memory, say)
+    busy: float | None = None  # cores other processes kept busy while it ran (``Contention``)
+
+    @property
+    def speed_suspect(self) -> bool:
+        """Other processes used the cores while the row was timed: its tokens/s is the
+        machine's, not the technique's."""
+        return self.busy is not None and self.busy >= BUSY_CORES
 
 
 def ladder_techniques(start: Techniques, configs) -> list[tuple[str, Techniques]]:
@@ -77,7 +85,8 @@ class Ladder:
     def as_dicts(self) -> list[dict]:
         return [{"configuration": r.label, "peak_bytes": r.peak, "change_pct": r.change,
                  "tokens_per_second": r.tokens_per_second,
-                 "estimated_peak_bytes": r.estimated_peak, "loss": r.loss, "error": r.error}
+                 "estimated_peak_bytes": r.estimated_peak, "loss": r.loss, "error": r.error,
+                 "busy_cores": r.busy}
                 for r in self.rows]
 
     def _cells(self) -> list[list[str]]:
@@ -90,8 +99,8 @@ class Ladder:
                 continue
             change = "" if r.change is None else f"{r.change:+.1f}%"
             estimate = "" if r.estimated_peak is None else format_bytes(r.estimated_peak)
-            out.append([r.label, format_bytes(r.peak), change, f"{r.tokens_per_second:,.0f}",
-                        estimate])
+            speed = f"{r.tokens_per_second:,.0f}" + (" (busy*)" if r.speed_suspect else "")
+            out.append([r.label, format_bytes(r.peak), change, speed, estimate])
         if not self._estimated:
             out = [row[:-1] for row in out]
         return out
@@ -113,7 +122,18 @@ class Ladder:
         lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
                  for row in cells]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return "\n".join(lines) + (f"\n{self.busy_note}" if self.busy_note else "")
+
+    @property
+    def busy_note(self) -> str:
+        """What the "(busy*)" marks mean, where a row has one."""
+        busy = [r for r in self.rows if r.speed_suspect]
+        if not busy:
+            return ""
+        most = max(r.busy for r in busy)
+        return (f"* busy: other processes kept up to {most:.1f} cores busy while "
+                f"{'this row' if len(busy) == 1 else 'these rows'} ran, so the tokens/s is the "
+                "machine's, not the technique's: run it again on a quiet machine to compare speeds.")
 
     def chart(self):
         """Bars of each row's peak, split by what held memory at that moment."""
@@ -130,7 +150,7 @@ class Ladder:
         png = base64.b64encode(figure_png(self.chart(), dpi=90)).decode()
         return (f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
                 f"<p style='font-size:smaller'>{self.steps} steps per row on {self.device}; "
-                f"peak = most memory held at one moment.</p>"
+                f"peak = most memory held at one moment.{' ' + html.escape(self.busy_note) if self.busy_note else ''}</p>"
                 f"<img src='data:image/png;base64,{png}'/>")
 
 
@@ -200,8 +220,9 @@ def _row(trial, config, label: str, t: Techniques, steps: int, baseline: int, es
     reports = []
     try:
         trial.set(t)
-        for track in plan:
-            reports.append(trial.step(track))
+        with Contention() as others:
+            for track in plan:
+                reports.append(trial.step(track))
     except torch.OutOfMemoryError:  # the trial rolled the step back; the ladder goes on
         return LadderRow(label, t, error="out of memory")
     top = max((r for r, track in zip(reports, plan) if track), key=lambda r: r.memory.peak)
@@ -223,4 +244,4 @@ def _row(trial, config, label: str, t: Techniques, steps: int, baseline: int, es
     return LadderRow(label, t, peak=peak, change=change,
                      tokens_per_second=sum(r.tokens for r in timed) / seconds if seconds else 0.0,
                      estimated_peak=predicted, loss=reports[-1].loss,
-                     at_peak=at_peak, categories=dict(top.memory.categories))
+                     at_peak=at_peak, categories=dict(top.memory.categories), busy=others.others)

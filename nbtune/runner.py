@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from concurrent.futures import Future
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -122,6 +123,7 @@ class BackgroundRun:
         self.finished: float | None = None
         self.stop_requested: float | None = None  # monotonic time Stop was asked for
         self.show: Callable[[], object] | None = None  # the widget a notebook displays
+        self.on_exit = None  # a SaveOnExit where the session armed one (``start(checkpoint=)``)
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=target, args=(self,), name="nbtune-run", daemon=True)
 
@@ -197,6 +199,7 @@ class Runner:
         self._run: BackgroundRun | None = None  # while one trains
         self._last_run: BackgroundRun | None = None
         self._pending: list[dict] = []  # set(...) changes waiting for the next step boundary
+        self._between: list[tuple] = []  # (task, Future) waiting for the next step boundary
         self._busy: threading.Thread | None = None  # a thread inside a synchronous command
         self._dtype_noted: str | None = None  # the dtype whose speed on this device was checked
 
@@ -367,7 +370,7 @@ class Runner:
         device = self.trainer.device.type
         track = self.sampler.should_track(device, sampled)
         try:
-            report = self.trainer.step(track)
+            report = self.trainer.step(track, usage=True)
         except BaseException as err:
             self.relay()
             report = getattr(err, "nbtune_report", None)  # the step stood, its evaluation failed
@@ -402,6 +405,7 @@ class Runner:
         while len(reports) < steps:
             if run is not None:
                 self.apply_pending()
+                self.run_between()
                 if run.stop_event.is_set():
                     break
             try:
@@ -441,6 +445,32 @@ class Runner:
         self.emit(RunFinished(tuple(reports), None))
         return reports
 
+    # ---- work between steps ---------------------------------------------------------------
+
+    def between_steps(self, task: Callable[[], object]) -> Future:
+        """Run ``task`` on the training state between two steps, and return its ``Future``:
+        at once in this thread when no background run trains, else on the run's thread at
+        its next step boundary (the run waits for it). A task that leaves the state as it
+        found it (a greedy reply: eval mode restored, no random numbers drawn) leaves the
+        run's steps as they would have been without it."""
+        future: Future = Future()
+        with self._lock:
+            run = self._run
+            if run is not None and threading.current_thread() is not run.thread:
+                self._between.append((task, future))
+                return future
+        _settle(future, task)
+        return future
+
+    def run_between(self) -> None:
+        """Run the tasks queued for this step boundary, oldest first (training thread)."""
+        while True:
+            with self._lock:
+                if not self._between:
+                    return
+                task, future = self._between.pop(0)
+            _settle(future, task)
+
     # ---- the background run ---------------------------------------------------------------
 
     def start(self, steps: int, on_oom: str = "raise") -> BackgroundRun:
@@ -474,10 +504,11 @@ class Runner:
                      f"{type(err).__name__}: {err}")
         finally:
             try:
-                while True:  # nothing stays pending once the run has ended
+                while True:  # nothing stays pending or queued once the run has ended
                     self.apply_pending()
+                    self.run_between()
                     with self._lock:
-                        if not self._pending:
+                        if not self._pending and not self._between:
                             self._run = None  # set() applies directly from here on
                             break
             finally:
@@ -504,3 +535,13 @@ class Runner:
     def last(self) -> BackgroundRun | None:
         """The background run that ended last, if any."""
         return self._last_run
+
+
+def _settle(future: Future, task: Callable[[], object]) -> None:
+    """Run ``task`` into ``future`` (its result, or what it raised)."""
+    if not future.set_running_or_notify_cancel():
+        return  # cancelled while it waited
+    try:
+        future.set_result(task())
+    except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the future
+        future.set_exception(err)

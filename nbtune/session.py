@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 
 from . import runs
+from .on_exit import SaveOnExit
 from .runner import BackgroundRun, Event, Message, Subscription
 from .runs import default_device, demo_data_file  # noqa: F401  (tests and benchmarks use them)
 from .step import StepReport
@@ -256,7 +257,8 @@ class Session:
             chart.update(self.history, force=True)
         return reports
 
-    def start(self, steps: int, *, on_oom: str = "raise") -> BackgroundRun:
+    def start(self, steps: int, *, on_oom: str = "raise",
+              checkpoint: str | os.PathLike | None = None) -> BackgroundRun:
         """Train ``steps`` steps in a background thread and return at once.
 
         Other cells run meanwhile (read ``history``, draw a chart, ``estimate``); ``set``
@@ -265,8 +267,15 @@ class Session:
         ``save``, ``generate``, loading) are refused with ``BusyError`` until it ends.
         Returns a ``BackgroundRun`` (``.stop()``, ``.wait()``, ``.running``, ``.reports``);
         in a notebook it shows a progress bar with a Stop button and what the run said.
+        ``checkpoint``: a folder to save the last completed step to if the process is stopped
+        while the run trains (the kernel shut down, SIGTERM or SIGHUP: ``nbtune.on_exit``).
         """
+        if checkpoint is not None and Path(checkpoint).exists() and not Path(checkpoint).is_dir():
+            raise ValueError(f"start: checkpoint={str(checkpoint)!r} is a file; name a folder "
+                             "to save the run's last step to if the kernel is stopped.")
         run = self.runner.start(steps, on_oom)
+        if checkpoint is not None:
+            run.on_exit = SaveOnExit(self, run, Path(checkpoint))
 
         def show():
             from .ui.panel import RunView
@@ -423,14 +432,17 @@ class Session:
         return self.parts.save(folder, merge=merge, format=format, quantization=quantization)
 
     def push_to_hub(self, repo_id: str, *, merge: bool = False, private: bool | None = None,
-                    token: str | None = None) -> str:
-        """Save (as ``save`` would) to a temporary folder and publish it; returns the commit URL."""
+                    token: str | None = None, format: str = "hf",
+                    quantization: str | None = None) -> str:
+        """Save (as ``save`` would: ``format="gguf"`` publishes the GGUF file and its Ollama
+        Modelfile) to a temporary folder and publish it; returns the commit URL."""
         import tempfile
 
         from .hub import push_to_hub
 
         with tempfile.TemporaryDirectory() as tmp:
-            folder = self.save(Path(tmp) / "upload", merge=merge)
+            folder = self.save(Path(tmp) / "upload", merge=merge, format=format,
+                               quantization=quantization)
             return push_to_hub(folder, repo_id, private=private, token=token)
 
     def save_config(self, path: str | os.PathLike, *, steps: int | None = None,

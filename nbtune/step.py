@@ -14,6 +14,7 @@ from .activations import OffloadActivations
 from .data import IGNORE
 from .loss import cross_entropy_sum, loss_pieces
 from .memory import MemoryBreakdown, track_step
+from .memory.usage import Usage, UsageMeter
 from .optim import OptimizerInBackward
 
 
@@ -69,6 +70,7 @@ class StepReport:
     memory: MemoryBreakdown  # measured=False: carried over from the last measured step
     shape: tuple[int, int] = (0, 0)  # [batch, sequence] of the longest micro-batch, padding included
     eval_loss: float | None = None  # held-out loss after this step (``eval_every``), else None
+    usage: Usage | None = None  # the cheap figure metered on every step (``memory.usage``)
 
     @property
     def tokens_per_second(self) -> float:
@@ -160,12 +162,13 @@ def finite_guard(step: int, lr: float):
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                micro_batches: list[dict[str, torch.Tensor]], options: StepOptions,
                context: StepContext = NO_CONTEXT, *, pad_id: int, step: int,
-               track: bool = True) -> StepReport:
+               track: bool = True, usage: bool = False) -> StepReport:
     """Forward and backward over the micro-batches, then one optimizer step.
 
     The loss of every micro-batch is divided by the number of trained tokens in *all*
     of them, so accumulating k micro-batches gives the gradient of one k-times batch.
     Without ``track`` the report's memory is None (the caller says what to show instead).
+    ``usage``: meter the step's cheap figure (``UsageMeter``) into ``report.usage``.
     A non-finite loss or gradient raises ``NonFiniteError`` before the optimizer runs (the
     step's own guard, added to ``context``). With ``context.parallel`` the report is the
     global step's.
@@ -179,13 +182,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     inputs = [t for b in micro_batches for t in b.values()]
     lr = optimizer.param_groups[0]["lr"]
     tracker = track_step(model, optimizer, *inputs) if track else _Untracked()
-    with _Phases(tracker, context.phase) as memory:
+    meter = UsageMeter(next(model.parameters()).device) if usage else contextlib.nullcontext()
+    with meter, _Phases(tracker, context.phase) as memory:
         total = update(model, optimizer, micro_batches, trained, memory, options,
                        replace(context, guard=finite_guard(step, lr)))
     shape = max((tuple(b["input_ids"].shape) for b in micro_batches), key=lambda s: s[0] * s[1])
     return StepReport(step=step, loss=float(total), tokens=read, trained_tokens=trained, shape=shape,
                       seconds=time.perf_counter() - started,
-                      lr=lr, memory=memory.result())
+                      lr=lr, memory=memory.result(), usage=getattr(meter, "result", None))
 
 
 class _Phases:

@@ -178,9 +178,10 @@ class Trainer:
             self._commit(self._prepare(new))
         return changed
 
-    def step(self, track: bool) -> StepReport:
+    def step(self, track: bool, usage: bool = False) -> StepReport:
         """One optimizer step, all or nothing. ``track``: measure its memory (else the report
-        carries the last measurement, ``measured=False``)."""
+        carries the last measurement, ``measured=False``); ``usage``: meter its cheap figure
+        (``memory.usage``: it resets the process's peak resident memory on a CPU)."""
         self.check_usable()
         t = self.techniques
         mark = self._mark()
@@ -200,7 +201,7 @@ class Trainer:
             context = StepContext(phase=phase, critical=self._critical if undo is None else None,
                                   undo=undo, parallel=self.parallel)
             report = train_step(self.model, self.optimizer, batches, StepOptions.of(t), context,
-                                pad_id=self.data.pad_id, step=number, track=track)
+                                pad_id=self.data.pad_id, step=number, track=track, usage=usage)
         except BaseException as err:
             oom = isinstance(err, torch.OutOfMemoryError) and not isinstance(err, OutOfMemory)
             held = held_now(self.model, self.optimizer, self.device) if oom else None

@@ -46,10 +46,12 @@ what it trades."""),
 session.panel()"""),
     ("md", """Training from code works the same way. `run(n)` shows a progress bar, and in a
 notebook the memory chart below it is updated in place after the steps: left, where the
-latest measured step's memory went; right, the loss falling and the peak of each measured
-step (measuring watches every operator, which slows a step, so by default nbtune measures
-the first two steps after a change, as the first one makes the optimizer's state, and then
-only as many as fit 2 % of the training time)."""),
+memory of the latest step broken down by category went; right, the loss falling, a line of
+every step's peak (here the process's peak resident memory; on a GPU the allocator's peak:
+either costs microseconds to read) and, as points, the peak of the steps broken down by
+category. Breaking a step down watches every operator, which slows it, so by default nbtune
+breaks down the first two steps after a change (the first one makes the optimizer's state)
+and then only as many as fit 2 % of the training time."""),
     ("code", """# NBVAL_IGNORE_OUTPUT
 reports = session.run(200)"""),
     ("md", """Each step returns a `StepReport`. Its `memory` is a breakdown in bytes: each
@@ -82,11 +84,12 @@ print("answer:", session.generate("Which vowel is in the word?", input="bcud"))"
 losses = [r.loss for r in session.history]
 print("loss fell by half:", sum(losses[-10:]) / 10 < losses[0] / 2)
 print("accuracy rose:", accuracy_after > accuracy_before)
-print("checkpointing cut activations by half:", activations_after <= activations_before / 2)"""),
+print("checkpointing cut activations by half:", activations_after <= activations_before / 2)
+print("memory charted on every step:", all(r.usage is not None for r in session.history))"""),
 ]
 
 QUICKSTART_CHECK = ("loss fell by half: True\naccuracy rose: True\n"
-                    "checkpointing cut activations by half: True\n")
+                    "checkpointing cut activations by half: True\nmemory charted on every step: True\n")
 
 MEMORY = [
     ("md", """# Where the memory goes: before, across configurations, step by step
@@ -100,7 +103,8 @@ Three tools answer the questions a finetuning run starts with:
   and well under a minute.
 * **`session.compare`** runs a ladder of configurations, a few steps each, and tabulates
   peak memory, the change from the row before, speed and the estimate.
-* **`session.chart("steps")`** shows every measured step's breakdown over a run.
+* **`session.chart("steps")`** shows the breakdown of every step broken down over a run,
+  and every step's peak as a line.
 
 Notebook 03 measures every technique on a real model with these tools; notebook 06 is about
 what to do when a step runs out of memory."""),
@@ -513,7 +517,10 @@ for prompt, old in zip(prompts, replies_before):
     ("md", """Export. LoRA sessions save a PEFT adapter (megabytes; load it on the base with
 `peft`), or with `merge=True` the full weights with the adapters folded in (transformers
 loads them), or a GGUF file with an Ollama `Modelfile` (`ollama create people -f
-out/gguf/Modelfile`). Each write is atomic: an interrupted save leaves the old folder."""),
+out/gguf/Modelfile`). GGUF comes as f16 or quantized: q8_0 to q4_0 through the `gguf`
+package, and the K-quants Ollama and llama.cpp users run (q4_k_m, q5_k_m, q6_k) through
+llama.cpp's own quantizer, where `pip install "nbtune[kquants]"` installed it. Each write
+is atomic: an interrupted save leaves the old folder."""),
     ("code", """import shutil
 
 shutil.rmtree("out", ignore_errors=True)
@@ -521,6 +528,10 @@ session.save("out/adapter")
 session.save("out/merged", merge=True)
 session.save("out/gguf", format="gguf", quantization="f16")
 session.save("out/gguf-q4_0", format="gguf", quantization="q4_0")  # 4-bit, for llama.cpp or Ollama
+try:  # the 4-bit type Ollama pulls by default: llama.cpp's own quantizer (the kquants extra)
+    session.save("out/gguf-q4_k_m", format="gguf", quantization="q4_k_m")
+except ImportError as err:
+    print("q4_k_m not written:", str(err).split(": pip")[0] + ' (pip install "nbtune[kquants]")')
 for path in sorted(Path("out").rglob("*")):
     if path.is_file():
         print(f"{str(path):40} {path.stat().st_size / 2**20:8.1f} MiB")"""),
@@ -554,7 +565,7 @@ print("learned the schema on unseen names:", before == 0 and after >= 0.75)
 print("merged weights reload with the same logits:", torch.allclose(merged_logits, trained_logits, atol=1e-3))
 print("GGUF reloads with the trained logits up to f16 rounding:", bool(gguf_error < 0.1))
 print("the adapter folder reloads to the same replies:", same_replies)"""),
-    ("md", "The four exports take about 900 MB; remove them (and the data) when you are done:"),
+    ("md", "The exports take about 1 GB; remove them (and the data) when you are done:"),
     ("code", """shutil.rmtree("out")
 shutil.rmtree("my_data")"""),
 ]
@@ -843,7 +854,7 @@ OUT_OF_MEMORY_CHECK = ("the error names the phase and a fix: True\n"
 COURSE = [("01_quickstart.ipynb", QUICKSTART, QUICKSTART_CHECK),
           ("02_memory.ipynb", MEMORY, MEMORY_CHECK),
           ("03_techniques.ipynb", TECHNIQUES, TECHNIQUES_CHECK),
-          ("04_qlora_8b_on_a_24gb_card.ipynb", QLORA_8B, QLORA_8B_CHECK),
+          ("04_qlora_qwen2.5_7b_on_a_24gb_card.ipynb", QLORA_8B, QLORA_8B_CHECK),
           ("05_your_data_your_model.ipynb", YOUR_DATA, YOUR_DATA_CHECK),
           ("06_out_of_memory.ipynb", OUT_OF_MEMORY, OUT_OF_MEMORY_CHECK),
           ("07_scale_out.ipynb", SCALE_OUT, SCALE_OUT_CHECK)]

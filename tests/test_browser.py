@@ -38,6 +38,7 @@ CELLS = [
     "p = s.panel()\np",
     "print('kernel free while training:', s.current_run is not None, 'steps so far:', len(s.history))",
     "s.memory_tracking = 'sampled'\nprint('memory tracking', s.memory_tracking)",
+    "s.run(150, progress=False, live=False)\nprint('trained to step', len(s.history))",
 ]
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
          "--disable-component-update", "--no-first-run"]
@@ -183,6 +184,9 @@ def test_run_in_the_background_stop_and_a_live_toggle_in_jupyterlab(lab):
         answer.first.wait_for(timeout=120_000)
         assert re.search(r"longest context that fits: [\d,k]+ tokens", answer.first.inner_text())
         _shot(page, "panel-longest-context", panel)
+        button("Use it").click()  # sets seq_len to the answer
+        panel.locator(".widget-html").filter(has_text="applied: seq_len=").first.wait_for()
+        _try_a_prompt_during_a_run(page, panel, button)
         tracebacks = page.locator(".jp-OutputArea-output").filter(has_text="Traceback").count()
         assert tracebacks == 0
         browser.close()
@@ -202,6 +206,41 @@ _TITLES_JS = """el => {
 }"""
 
 
+# Every text the panel's reply line showed, as the browser drew it.
+_WATCH_REPLY_JS = """el => {
+  window.__replies = [];
+  new MutationObserver(() => {
+    for (const h of el.querySelectorAll('.widget-html'))
+      if (h.innerText.startsWith('Is 7 even or odd?')) window.__replies.push(h.innerText);
+  }).observe(el, {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def _try_a_prompt_during_a_run(page, panel, button) -> None:
+    """Run again, type a prompt into the panel, and see the reply arrive there token by token
+    between two steps; the run goes on, and nothing reaches the Log console as a traceback."""
+    _run_cell(page, 4, "trained to step")  # the demo answers in a few tokens by then
+    button("Run").click()
+    button("Stop").wait_for(state="visible")
+    panel.evaluate(_WATCH_REPLY_JS)
+    panel.locator("input[placeholder^='Try a prompt']").fill("Is 7 even or odd?")
+    button("Try it").click()
+    done = panel.locator(".widget-html").filter(has_text="between two steps of the run")
+    done.first.wait_for(timeout=60_000)
+    seen = page.evaluate("window.__replies")
+    assert any(text.rstrip().endswith("…") for text in seen), seen  # pieces arrived first
+    assert re.search(r"Is 7 even or odd\?\s*\S+", done.first.inner_text())
+    _shot(page, "panel-try-a-prompt", panel)
+    button("Stop").click()
+    panel.locator(".widget-html").filter(has_text="stopped after").first.wait_for(timeout=60_000)
+
+
+# The labels in the open tab whose text does not fit their box (shown with an ellipsis).
+_CUT_LABELS_JS = """el => [...el.querySelectorAll('.widget-label')]
+  .filter(l => l.offsetParent !== null && l.scrollWidth > l.clientWidth + 1)
+  .map(l => l.innerText)"""
+
+
 def _dropdown(page, panel, label: str):
     return panel.locator(".widget-dropdown").filter(
         has=page.locator("label", has_text=re.compile(rf"^{label}$"))).locator("select")
@@ -217,6 +256,8 @@ def _explains_itself(page, panel, button) -> None:
         panel.locator(".lm-TabBar-tab", has_text=tab).click()
         titles = panel.evaluate(_TITLES_JS)
         assert titles and all(title.strip() for _, title in titles), (tab, titles)
+        cut = panel.evaluate(_CUT_LABELS_JS)
+        assert not cut, (tab, cut)
     # and outside the tabs: the card to fit on (title on its label) and the steps box
     for label in ("will it fit on", "steps"):
         box = panel.locator(".widget-inline-hbox").filter(

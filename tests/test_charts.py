@@ -7,6 +7,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from nbtune.memory import CATEGORIES, MemoryBreakdown
+from nbtune.memory.usage import SOURCES, Usage
 from nbtune.step import StepReport
 from nbtune.ui.charts import (COLORS, HIGH_LABEL, LABELS, byte_unit, draw_memory, figure_png,
                               ladder_figure, memory_figure, steps_figure)
@@ -139,7 +140,7 @@ def test_the_bar_is_the_moment_of_the_peak_and_reaches_exactly_the_peak():
     assert sum(heights.values()) == pytest.approx(last.peak / MiB)
     assert sum(heights.values()) < sum(last.categories.values()) / MiB  # the old, taller bar
     assert "step 5" in bars.get_xticklabels()[0].get_text()
-    assert "last measured" in bars.get_xticklabels()[0].get_text()
+    assert "last broken down" in bars.get_xticklabels()[0].get_text()
 
 
 def test_each_categorys_own_high_point_is_a_marker_in_its_colour():
@@ -259,3 +260,47 @@ def test_breakdown_bars_are_each_entrys_bytes_by_category_first_on_top():
     assert ticks == {"before": 1, "after": 0}  # the first entry on top
     assert {t.get_text() for t in ax.texts} == {"40.0 MiB", "16.0 MiB"}
     assert figure_png(fig).startswith(b"\x89PNG")
+
+
+# ---- every step's cheap figure (``report.usage``) --------------------------------------------
+
+def _metered(history, source="resident", reserved=0):
+    return [dataclasses.replace(r, usage=Usage((200 + r.step) * MiB, reserved, source)) for r in history]
+
+
+def test_every_step_is_a_line_and_the_broken_down_steps_are_points():
+    measured = {1, 2, 5, 9}
+    fig = draw_memory(Figure(), _metered(_history(measured)))
+    timeline = fig.axes[1]
+    usage = next(line for line in timeline.get_lines() if line.get_gid() == "usage")
+    assert list(usage.get_xdata()) == list(range(1, 11))
+    assert list(usage.get_ydata()) == pytest.approx([200 + s for s in range(1, 11)])  # MiB
+    assert usage.get_label() == SOURCES["resident"]
+    broken = next(line for line in timeline.get_lines() if line.get_gid() == "broken-down")
+    assert set(_finite(broken.get_xdata())) == measured
+    assert "broken down by category on 4 of 10 steps" in timeline.get_xlabel()
+
+
+def test_step_ticks_are_whole_numbers():
+    fig = draw_memory(Figure(), _metered(_history({1}, last=3)))
+    figure_png(fig)  # drawn: the locator has placed its ticks
+    ticks = [t for t in fig.axes[1].get_xticks() if 1 <= t <= 3]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_on_cuda_the_allocators_line_is_drawn_where_steps_were_not_broken_down():
+    sampled = draw_memory(Figure(), _metered(_history({1, 5}), "allocator", reserved=300 * MiB))
+    labels = [line.get_label() for line in sampled.axes[1].get_lines()]
+    assert SOURCES["allocator"] in labels and "reserved by the allocator (every step)" in labels
+    every = draw_memory(Figure(), _metered(_history(set(range(1, 11))), "allocator"))
+    labels = [line.get_label() for line in every.axes[1].get_lines()]
+    assert SOURCES["allocator"] not in labels and "peak memory" in labels  # the same figure once
+
+
+def test_a_session_meters_every_step_and_a_bare_trainer_does_not(trained):
+    session, _ = trained
+    assert all(r.usage is not None and r.usage.source == "resident" for r in session.history)
+    # the process's peak resident memory holds at least the step's tensors at their peak
+    assert all(r.usage.peak >= r.memory.peak for r in session.history if r.memory.measured)
+    bare = small_session()
+    assert bare.trainer.step(track=True).usage is None

@@ -316,6 +316,10 @@ FIELD_DAMAGE = {
     "history.loss": (_set("history", 1, "loss", "low"), r"the field 'history\[1\]\.loss' is str 'low'"),
     "history.memory": (_set("history", 0, "memory", "peak", "big"), r"the field 'history\[0\]\.memory\.peak' is str"),
     "history": (_set("history", {}), r"the field 'history' is dict"),
+    "history.usage.source": (_set("history", 0, "usage", "source", "gpu"),
+                             r"the field 'history\[0\]\.usage\.source' must be one of allocator, resident"),
+    "history.usage.peak": (_set("history", 1, "usage", "peak", -1),
+                           r"the field 'history\[1\]\.usage\.peak' is negative"),
     "techniques": (_set("techniques", "lr", "fast"), r"the field 'techniques' does not hold valid techniques \(lr"),
     "params": (_set("optimizer", "param_groups", 0, "params", ["a"]), r"the field 'optimizer\.param_groups\[0\]\.params'"),
     "files": (_set("files", "weights", "weights.safetensors"), r"the field 'files\.weights' is str"),
@@ -335,6 +339,14 @@ def test_a_wrong_typed_field_is_refused_naming_it_before_anything_is_applied(sin
     assert str(folder / "trainer_state.json") in str(refused.value)
     assert "Nothing was loaded" in str(refused.value)
     assert_same(snapshot(session), twin)
+
+
+def test_each_steps_metered_figure_comes_back_with_the_history(single):
+    saved = json.loads((single / "trainer_state.json").read_text())["history"]
+    assert [row["usage"]["source"] for row in saved] == ["resident", "resident"]  # Linux
+    session = small_session()
+    session.load_checkpoint(single)
+    assert [r.usage.as_dict() for r in session.history] == [row["usage"] for row in saved]
 
 
 def test_a_sharded_checkpoint_in_one_process_says_to_use_torchrun(sharded):

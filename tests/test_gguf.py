@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -350,3 +351,89 @@ def test_block_quantized_exports_round_within_the_formats_bound(tmp_path, quanti
     print(f"{quantization}: next token agrees with the f16 export on {agreement:.0%} of "
           f"{ids.numel()} positions; max |logit difference| {(got - f16).abs().max():.2e}")
     assert (got - f16).abs().max() < 0.5 and agreement > 0.5
+
+
+# The K-quants, from llama.cpp's own quantizer (the kquants extra): bits per weight of each
+# type's K blocks, for the error bound below.
+K_BITS = {"q4_k_m": 4, "q5_k_m": 5, "q6_k": 6}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["q4_k_m", "q5_k_m", "q6_k"])
+def test_k_quants_come_from_llama_cpp_and_keep_the_f16_exports_choices(tmp_path, smollm2, quantization):
+    """SmolLM2 exported as each K-quant: llama.cpp itself quantized it (the file's type), the
+    gguf package reads it back and dequantizes a K-quantized tensor (its 1,536-wide rows are
+    whole super-blocks) within the type's rounding error, and llama.cpp loads the file and
+    picks the same next token as from the f16 export at most positions of a fixed prompt set
+    (the rate is printed: -s)."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="the kquants extra is not installed")
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    import nbtune as nt
+
+    path = smollm2[0]
+    session = nt.Session.from_pretrained(path)
+    session.echo = False
+    folder = session.save(tmp_path / quantization, format="gguf", quantization=quantization)
+    assert sorted(p.name for p in folder.iterdir()) == ["Modelfile", "model.gguf"]
+    reader = GGUFReader(str(folder / "model.gguf"))
+    assert int(reader.fields["general.file_type"].parts[-1][0]) == \
+        {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}[quantization]  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+    kind = {"q4_k_m": "Q4_K", "q5_k_m": "Q5_K", "q6_k": "Q6_K"}[quantization]
+    # "_m": llama.cpp puts some layers' tensors a type up; the others are the type itself
+    layer, tensor = next((i, t) for i in range(30) for t in reader.tensors
+                         if t.name == f"blk.{i}.ffn_down.weight" and t.tensor_type.name == kind)
+    got = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).float()
+    want = session.model.model.layers[layer].mlp.down_proj.weight.detach().float().reshape(got.shape)
+    blocks = want.reshape(-1, 32)
+    bits = K_BITS[quantization]
+    # uniform rounding over each 32-block's range, as RMS (a K-quant also rounds its scales)
+    step = (blocks.amax(-1) - blocks.amin(-1)) / (2 ** bits - 1)
+    rms = ((got.reshape(-1, 32) - blocks) ** 2).mean().sqrt()
+    assert 0 < rms <= 1.5 * (step / 12 ** 0.5).pow(2).mean().sqrt(), rms
+
+    f16 = session.save(tmp_path / "f16", format="gguf", quantization="f16")
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at",
+               "Once upon a time, there was a", "The three primary colors are",
+               "To make a cup of tea, first", "The largest planet in the solar system is",
+               "import numpy as np\nx = np.", "My favourite book is", "In 1969, the first man on"]
+    agree = total = 0
+    choices, ids = {}, []
+    for name, file in (("f16", f16 / "model.gguf"), (quantization, folder / "model.gguf")):
+        model = llama_cpp.Llama(model_path=str(file), n_ctx=128, logits_all=True, verbose=False,
+                                seed=0, n_threads=2)
+        choices[name] = []
+        for prompt in prompts:
+            tokens = model.tokenize(prompt.encode())
+            ids += [tokens] if name == "f16" else []
+            model.reset()
+            model.eval(tokens)
+            choices[name].append(np.argmax(np.asarray(model.scores[:len(tokens)]), axis=-1))
+        del model
+    for a, b in zip(choices["f16"], choices[quantization]):
+        agree, total = agree + int((a == b).sum()), total + len(a)
+    # and llama.cpp's f16 reads nbtune's own model: the same choices as nbtune makes
+    session.model.eval()
+    with torch.no_grad():
+        ours = [session.model(torch.tensor([t])).argmax(-1)[0].numpy() for t in ids]
+    same = sum(int((a == b).sum()) for a, b in zip(ours, choices["f16"]))
+    print(f"f16: llama.cpp's next token is nbtune's at {same}/{total} positions")
+    assert same / total >= 0.95
+    print(f"{quantization}: llama.cpp's next token agrees with the f16 export's at {agree}/{total} "
+          f"positions ({agree / total:.0%})")
+    assert agree / total >= 0.6
+
+
+def test_a_k_quant_without_llama_cpp_says_how_to_get_it_and_writes_nothing(tmp_path, monkeypatch):
+    import sys
+
+    from helpers import small_session
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if the kquants extra were absent
+    session = small_session()
+    with pytest.raises(ImportError, match=r'pip install "nbtune\[kquants\]"'):
+        session.save(tmp_path / "out", format="gguf", quantization="q4_k_m")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="'q4_k_m', 'q5_k_m', 'q6_k'"):
+        session.save(tmp_path / "out", format="gguf", quantization="q3_k_s")

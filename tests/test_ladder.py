@@ -133,3 +133,45 @@ def test_the_budget_allows_tracking_only_within_its_share():
     assert sampler.should_track("cuda", sampled=True)  # allocator counters: always
     assert sampler.should_track("cpu", sampled=False)  # an explicit step()
     assert budget.overhead == pytest.approx(3.2 / 113.2)
+
+
+def _spinner():
+    """Another process keeping one core busy."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def test_contention_counts_other_processes_not_this_one():
+    import time
+
+    from nbtune.hardware import Contention
+
+    with Contention() as own:  # this process's own work is not contention
+        sum(i * i for i in range(3_000_000))
+    assert own.others is not None and own.others < 0.5, own.others
+    spinner = _spinner()
+    try:
+        time.sleep(0.3)  # it has started
+        with Contention() as other:
+            time.sleep(1.0)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert other.others >= 0.5, other.others
+
+
+def test_a_row_timed_while_the_machine_is_busy_says_so_instead_of_a_speed():
+    session = small_session()
+    spinner = _spinner()
+    try:
+        ladder = session.compare([{}], steps=3, estimate=False, progress=False)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    row = ladder[0]
+    assert row.speed_suspect and row.busy >= 0.5
+    assert "(busy*)" in repr(ladder) and "not the technique's" in repr(ladder)
+    assert "not the technique" in ladder._repr_html_()
+    assert ladder.as_dicts()[0]["busy_cores"] == row.busy

@@ -22,7 +22,7 @@ LAYERS = [
     # 0. basics: words, sizes, the model and its files, data, memory accounting, techniques
     ["units", "files", "template", "techniques", "host", "hardware", "overhead", "atomic", "hub", "scoring",
      "generate", "models", "data", "memory.accounting", "memory.breakdown", "memory.tracker",
-     "memory.sampling", "memory.snapshot", "memory", "peft", "adapters", "optim", "activations", "plan",
+     "memory.sampling", "memory.snapshot", "memory.usage", "memory", "peft", "adapters", "optim", "activations", "plan",
      "step", "loss", "undo", "state", "datasets", "quiet"],
     # 1. the state's forms on disk and across ranks
     ["distributed", "checkpoint", "sharded_checkpoint"],
@@ -31,7 +31,7 @@ LAYERS = [
     # 3. the training state
     ["trainer"],
     # 4. run control and what drives it (and the charts a ladder draws)
-    ["runner", "runs", "ladder", "runfile", "demos", "ui.charts"],
+    ["runner", "runs", "ladder", "runfile", "demos", "ui.charts", "on_exit"],
     # 5. front ends
     ["session", "ui", "headless", "cli", "__main__", ""],
 ]

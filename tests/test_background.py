@@ -235,6 +235,7 @@ def test_trackers_in_two_threads_leave_storage_resize_as_it_was():
     assert torch.UntypedStorage.resize_ is real
 
 
+@pytest.mark.slow
 def test_a_reply_during_a_run_comes_between_two_steps_and_changes_no_step():
     """The panel's "Try it": a greedy reply queued during a background run is made at the
     next step boundary on the run's thread. The run's losses and weights are bit for bit a
@@ -249,8 +250,10 @@ def test_a_reply_during_a_run_comes_between_two_steps_and_changes_no_step():
     asked = s.runner.between_steps(
         lambda: (len(s.history), threading.current_thread() is run.thread,
                  s.generate(prompt, max_new_tokens=12, stream=pieces.append)))
-    step, on_run_thread, reply = asked.result(120)
-    run.wait()
+    try:
+        step, on_run_thread, reply = asked.result(120)
+    finally:
+        run.wait()  # no thread left inside torch if the reply failed
     assert on_run_thread and trained + 2 <= step < trained + 6 and len(run.reports) == 6
     assert "".join(pieces) == reply and len(pieces) > 1  # streamed piece by piece
 
@@ -265,3 +268,25 @@ def test_a_reply_during_a_run_comes_between_two_steps_and_changes_no_step():
     assert s.runner.between_steps(lambda: threading.current_thread()).result(0) is threading.current_thread()
     with pytest.raises(ZeroDivisionError):
         s.runner.between_steps(lambda: 1 / 0).result(0)
+
+
+def test_a_run_armed_to_save_on_exit_saves_its_last_step_once_and_only_there(tmp_path, capsys):
+    """What a kernel's SIGTERM or exit triggers (``tests/test_kernel_exit.py`` sends them to a
+    real kernel): the run stops after the step under way and that step is saved, once, to
+    the folder named; afterwards nothing is written."""
+    s = small_session()
+    folder = tmp_path / "saved"
+    with pytest.raises(ValueError, match="is a file"):
+        s.start(10, checkpoint=__file__)
+    run = s.start(100_000, checkpoint=folder)
+    while len(run.reports) < 3:
+        time.sleep(0.005)
+    saved = run.on_exit.save("a test")
+    assert saved == folder and not run.running and run.error is None
+    assert "saved" in capsys.readouterr().err
+    assert run.on_exit.save("again") == saved  # once
+    back = small_session()
+    back.load_checkpoint(folder)
+    assert [r.loss for r in back.history] == [r.loss for r in s.history]
+    run.on_exit._at_exit()  # the run has ended: nothing more
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saved"]

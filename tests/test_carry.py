@@ -109,6 +109,7 @@ def test_what_is_not_carried(changes, tokens, why):
                                8 * 7) == (7, False)
 
 
+@pytest.mark.slow
 def test_a_failed_condition_traces_the_step(monkeypatch, drawn):
     # The tile between the second and the last is taken off its line: nothing is carried,
     # and the estimate is the traced one.

@@ -304,3 +304,19 @@ def test_a_session_meters_every_step_and_a_bare_trainer_does_not(trained):
     assert all(r.usage.peak >= r.memory.peak for r in session.history if r.memory.measured)
     bare = small_session()
     assert bare.trainer.step(track=True).usage is None
+
+
+def test_each_steps_figure_is_its_own_peak_not_the_processes_lifetime_one():
+    """A step's figure is the peak during that step: memory the process touched and freed
+    before it does not show (the meter resets the high-water mark at the step's start)."""
+    import numpy as np
+
+    from nbtune.memory.usage import _resident_peak
+
+    session = small_session()
+    session.step()
+    big = np.ones(400 * 2**20 // 8)  # 400 MiB, touched, then freed
+    high = _resident_peak()
+    del big
+    report = session.step()
+    assert report.usage.peak < high - 200 * 2**20, (report.usage.peak, high)

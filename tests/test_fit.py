@@ -530,6 +530,7 @@ def _candidate(start: nt.Techniques, t: nt.Techniques, layers: int):
     return next(c for c in search_space(start, "cuda", num_layers=layers) if c.techniques == t)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,every", [("full", False), ("lora", 4)])
 def test_reach_bounds_what_checkpointing_and_the_optimizer_toggles_save_on_real_estimates(method, every):
     """At a failed combination's peak, one that also checkpoints more layers or moves the

@@ -45,6 +45,7 @@ def _questions(config):
     return {"badge": badge, "fit": fit, "longest": longest}
 
 
+@pytest.mark.slow
 def test_three_questions_at_once_answer_as_each_asked_alone(monkeypatch):
     config = ModelConfig(**SHAPE)
     alone = {}

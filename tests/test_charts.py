@@ -320,3 +320,16 @@ def test_each_steps_figure_is_its_own_peak_not_the_processes_lifetime_one():
     del big
     report = session.step()
     assert report.usage.peak < high - 200 * 2**20, (report.usage.peak, high)
+
+
+def test_the_steps_figure_puts_the_process_on_its_own_axis():
+    """The process's resident memory (GiB here) would flatten the tensors' bars (MiB): it
+    gets the right axis, the bars keep theirs."""
+    history = [dataclasses.replace(r, usage=Usage(3 * 2**30 + r.step * MiB, 0, "resident"))
+               for r in _history({1, 2, 5})]
+    fig = steps_figure(history)
+    left, right = fig.axes[0], fig.axes[1]
+    assert left.get_ylabel() == "memory (MiB)" and right.get_ylabel() == "process memory (GiB)"
+    usage = next(line for line in right.get_lines() if line.get_gid() == "usage")
+    assert list(usage.get_xdata()) == list(range(1, 11))
+    assert SOURCES["resident"] in [t.get_text() for t in fig.legends[0].get_texts()]

@@ -42,7 +42,8 @@ def test_quickstart_outcomes(tmp_path):
     check = cells[-1]
     text = "".join(o.get("text", "") for o in check.outputs)
     assert text == ("loss fell by half: True\naccuracy rose: True\n"
-                    "checkpointing cut activations by half: True\n")
+                    "checkpointing cut activations by half: True\n"
+                    "memory charted on every step: True\n")
 
 
 def test_committed_notebooks_are_what_build_writes_with_outputs_under_a_megabyte():

@@ -203,14 +203,34 @@ def _usage_line(history: list, value) -> tuple[list, list]:
     return xs, ys
 
 
-def _timeline(ax, history: list, size: int, unit: str, top: float) -> None:
-    """Every step's cheap figure as a line; the peak of the steps broken down by category as
-    a line where every step was, else as points (joined between consecutive ones). On CUDA
-    the cheap figure is the same allocator peak: drawn only where steps were not broken down."""
+def _source(history: list) -> str | None:
+    """Where the steps' cheap figures come from (``SOURCES``), or None without any."""
+    metered = [r for r in history if r.usage is not None]
+    return metered[-1].usage.source if metered else None
+
+
+def _resident_axis(ax, history: list):
+    """The process's peak resident memory of every step on an axis of its own (right): it
+    counts the whole process, far above the tensors on the left axis."""
+    other = ax.twinx()
+    top = max(r.usage.peak for r in history if r.usage is not None)
+    unit, size = byte_unit(top)
+    xs, ys = _usage_line(history, lambda u: u.peak / size)
+    other.plot(xs, ys, color=RESIDENT_COLOR, linewidth=1.2, label=SOURCES["resident"], gid="usage")
+    other.set_ylabel(f"process memory ({unit})")
+    other.set_ylim(0, top / size * 1.1)
+    return other
+
+
+def _timeline(ax, history: list, size: int, unit: str, top: float, usage: bool = True) -> None:
+    """Every step's cheap figure as a line (``usage``: here); the peak of the steps broken
+    down by category as a line where every step was, else as points (joined between
+    consecutive ones). On CUDA the cheap figure is the same allocator peak: drawn only where
+    steps were not broken down."""
     measured = _measured(history)
     every = bool(measured) and len(measured) == len(history)
-    metered = [r for r in history if r.usage is not None]
-    source = metered[-1].usage.source if metered else None
+    metered = [r for r in history if r.usage is not None] if usage else []
+    source = _source(metered)
     if metered and not (every and source == "allocator"):
         xs, ys = _usage_line(history, lambda u: u.peak / size)
         ax.plot(xs, ys, color=PEAK_COLOR if source == "allocator" else RESIDENT_COLOR,
@@ -251,7 +271,8 @@ def steps_figure(history: list) -> "ChartFigure":
         return _empty(fig, "no steps yet")
     ax = fig.subplots()
     measured = _measured(history)
-    top = _top(measured, history)
+    resident = _source(history) == "resident"  # a figure of its own scale: its own axis
+    top = _top(measured, [] if resident else history)
     unit, size = byte_unit(top)
     split = [r for r in measured if r.memory.at_peak]
     highs = [r for r in measured if not r.memory.at_peak]
@@ -261,7 +282,8 @@ def steps_figure(history: list) -> "ChartFigure":
                    {name: [_composition(r.memory)[name] / size for r in reports]
                     for name in CATEGORIES}, width=0.8, hatch=hatch,
                    labelled=hatch is None or not split)
-    _timeline(ax, history, size, unit, top)
+    _timeline(ax, history, size, unit, top, usage=not resident)
+    axes = (ax, _resident_axis(ax, history)) if resident else (ax,)
     ax.set_xlim(history[0].step - 1, history[-1].step + 1)
     notes = []
     if len(measured) < len(history):
@@ -270,8 +292,8 @@ def steps_figure(history: list) -> "ChartFigure":
         notes.append("hatched: own high points, split at the peak not recorded")
     title = "Memory by category at each step's peak"
     ax.set_title(title + (f"\n({'; '.join(notes)})" if notes else ""), fontsize=9 if notes else 10)
-    _legend(fig, (ax,))
-    fig.subplots_adjust(left=0.09, right=0.97, top=0.88, bottom=0.3)
+    _legend(fig, axes, ncol=3)
+    fig.subplots_adjust(left=0.09, right=0.91 if resident else 0.97, top=0.88, bottom=0.34)
     return fig
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from concurrent.futures import Future
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 

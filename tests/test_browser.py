@@ -38,7 +38,7 @@ CELLS = [
     "p = s.panel()\np",
     "print('kernel free while training:', s.current_run is not None, 'steps so far:', len(s.history))",
     "s.memory_tracking = 'sampled'\nprint('memory tracking', s.memory_tracking)",
-    "s.run(150, progress=False, live=False)\nprint('trained to step', len(s.history))",
+    "s.run(60, progress=False, live=False)\nprint('trained to step', len(s.history))",
 ]
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
          "--disable-component-update", "--no-first-run"]

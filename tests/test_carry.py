@@ -55,6 +55,7 @@ def carried_and_traced(family, changes, device, tiles, layers=8):
                                                                 extrapolate=False)
 
 
+@pytest.mark.slow
 def test_a_tiled_step_carried_to_more_tiles_equals_every_tile_traced(monkeypatch, drawn):
     """Through a model's Predictor: the two runs are recorded once (3 and 4 tiles, each at the
     two shallow depths), give themselves back, and carry the step to 6 tiles; each answer

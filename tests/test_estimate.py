@@ -192,6 +192,7 @@ def test_cublas_workspace_size_follows_torchs_rule(monkeypatch):
     assert cublas_workspaces((8, 6)) == 2 * before_hopper
 
 
+@pytest.mark.slow
 def test_cuda_estimate_holds_the_cublas_workspaces_at_every_moment(monkeypatch):
     """Measured on an H200: every step held 65.2 MiB (two 32 MiB workspaces) more than the
     fake step. The CUDA estimate adds them as other, to the peak, each phase and the held-out

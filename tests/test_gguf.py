@@ -98,6 +98,7 @@ def test_greedy_reply_matches_transformers(smollm2, reference):
     assert tokenizer.decode(ours) == "The capital of France is Paris."
 
 
+@pytest.mark.slow
 def test_a_damaged_file_is_refused_by_name(tmp_path, smollm2):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(smollm2[0].read_bytes()[:4096])

@@ -116,6 +116,7 @@ def test_a_repeated_question_is_answered_from_the_cache_and_an_error_is_raised_a
     assert not p.cached(START)
 
 
+@pytest.mark.slow
 def test_the_memory_twin_predicts_what_its_original_does():
     """The cache's premise, checked on the real estimator: grad_accum past 2, lr, warm-up and
     the seed leave every number of the estimate as it was (where the peak sits too)."""

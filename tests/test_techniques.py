@@ -92,6 +92,7 @@ def test_compiled_layers_and_loss_match_eager():
     torch.testing.assert_close(compiled, eager, atol=1e-3, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_compiled_layer_compiles_once_more_for_a_new_length_then_never_again():
     """On an H200 compiled steps of 80 and 81 tokens recompiled again and again (8.1, 5.9,
     8.7 s each): ``is_causal=T > 1`` was a symbolic bool once the length went dynamic, SDPA

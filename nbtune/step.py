@@ -182,14 +182,15 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     inputs = [t for b in micro_batches for t in b.values()]
     lr = optimizer.param_groups[0]["lr"]
     tracker = track_step(model, optimizer, *inputs) if track else _Untracked()
-    meter = UsageMeter(next(model.parameters()).device) if usage else contextlib.nullcontext()
-    with meter, _Phases(tracker, context.phase) as memory:
+    meter = UsageMeter(next(model.parameters()).device) if usage else None
+    with meter or contextlib.nullcontext(), _Phases(tracker, context.phase) as memory:
         total = update(model, optimizer, micro_batches, trained, memory, options,
                        replace(context, guard=finite_guard(step, lr)))
     shape = max((tuple(b["input_ids"].shape) for b in micro_batches), key=lambda s: s[0] * s[1])
+    measured = memory.result()
     return StepReport(step=step, loss=float(total), tokens=read, trained_tokens=trained, shape=shape,
                       seconds=time.perf_counter() - started,
-                      lr=lr, memory=memory.result(), usage=getattr(meter, "result", None))
+                      lr=lr, memory=measured, usage=meter.settle(measured) if meter else None)
 
 
 class _Phases:

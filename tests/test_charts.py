@@ -333,3 +333,25 @@ def test_the_steps_figure_puts_the_process_on_its_own_axis():
     usage = next(line for line in right.get_lines() if line.get_gid() == "usage")
     assert list(usage.get_xdata()) == list(range(1, 11))
     assert SOURCES["resident"] in [t.get_text() for t in fig.legends[0].get_texts()]
+
+
+def test_on_cuda_a_tracked_steps_figure_is_the_trackers_whole_step_peak(monkeypatch):
+    """The CUDA tracker reads and resets the allocator's peak at every phase boundary, so the
+    meter's own reading at the end holds the last phase only: a tracked step's figure is
+    the tracker's whole-step peak; an untracked one's is the meter's."""
+    import torch
+
+    from nbtune.memory.usage import UsageMeter
+
+    counters = {"peak": 0}
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: counters.update(peak=0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: counters["peak"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 2 * counters["peak"])
+    meter = UsageMeter(torch.device("cuda", 0))
+    with meter:
+        counters["peak"] = 900  # forward's peak; the tracker then resets at the boundary
+        torch.cuda.reset_peak_memory_stats()
+        counters["peak"] = 300  # the optimizer phase
+    assert meter.result == Usage(300, 600, "allocator")  # the last phase alone
+    assert meter.settle(MemoryBreakdown(peak=900, reserved=1800)) == Usage(900, 1800, "allocator")
+    assert meter.settle(None) == meter.result  # untracked: the counters are the whole step's

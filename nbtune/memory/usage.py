@@ -68,6 +68,15 @@ class UsageMeter:
                 pass
         return self
 
+    def settle(self, tracked) -> Usage | None:
+        """The step's figure, given the tracker's breakdown where it tracked the step: on
+        CUDA the tracker reads and resets the same allocator counters at every phase
+        boundary, so the meter's own reading holds only the last phase; the tracker's peak
+        and reserved are the whole step's."""
+        if tracked is not None and self.device.type == "cuda" and self._armed:
+            return Usage(tracked.peak, tracked.reserved, "allocator")
+        return self.result
+
     def __exit__(self, *exc) -> None:
         if not self._armed or exc[0] is not None:
             return

@@ -273,8 +273,7 @@ class _Search:
         self.rows: list[FitRow] = []  # every combination looked at, in order
         self.estimated: dict[Techniques, FitRow] = {}
         self.memories: dict[Techniques, MemoryBreakdown] = {}
-        self.failed: list[tuple] = []  # saving vectors of combinations predicted not to fit
-        self.missed: list[tuple] = []  # and those combinations, with their need and breakdown
+        self.missed: list[tuple] = []  # (candidate, breakdown) of those predicted not to fit
         self.broken = _Unrunnable()  # combinations the estimator could not run, and their like
         self.pruned: set[Techniques] = set()  # ruled out without an estimate
         self.estimates = 0  # estimator calls made (cache hits not counted)
@@ -283,17 +282,16 @@ class _Search:
         """Ruled out without an estimate: a combination saving at least as much memory on
         every axis did not fit, or one missed by more than ``c`` can save against it
         (``reach``), or one with a subset of its toggles could not be run."""
-        if (any(_dominated(c.saving, by) for by in self.failed)
+        if (any(_dominated(c.saving, failed.saving) for failed, _ in self.missed)
                 or any(self._beyond_reach(c, *missed) for missed in self.missed)
                 or c.techniques in self.broken):
             self.pruned.add(c.techniques)
             return True
         return False
 
-    def _beyond_reach(self, c: Candidate, failed: Candidate, need: int,
-                      memory: MemoryBreakdown) -> bool:
-        """``c`` needs more than the room: at ``failed``'s peak it holds at least its peak
-        less ``reach`` (``need`` is at least that peak)."""
+    def _beyond_reach(self, c: Candidate, failed: Candidate, memory: MemoryBreakdown) -> bool:
+        """``c`` needs more than the room: at ``failed``'s peak it holds at least that peak
+        less ``reach`` (and it needs at least what it holds then)."""
         saves = reach(failed, memory, c, self.predictor.config.num_layers)
         return saves is not None and memory.peak - saves > self.room
 
@@ -321,8 +319,7 @@ class _Search:
             self.memories[c.techniques] = memory
             self.broken.runs(c.techniques)
             if need > self.room:  # (host memory does not fall along the toggles: no pruning by it)
-                self.failed.append(c.saving)
-                self.missed.append((c, need, memory))
+                self.missed.append((c, memory))
         self.rows.append(row)
         self.estimated[c.techniques] = row
         return row

@@ -66,7 +66,8 @@ class Parallel:
             raise ValueError(f"RANK={rank} but WORLD_SIZE={world}: a rank is below the world "
                              "size. Start the job with torchrun, which sets both.")
         if not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            # NCCL for the CUDA tensors, gloo for the few host scalars the step sums (its loss)
+            backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
             if torch.cuda.is_available():
                 torch.cuda.set_device(local)
             dist.init_process_group(backend)
@@ -136,10 +137,13 @@ def shard_model(model: nn.Module, sharding: Sharding) -> None:
             module.reshard()
 
 
-def check_sharding(sharding: Sharding, model: nn.Module, method: str, device: str,
-                   optimizer_in_backward: bool = False) -> list[str]:
-    """Every reason ``sharding`` cannot run here, each naming the fix (nothing is built yet)."""
+def check_sharding(sharding: Sharding, model: nn.Module, techniques, device: str,
+                   world: int = 2) -> list[str]:
+    """Every reason ``sharding`` cannot run here over ``world`` ranks, each naming the fix
+    (nothing is built yet)."""
     problems = []
+    if techniques.method == "qlora":
+        problems += _nf4_splits(model, techniques.lora_targets, world)
     if sharding.cpu_offload and device != "cuda":
         problems.append("distributed.cpu_offload moves the sharded weights, gradients and optimizer "
                         "state off a CUDA device; on this device they are already in CPU memory: "
@@ -148,31 +152,64 @@ def check_sharding(sharding: Sharding, model: nn.Module, method: str, device: st
         problems.append("shard_embeddings needs separate embedding and output weights, but this "
                         "model ties them (tie_word_embeddings): they are one tensor, sharded with the "
                         "root. Set distributed.shard_embeddings: false.")
-    if optimizer_in_backward:
-        problems.append("optimizer_in_backward under FSDP2 is not supported yet (each sharded "
-                        "gradient arrives after the reduce-scatter, not in the parameter's own "
-                        "backward hook): turn it off for runs under torchrun.")
-    if method == "qlora":
-        problems.append("method 'qlora' under FSDP2 is not supported yet (NF4 weights are not "
-                        "sharded): use method 'lora' with several processes, or one process.")
     if sharding.mixed_precision not in (None, "bf16"):
         problems.append(f"distributed.mixed_precision={sharding.mixed_precision!r} is not null or 'bf16'.")
     return problems
 
 
-def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every weight gathered whole, on every rank (a collective: all ranks call it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def _nf4_splits(model: nn.Module, targets, world: int) -> list[str]:
+    """FSDP2 gives each rank whole rows of an NF4 weight and equal parts of its 4-bit codes
+    and of its two levels of scales (torchao's dim-0 split): each must divide by ``world``."""
+    from .peft import NF4_BLOCK, nf4_parts
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    bad = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name.rpartition(".")[2] in targets:
+            rows, size = module.weight.shape[0], module.weight.numel()
+            if size % NF4_BLOCK == 0 and (rows % world or any(n % world for n in nf4_parts(size))):
+                bad.append(f"{name} {tuple(module.weight.shape)}")
+    if not bad:
+        return []
+    return [f"method 'qlora' cannot split {', '.join(bad[:2])}{' ...' if len(bad) > 2 else ''} "
+            f"over {world} ranks (FSDP2 gives each rank whole rows and equal parts of its 4-bit "
+            "codes and scales): use 2, 4 or 8 processes, or method 'lora'."]
 
 
-def unsharded_copy(model: nn.Module, techniques) -> nn.Module:
-    """A plain (unsharded) model with ``model``'s weights, built on this rank for saving."""
+def full_state(model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """Every weight gathered whole, as host copies (a collective: all ranks call it).
+
+    One FSDP2 unit at a time through its own ``unshard`` (for an NF4 weight, torchao's
+    all-gather extension), so a rank holds at most one gathered layer on its device; only
+    ranks with ``keep`` keep the copies (rank 0 saves, the others would only fill host RAM).
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from .peft import host_copy
+
+    units = [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    state = {}
+    for name, unit in reversed(units):  # the layers first, the root (its own weights) last
+        unit.unshard()
+        try:
+            if keep:
+                for key, value in unit.named_parameters(prefix=name, remove_duplicate=False):
+                    if key not in state and not isinstance(value, DTensor):
+                        state[key] = host_copy(value)  # the gather buffer is freed next
+        finally:
+            unit.reshard()
+    return state
+
+
+def unsharded_copy(model: nn.Module, techniques, keep: bool = True) -> nn.Module | None:
+    """A plain (unsharded) model with ``model``'s weights in host memory, for saving: a
+    collective; the ranks without ``keep`` only help gather and get None."""
     from .models.decoder import CausalLM
     from .plan import transform_model
 
-    state = full_state(model)
+    state = full_state(model, keep)
+    if not keep:
+        return None
     with torch.device("meta"):
         copy = CausalLM(model.config)
     transform_model(copy, techniques, previous=None)

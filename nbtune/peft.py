@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 NF4_BLOCK = 64  # weights per absmax scale (torchao's and torchtune's default)
 NF4_SCALER_BLOCK = 256  # scales per fp scale of the double quantization (ditto)
+SHARDS = 8  # FSDP2 splits an NF4 weight into this many ranks' parts, or any divisor of it
 _NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
 
 
@@ -41,16 +42,34 @@ def is_nf4(tensor) -> bool:
 def to_nf4(weight: torch.Tensor, name: str = "weight"):
     """NF4 copy of a weight, in its dtype and on its device.
 
-    The scale blocks are 256 long unless the layer has fewer than 256 blocks of 64 (the
-    tiny demo's 64x128 k_proj has 128): then as many as divide the count.
+    The scale blocks are 256 long where that leaves a multiple of 8 of them (every layer of
+    the real models: Llama-3.1-8B's k_proj has 256), so that FSDP2 can split the weight over
+    up to 8 ranks, each holding whole blocks (``scaler_block``); smaller layers (the tiny
+    demo's) get shorter ones.
     """
     if weight.dim() != 2 or weight.numel() % NF4_BLOCK:
         raise ValueError(f"{name} {tuple(weight.shape)} cannot be stored as NF4: it needs a 2-D "
                          f"weight whose size is a multiple of {NF4_BLOCK}.")
-    scaler_block = math.gcd(weight.numel() // NF4_BLOCK, NF4_SCALER_BLOCK)
+    scaler_block = _scaler_block(weight.numel() // NF4_BLOCK)
     if is_fake(weight):
         return _nf4_layout(weight, scaler_block)
     return _nf4().to_nf4(weight.detach().contiguous(), NF4_BLOCK, scaler_block)
+
+
+def _scaler_block(blocks: int) -> int:
+    """The longest scale block (a divisor of 256 and of ``blocks``) that leaves a multiple of
+    ``SHARDS`` scale blocks; else the longest that divides ``blocks``."""
+    for size in (NF4_SCALER_BLOCK >> k for k in range(NF4_SCALER_BLOCK.bit_length())):
+        if blocks % size == 0 and (blocks // size) % SHARDS == 0:
+            return size
+    return math.gcd(blocks, NF4_SCALER_BLOCK)
+
+
+def nf4_parts(size: int) -> tuple[int, int, int]:
+    """Sizes of an NF4 weight of ``size`` values' parts that FSDP2 splits over ranks: its
+    4-bit codes (bytes), its int8 block scales and their float factors."""
+    blocks = size // NF4_BLOCK
+    return size // 2, blocks, blocks // _scaler_block(blocks)
 
 
 def _nf4_layout(weight: torch.Tensor, scaler_block: int):
@@ -74,6 +93,19 @@ def _nf4_layout(weight: torch.Tensor, scaler_block: int):
                          quantized_scalers=empty(blocks, torch.int8), quantization_factor=factor,
                          scaler_mean=empty((), weight.dtype), quantized_data=empty(n // 2, torch.uint8),
                          nf4=empty(16, weight.dtype))
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """An own copy in host memory; an NF4 weight stays 4-bit and bit-exact (torchao's
+    ``clone`` of one requantizes it with its default blocks)."""
+    if not is_nf4(tensor):
+        return tensor.detach().to("cpu", copy=True)
+    import dataclasses
+
+    names, meta = tensor.__tensor_flatten__()
+    parts = {name: getattr(tensor, name).detach().to("cpu", copy=True) for name in names}
+    meta = {**meta, "tensor_meta": dataclasses.replace(meta["tensor_meta"], device=torch.device("cpu"))}
+    return type(tensor).__tensor_unflatten__(parts, meta, tensor.size(), tensor.stride())
 
 
 def dequantize(tensor: torch.Tensor) -> torch.Tensor:

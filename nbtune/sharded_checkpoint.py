@@ -72,8 +72,8 @@ def save_sharded_session(session, folder, merge: bool = False, format: str = "hf
 
     from .distributed import unsharded_copy
 
-    whole = unsharded_copy(session.model, session.techniques)
-    if session.parallel.rank == 0:
+    whole = unsharded_copy(session.model, session.techniques, keep=session.parallel.rank == 0)
+    if whole is not None:
         view = types.SimpleNamespace(model=whole, tokenizer=session.tokenizer, source=session.source,
                                      base_changed=session.base_changed)
         save_session(view, folder, merge=merge, format=format, quantization=quantization)

@@ -279,7 +279,10 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
         if undo is not None:
             undo.stage()
         if in_backward and guard is not None:  # backward writes the weights: check first
-            guard(total + loss.detach().float().cpu(), None)
+            seen = total + loss.detach().float().cpu()
+            # every rank checks the same sum: one refusing alone would leave the others
+            # waiting in backward's reduce-scatter
+            guard(seen if parallel is None else parallel.sum_(seen), None)
         with _writing(optimizer, critical, undo) if in_backward else contextlib.nullcontext():
             # FSDP averages gradients over ranks; scaled by N, the average is the ranks' sum.
             (loss if parallel is None else loss * parallel.world).backward()

@@ -104,8 +104,8 @@ class Trainer:
         if parallel is not None:
             from .distributed import check_sharding
 
-            problems += check_sharding(parallel.sharding, model, techniques.method, device.type,
-                                       techniques.optimizer_in_backward)
+            problems += check_sharding(parallel.sharding, model, techniques, device.type,
+                                       parallel.world)
         if problems:
             raise ValueError(" ".join(problems))
         self.parallel = parallel  # a distributed.Parallel under torchrun, else None

@@ -41,10 +41,10 @@ def param_bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def torchrun(run_file, out, *flags):
-    """`nbtune train run_file` on two gloo ranks; must succeed."""
+def torchrun(run_file, out, *flags, ranks: int = 2):
+    """`nbtune train run_file` on ``ranks`` gloo ranks; must succeed."""
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2", "-m", "nbtune", "train", str(run_file),
+                           "--nproc_per_node", str(ranks), "-m", "nbtune", "train", str(run_file),
                            "--out", str(out), *flags],
                           capture_output=True, text=True, timeout=600, env={**os.environ})
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])

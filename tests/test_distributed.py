@@ -10,20 +10,22 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from nbtune import cli, runfile
+from nbtune.techniques import Techniques
 from nbtune.distributed import Parallel, Sharding, check_sharding, shard_model
 from nbtune.models import demo_model_dir, load_model
 
 from helpers import tiny_llama, torchrun
 
-RUN = "demo: tiny\ntechniques: {{{techniques}}}\nrun: {{steps: {steps}, checkpoint_every: 2, save: [hf]}}\n"
+RUN = "demo: tiny\ntechniques: {{{techniques}}}\nrun: {{steps: {steps}, checkpoint_every: 2, save: [{save}]}}\n"
 FULL = "batch_size: 4, seq_len: 96, lr: 1e-3"
 LORA = ("method: lora, batch_size: 4, seq_len: 96, lr: 1e-3, lora_rank: 4, grad_accum: 2, "
         "max_grad_norm: 1.0")
+QLORA = "method: qlora, batch_size: 4, seq_len: 96, lr: 1e-3, lora_rank: 4"
 
 
-def run_file(tmp_path, techniques, steps=4):
+def run_file(tmp_path, techniques, steps=4, save="hf"):
     path = tmp_path / "run.yaml"
-    path.write_text(RUN.format(techniques=techniques, steps=steps))
+    path.write_text(RUN.format(techniques=techniques, steps=steps, save=save))
     return path
 
 
@@ -31,8 +33,8 @@ def metrics(out, name="metrics.jsonl"):
     return [json.loads(line) for line in (out / name).read_text().splitlines()]
 
 
-def weights(out):
-    folder = out / "final"
+def weights(out, folder="final"):
+    folder = out / folder
     name = "adapter_model.safetensors" if (folder / "adapter_model.safetensors").exists() else "model.safetensors"
     return load_file(str(folder / name))
 
@@ -44,29 +46,37 @@ def close(a, b, tol=1e-5):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("techniques", [FULL, LORA], ids=["full", "lora"])
-def test_two_ranks_equal_one_process_and_hold_half_the_state_each(tmp_path, techniques):
-    path = run_file(tmp_path, techniques, steps=3)
+@pytest.mark.parametrize("techniques, ranks", [(FULL, 2), (LORA, 2), (QLORA, 4)], ids=["full", "lora", "qlora"])
+def test_ranks_equal_one_process_and_hold_their_share_of_the_state_each(tmp_path, techniques, ranks):
+    """QLoRA: the NF4 base sharded through torchao's FSDP2 extension, 4 ranks; its adapter
+    and its merged save (the base dequantized plus the update) equal one process's."""
+    adapters = techniques != FULL
+    path = run_file(tmp_path, techniques, steps=3, save="hf, merged" if adapters else "hf")
     assert cli.main(["train", str(path), "--out", str(tmp_path / "one")]) == 0
-    done = torchrun(path, tmp_path / "two")
+    done = torchrun(path, tmp_path / "two", ranks=ranks)
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
-    other = metrics(tmp_path / "two", "metrics.rank1.jsonl")
-    assert [m["step"] for m in two] == [1, 2, 3] and {m["rank"] for m in other} == {1}
+    other = metrics(tmp_path / "two", f"metrics.rank{ranks - 1}.jsonl")
+    assert [m["step"] for m in two] == [1, 2, 3] and {m["rank"] for m in other} == {ranks - 1}
     for a, b, c in zip(one, two, other):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and b["loss"] == c["loss"]  # the global loss
         assert a["tokens"] == b["tokens"]  # every rank reports the global batch's tokens
     close(weights(tmp_path / "one"), weights(tmp_path / "two"))
-    # the tracker's per-rank bytes: each rank holds half the weights, gradients and state
+    if adapters:
+        close(weights(tmp_path / "one", "merged"), weights(tmp_path / "two", "merged"))
+    # the tracker's per-rank bytes: each rank holds its share of the weights (LoRA: the frozen
+    # base too; QLoRA: its NF4 codes and scales), gradients and optimizer state
     single = one[0]["memory"]
     for rank in (two[0], other[0]):
-        for key in ("parameters", "gradients", "optimizer_state"):  # LoRA: the frozen base too
-            assert abs(rank["memory"][key] / single[key] - 0.5) < 0.02, (key, rank["memory"], single)
-    assert "memory per rank" in done.stdout and "   1 " in done.stdout
+        for key in ("parameters", "gradients", "optimizer_state"):
+            assert abs(rank["memory"][key] / single[key] - 1 / ranks) < 0.02, (key, rank["memory"], single)
+    assert "memory per rank" in done.stdout and f"   {ranks - 1} " in done.stdout
+    assert "unwaited" not in done.stderr  # the gathered save waits for every collective it starts
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path):
-    path = run_file(tmp_path, FULL, steps=4)
+@pytest.mark.parametrize("techniques", [FULL, QLORA], ids=["full", "qlora"])
+def test_sharded_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path, techniques):
+    path = run_file(tmp_path, techniques, steps=4)
     torchrun(path, tmp_path / "whole")
     torchrun(path, tmp_path / "cut", "--steps", "2")
     first = json.loads((tmp_path / "cut" / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
@@ -78,6 +88,18 @@ def test_sharded_checkpoint_then_resume_equals_an_uninterrupted_run(tmp_path):
     assert "resumed from" in done.stdout
     assert [m["loss"] for m in metrics(tmp_path / "cut")] == [m["loss"] for m in metrics(tmp_path / "whole")]
     close(weights(tmp_path / "whole"), weights(tmp_path / "cut"), tol=0.0)
+
+
+@pytest.mark.slow
+def test_the_optimizer_steps_each_sharded_gradient_in_backward(tmp_path):
+    """FSDP2 calls a sharded weight's post-accumulate-grad hook after its reduce-scatter:
+    stepping there gives the weights of the ordinary step, with no gradients held at the peak."""
+    torchrun(run_file(tmp_path, FULL + ", optimizer_in_backward: true", steps=5), tmp_path / "in")
+    torchrun(run_file(tmp_path, FULL, steps=5), tmp_path / "after")
+    inside, after = metrics(tmp_path / "in"), metrics(tmp_path / "after")
+    assert [m["loss"] for m in inside] == [m["loss"] for m in after]
+    close(weights(tmp_path / "in"), weights(tmp_path / "after"), tol=0.0)
+    assert inside[-1]["memory"]["gradients"] == 0 < after[-1]["memory"]["gradients"]
 
 
 @pytest.fixture
@@ -111,14 +133,20 @@ def test_each_sharding_setting_reaches_fsdp(one_rank_group, tmp_path):
 
 def test_sharding_refusals_name_the_setting_and_the_fix():
     model = load_model(demo_model_dir(), dtype="fp32", device="cpu")  # tied embeddings
+    full = Techniques()
     assert any("shard_embeddings: false" in p for p in check_sharding(Sharding(shard_embeddings=True),
-                                                                      model, "full", "cpu"))
+                                                                      model, full, "cpu"))
     assert any("cpu_offload: false" in p for p in check_sharding(Sharding(cpu_offload=True), model,
-                                                                 "full", "cpu"))
-    assert not check_sharding(Sharding(cpu_offload=True), model, "full", "cuda")
-    assert any("qlora" in p for p in check_sharding(Sharding(), model, "qlora", "cpu"))
-    assert any("optimizer_in_backward" in p for p in check_sharding(Sharding(), model, "full", "cpu",
-                                                                    optimizer_in_backward=True))
+                                                                 full, "cpu"))
+    assert not check_sharding(Sharding(cpu_offload=True), model, full, "cuda")
+    qlora = Techniques(method="qlora", lora_rank=4)
+    for world in (2, 4, 8):  # the demo's layers split over up to 8 ranks (whole NF4 blocks each)
+        assert not check_sharding(Sharding(), model, qlora, "cpu", world)
+    # 3 ranks: 384-row projections split, but the 128-row q_proj's codes and scales do not
+    (problem,) = check_sharding(Sharding(), model, qlora, "cpu", 3)
+    assert "cannot split model.layers.0.self_attn.q_proj (128, 128)" in problem and "over 3 ranks" in problem
+    assert "use 2, 4 or 8 processes" in problem
+    assert not check_sharding(Sharding(), model, Techniques(method="lora", lora_rank=4), "cpu", 3)
     parallel = Parallel(rank=1, world=2, local_rank=1, sharding=Sharding())
     batch = {"input_ids": torch.arange(8).reshape(4, 2), "labels": torch.arange(8).reshape(4, 2)}
     assert parallel.rows(batch)["input_ids"].tolist() == [[4, 5], [6, 7]]

@@ -105,7 +105,7 @@ class Parallel:
             dist.destroy_process_group()
 
 
-def shard_model(model: nn.Module, sharding: Sharding) -> None:
+def shard_model(model: nn.Module, sharding: Sharding, mesh=None) -> None:
     """``fully_shard`` each decoder layer, optionally the embedding and head, then the root.
 
     Run after every model transform (dtype cast, LoRA/QLoRA, checkpoint wrappers): FSDP2 shards
@@ -115,6 +115,8 @@ def shard_model(model: nn.Module, sharding: Sharding) -> None:
                                         fully_shard, register_fsdp_forward_method)
 
     options = {"reshard_after_forward": sharding.reshard_after_forward}
+    if mesh is not None:  # the estimator's fake ranks (made before its fake tensors)
+        options["mesh"] = mesh
     if sharding.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
     if sharding.mixed_precision is not None:

@@ -16,7 +16,8 @@ class HostMemory:
     CUDA, its libraries and the Jupyter kernel: rough), ``step`` (on a CPU the step's own
     peak: the device is the host), ``offloaded`` (activations moved to pinned host memory),
     ``paged`` (paged optimizer state: CUDA managed memory the driver moves to the host when
-    the card runs short), ``cpu_optimizer`` (CPU optimizer offload: host copies of the
+    the card runs short), ``sharded`` (FSDP2's CPU offload: every rank's sharded weights,
+    gradients and optimizer state), ``cpu_optimizer`` (CPU optimizer offload: host copies of the
     trainable weights with their gradients and state) and ``undo`` (the undo copy of the
     trainable weights and optimizer state, where ``rollback="auto"`` keeps it).
 
@@ -29,6 +30,7 @@ class HostMemory:
     step: int = 0
     offloaded: int = 0
     paged: int = 0
+    sharded: int = 0
     cpu_optimizer: int = 0
     undo: int = 0
     loading: int = 0
@@ -39,7 +41,8 @@ class HostMemory:
     @property
     def training(self) -> int:
         """Held while steps run."""
-        return self.runtime + self.step + self.offloaded + self.paged + self.cpu_optimizer + self.undo
+        return (self.runtime + self.step + self.offloaded + self.paged + self.sharded
+                + self.cpu_optimizer + self.undo)
 
     @property
     def peak(self) -> int:

@@ -42,6 +42,12 @@ _ACT = _MemRefType.ACT
 _META = torch.device("meta")  # where the estimator parks what leaves the device (filed as "meta", ref)
 
 
+def host_refs() -> tuple:
+    """The reference types FSDP2's CPU offload keeps in host memory: the sharded weights,
+    their gradients and the optimizer state (its step runs there too)."""
+    return (_MemRefType.PARAM, _MemRefType.GRAD, _MemRefType.OPT)
+
+
 def _by_category(snapshot: dict, state: int) -> dict[str, int]:
     """A MemTracker snapshot in our categories.
 

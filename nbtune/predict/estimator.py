@@ -23,6 +23,7 @@ and fragmentation and the CUDA context are not predicted: ``peak`` is what tenso
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -47,11 +48,13 @@ from ..models.presets import PRESETS, preset_config
 from ..optim import OptimizerInBackward, optimizer_factory, trainable_parameters
 from ..peft import cast_model
 from ..plan import check, transform_model
-from ..step import StepOptions, evaluate_sum, update
+from ..step import NO_CONTEXT, StepContext, StepOptions, evaluate_sum, update
 from ..techniques import PAGED_OPTIMIZERS, Techniques, as_techniques
 from ..undo import UNDO_AUTO_BYTES
 from .budgets import cublas_workspaces
+from ..distributed import Parallel, Sharding, check_sharding, shard_model
 from .carry import BASE, TraceCache, carried_tiles, lines
+from .ranks import Ranks, fake_group, offload
 
 _QUANTIZED_OPTIMIZERS = {"adamw8bit", "paged_adamw8bit", "paged_adamw", "ao_adamw8bit",
                          "ao_adamw4bit"}
@@ -174,7 +177,8 @@ def _fake_batch(config: ModelConfig, t: Techniques, batch_size: int, seq_len: in
 
 def estimate(model, techniques: Techniques | None = None, *, batch_size: int | None = None,
              seq_len: int | None = None, device: str | torch.device = "cpu",
-             extrapolate: bool = True, traces: TraceCache | None = None) -> MemoryBreakdown:
+             extrapolate: bool = True, traces: TraceCache | None = None, ranks: int = 1,
+             sharding: Sharding | dict | None = None) -> MemoryBreakdown:
     """Predict one training step's memory without allocating the model.
 
     ``model``: a preset name (``nbtune.models.presets.PRESETS``), a Hub repo id (only its
@@ -187,6 +191,11 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     step of many tiles from two of a few (``carry``): equal to the byte to running all of
     its layers and tiles, which ``extrapolate=False`` does. ``traces`` keeps the few-tile
     runs for the next length (a ``Predictor``'s).
+
+    ``ranks``: the step of each of that many processes under FSDP2 (``sharding``: its
+    settings, the run file's ``distributed:`` section), predicted by running the real
+    sharding over a fake process group (``ranks.py``); ``batch_size`` stays the global batch.
+    The host memory is the whole machine's (every rank's).
     """
     config = resolve_config(model)
     t = as_techniques(techniques)  # a dict of fields too, as Session takes
@@ -194,28 +203,49 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     if target not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: nbtune estimates for 'cpu' or 'cuda'.")
     shape = (batch_size or t.batch_size, seq_len or t.seq_len)
+    spread = Ranks.of(ranks, sharding)
     with torch.device("meta"):
         built = CausalLM(config.replace(num_layers=min(config.num_layers, 1)))
     problems = check(t.replace(seq_len=min(t.seq_len, config.max_position_embeddings)), built, target)
+    if spread is not None:
+        problems += check_sharding(spread.sharding, built, t, target, spread.world)
+        if shape[0] % spread.world:
+            problems.append(f"batch_size={shape[0]} does not split over {spread.world} ranks: "
+                            "batch_size is the global batch, so make it a multiple of ranks.")
     if problems:  # (an explicit seq_len may go beyond the context: the estimate says what it costs)
         raise ValueError(" ".join(problems))
-    period = layer_period(config, t) if extrapolate else None
+    period = layer_period(config, t, spread is not None) if extrapolate else None
     tiles = carried_tiles(config, t, shape[1]) if extrapolate else None
     step = None
     if period is not None:
-        shallow, deeper, front, back = shallow_units(t)
+        shallow, deeper, front, back = shallow_units(t, spread is not None)
         step = _extrapolated(*(_traced(config.replace(num_layers=units * period), t, target,
-                                       shape, True, tiles, traces) for units in (shallow, deeper)),
+                                       shape, True, tiles, traces, spread)
+                               for units in (shallow, deeper)),
                              shallow * period, deeper * period, config.num_layers, period,
                              (front, back))
     if step is None:
-        step = _traced(config, t, target, shape, False, tiles, traces)
+        step = _traced(config, t, target, shape, False, tiles, traces, spread)
+    offloaded = {}
+    if spread is not None and spread.sharding.cpu_offload:
+        step, offloaded = _offloaded(step)
     result = breakdown_of(step.segments.items(), step.state, step.weights)
     result = replace(result, device=target, measured=False, outside=step.paged,
                      eval_peak=step.eval_peak)
     if target == "cuda":
         result = held_throughout(result, cublas_workspaces())
-    return replace(result, host=host_memory(config, t, target, result, step))
+    host = host_memory(config, t, target, result, step, spread)
+    if offloaded:
+        host = replace(host, sharded=sum(offloaded.values()))
+    return replace(result, host=host)
+
+
+def _offloaded(step: "_FakeStep") -> tuple["_FakeStep", dict]:
+    """``step`` with FSDP2's CPU offload: the sharded weights, gradients and optimizer state
+    (and its step) off the device (``ranks.offload``), and what they held."""
+    segments, held = offload(step.segments)
+    return replace(step, segments=segments, state=0,
+                   weights=dict.fromkeys(step.weights, 0)), held
 
 
 def held_throughout(result: MemoryBreakdown, nbytes: int) -> MemoryBreakdown:
@@ -236,10 +266,20 @@ _BYTES = {"fp32": 4, "bf16": 2}
 
 
 def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBreakdown,
-                fake: "_FakeStep") -> HostMemory:
+                fake: "_FakeStep", spread: Ranks | None = None) -> HostMemory:
     """What the run of ``t`` holds on the host beside ``step`` (the device's side), by what
     nbtune's code does: see ``HostMemory``. The undo copy counts where "auto" keeps it on
-    every step (CUDA: at most 256 MiB, or the optimizer in backward)."""
+    every step (CUDA: at most 256 MiB, or the optimizer in backward). Over ``spread``'s
+    ranks, each is a process of its own on this host holding its share (no undo copy under
+    torchrun), and saves gather on rank 0."""
+    if spread is not None:
+        one = host_memory(config, t, target, step, fake)
+        world = spread.world
+        return replace(one, runtime=one.runtime * world, step=one.step * world,
+                       offloaded=one.offloaded * world, paged=one.paged * world,
+                       cpu_optimizer=one.cpu_optimizer * world, undo=0,
+                       loading=one.loading * world, checkpoint=one.checkpoint * world,
+                       merged=_gathered(config, t), gguf=one.gguf + _gathered(config, t))
     cuda = target == "cuda"
     dtype = _BYTES[t.dtype]
     trainable, state = step.trainable, step.optimizer_state
@@ -280,6 +320,16 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
     )
 
 
+def _gathered(config: ModelConfig, t: Techniques) -> int:
+    """Rank 0's host copy of every weight, gathered to be saved (``distributed.full_state``):
+    in the training dtype, the NF4 base as its codes and scales."""
+    dtype = _BYTES[t.dtype]
+    if t.method != "qlora":
+        return config.num_parameters * dtype
+    adapted = _adapted_weights(config, t)
+    return (config.num_parameters - adapted) * dtype + adapted * 33 // 64  # ~4.1 bits a weight
+
+
 def _vectors(config: ModelConfig) -> int:
     """Weights in 1-D tensors (norms, biases), which GGUF files keep in float32."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
@@ -303,27 +353,29 @@ def _adapted_weights(config: ModelConfig, t: Techniques) -> int:
     return config.num_layers * sum(sizes.get(name, 0) for name in t.lora_targets)
 
 
-def layer_period(config: ModelConfig, t: Techniques) -> int | None:
+def layer_period(config: ModelConfig, t: Techniques, sharded: bool = False) -> int | None:
     """How many decoder layers repeat as one unit in a step (checkpointing every N-th layer
     makes N), or None where the depth is not a whole number of units, or too shallow for two
     shallow runs (``shallow_units``) to be cheaper than one whole one."""
     period = t.checkpoint_every or 1
-    if config.num_layers % period or config.num_layers <= shallow_units(t)[1] * period:
+    if config.num_layers % period or config.num_layers <= shallow_units(t, sharded)[1] * period:
         return None
     return period
 
 
-def shallow_units(t: Techniques) -> tuple[int, int, int, int]:
+def shallow_units(t: Techniques, sharded: bool = False) -> tuple[int, int, int, int]:
     """The units of the two shallow runs, and how many at the front and at the back of a
     run are kept apart (``_slots``): 2 and 3 units, the first two and the last apart. Where
     offloading parks what each layer saves without checkpointing, backward brings back the
     layer before's tensors while a layer runs: the first layer parks fewer (its input needs
     no gradient when the embedding is frozen), so the second unit differs too, and the
     last brings back its own as it goes, so the one before it differs from it: 5 and 6
-    units, the first three and the last two apart."""
+    units, the first three and the last two apart. Under FSDP2 (``sharded``) the last unit
+    is the first to run backward (its gradients' reduce-scatter and the next gather begin
+    there), so no unit may be both at the front and at the back: 3 and 4 units."""
     if t.activation_offloading and not t.activation_checkpointing:
         return 5, 6, 3, 2
-    return 2, 3, 2, 1
+    return (3, 4, 2, 1) if sharded else (2, 3, 2, 1)
 
 
 @dataclass
@@ -340,18 +392,19 @@ class _FakeStep:
 
 
 def _traced(config: ModelConfig, t: Techniques, target: str, shape: tuple[int, int],
-            by_layer: bool, tiles: tuple[int, bool] | None, traces: TraceCache | None) -> _FakeStep:
+            by_layer: bool, tiles: tuple[int, bool] | None, traces: TraceCache | None,
+            spread: Ranks | None = None) -> _FakeStep:
     """The fake step of ``shape``: traced, or where ``tiles`` says so (``carried_tiles``)
     carried from recordings at ``BASE`` and ``BASE + 1`` tiles (kept in ``traces``)."""
     if tiles is None:
-        return _fake_step(config, t, target, shape, by_layer)
+        return _fake_step(config, t, target, shape, by_layer, spread=spread)
     n, loss_per_tile = tiles
     key = (config.num_layers, t.replace(seq_len=t.tile_tokens), target, shape[0], by_layer,
-           loss_per_tile)
+           loss_per_tile, spread)
     found = traces.get(key) if traces is not None else None
     if found is None:
         runs = [_fake_step(config, t.replace(seq_len=k * t.tile_tokens), target,
-                           (shape[0], k * t.tile_tokens), by_layer, (True, loss_per_tile))
+                           (shape[0], k * t.tile_tokens), by_layer, (True, loss_per_tile), spread)
                 for k in (BASE, BASE + 1)]
         recorded = [(run.recorded, run.segments) for run in runs]
         drawn = lines(*recorded) if all(r for r, _ in recorded) else None
@@ -362,24 +415,32 @@ def _traced(config: ModelConfig, t: Techniques, target: str, shape: tuple[int, i
             traces.put(key, found)
     drawn, run = found
     if drawn is None:  # a condition failed: traced at this length
-        return _fake_step(config, t, target, shape, by_layer)
+        return _fake_step(config, t, target, shape, by_layer, spread=spread)
     return replace(run, segments=drawn.at(n), recorded=None)
 
 
 def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int, int],
-               by_layer: bool, tiles: tuple[bool, bool] = (False, False)) -> _FakeStep:
+               by_layer: bool, tiles: tuple[bool, bool] = (False, False),
+               spread: Ranks | None = None) -> _FakeStep:
     """Build ``config`` of fake tensors the way a session would and track a steady step;
-    ``tiles``: record every moment, apart per tile of the layers (and per loss piece)."""
-    real = _fake_batch(config, t, *shape)
+    ``tiles``: record every moment, apart per tile of the layers (and per loss piece);
+    ``spread``: rank 0's step of several, sharded over a fake process group."""
+    world = spread.world if spread is not None else 1
+    real = _fake_batch(config, t, shape[0] // world, shape[1])  # this rank's rows
     micro_batches = [real] * t.grad_accum
-    trained = real["labels"].numel() * t.grad_accum
+    trained = real["labels"].numel() * t.grad_accum * world
     with torch.device("meta"):
         built = CausalLM(config)
     cast_model(built, DTYPES[t.dtype])
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with fake_group(world) if spread is not None else contextlib.nullcontext() as mesh, \
+            FakeTensorMode(allow_non_fake_inputs=True) as mode:
         built.to_empty(device="cpu")
         built.tie_weights()  # to_empty gives tied weights separate tensors
         transform_model(built, t, previous=None, cast=False)  # the session's own planner
+        context = NO_CONTEXT
+        if spread is not None:  # as the trainer does under torchrun: shard, then the optimizer
+            shard_model(built, spread.traced(), mesh)
+            context = StepContext(parallel=Parallel(0, world, 0, spread.sharding))
         optimizer = _estimate_optimizer(built, t, target)
         batches = [{k: mode.from_tensor(v) for k, v in b.items()} for b in micro_batches]
         inputs = [v for b in batches for v in b.values()]
@@ -391,7 +452,7 @@ def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int
         marks += [built.model.norm] if tiles[1] else []
         memory = CpuStepMemory(built, optimizer, *inputs, by_layer=by_layer, tiles=tuple(marks))
         with memory:
-            update(built, optimizer, batches, trained, memory, options)
+            update(built, optimizer, batches, trained, memory, options, context)
         eval_peak = 0
         if t.eval_every:  # one held-out batch at a time, beside the optimizer state
             evaluation = CpuStepMemory(built, optimizer, *inputs)

@@ -1,0 +1,114 @@
+"""Per-rank prediction: the real FSDP2 sharding on fake tensors over a fake process group,
+against each rank's measured step on real gloo ranks."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import nbtune as nt
+from nbtune.distributed import Sharding
+from nbtune.models import CausalLM, ModelConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = dict(vocab_size=259, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
+            num_kv_heads=2, head_dim=32)
+CASES = [
+    {"name": "full", "techniques": {}},
+    {"name": "full, checkpointed", "techniques": {"activation_checkpointing": True}},
+    {"name": "full, gathered after forward", "techniques": {},
+     "sharding": {"reshard_after_forward": False}},
+    {"name": "lora, chunked loss", "techniques": {"method": "lora", "lora_rank": 4, "chunked_loss": 4}},
+    {"name": "qlora", "techniques": {"method": "qlora", "lora_rank": 4}},
+    {"name": "qlora, checkpointed", "techniques": {"method": "qlora", "lora_rank": 4,
+                                                    "activation_checkpointing": True}},
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_each_ranks_estimate_is_within_2_percent_of_its_measured_step(tmp_path, ranks):
+    cases = tmp_path / "cases.json"
+    cases.write_text(json.dumps({"config": TINY, "batch_size": 4, "seq_len": 96, "cases": CASES}))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", str(ranks), str(ROOT / "benchmarks" / "rank_peaks.py"),
+                           str(cases), str(tmp_path / "out.json")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert [row["name"] for row in rows] == [case["name"] for case in CASES]
+    for row in rows:
+        assert len(row["ranks"]) == ranks
+        guess = row["estimate"]
+        for measured in row["ranks"]:
+            assert abs(guess["peak"] - measured["peak"]) <= 0.02 * measured["peak"], (row["name"], guess, measured)
+            assert guess["parameters"] == measured["parameters"], row["name"]
+
+
+def test_a_rank_holds_its_share_of_the_weights_gradients_and_state():
+    config = ModelConfig(**TINY)
+    t = nt.Techniques(batch_size=4, seq_len=96)
+    one = nt.estimate(config, t)
+    weights = 4 * config.num_parameters  # fp32
+    assert one.parameters == weights
+    for ranks in (2, 4):
+        each = nt.estimate(config, t, ranks=ranks)
+        # dim 0 of every weight split: each rank keeps ceil(rows / ranks) of them (259 rows of
+        # the vocabulary: 130 on each of 2 ranks)
+        with torch.device("meta"):
+            model = CausalLM(config)
+        assert each.parameters == sum(4 * -(-p.shape[0] // ranks) * p[0].numel()
+                                      for p in model.parameters())
+        assert each.gradients == each.parameters and each.optimizer_state >= 2 * each.parameters
+        assert each.peak < one.peak
+    assert not dist.is_initialized()  # the fake process group is gone
+
+
+def test_layers_are_carried_to_the_byte_under_fsdp():
+    """The last layer is the first to run backward under FSDP2: the shallow runs keep it apart
+    from the front ones (3 and 4 layers), so a deep model's step is carried exactly."""
+    config = ModelConfig(**{**TINY, "num_layers": 7})
+    for changes in ({"activation_checkpointing": True}, {"method": "qlora", "lora_rank": 4}):
+        t = nt.Techniques(batch_size=4, seq_len=96, **changes)
+        carried = nt.estimate(config, t, ranks=2)
+        traced = nt.estimate(config, t, ranks=2, extrapolate=False)
+        assert carried.peak == traced.peak and carried.at_peak == traced.at_peak
+
+
+def test_cpu_offload_moves_the_sharded_state_to_every_ranks_host():
+    config = ModelConfig(**TINY)
+    t = nt.Techniques(batch_size=4, seq_len=96)
+    kept = nt.estimate(config, t, device="cuda", ranks=2)
+    moved = nt.estimate(config, t, device="cuda", ranks=2, sharding={"cpu_offload": True})
+    assert moved.parameters == moved.optimizer_state == moved.gradients == 0
+    assert moved.host.sharded >= kept.parameters + kept.gradients + kept.optimizer_state
+    assert moved.peak <= kept.peak - kept.parameters - kept.optimizer_state
+    # every rank is a process on this host: its runtime counts once per rank
+    assert kept.host.runtime == 2 * nt.estimate(config, t, device="cuda").host.runtime
+
+
+def test_per_rank_estimates_refuse_what_cannot_run():
+    config = ModelConfig(**TINY)
+    t = nt.Techniques(batch_size=4, seq_len=96)
+    with pytest.raises(ValueError, match="ranks=0"):
+        nt.estimate(config, t, ranks=0)
+    with pytest.raises(ValueError, match="batch_size=4 does not split over 3 ranks"):
+        nt.estimate(config, t, ranks=3)
+    with pytest.raises(ValueError, match="no setting 'reshard'"):
+        nt.estimate(config, t, ranks=2, sharding={"reshard": False})
+    with pytest.raises(ValueError, match="cpu_offload: false"):
+        nt.estimate(config, t, ranks=2, sharding=Sharding(cpu_offload=True))  # on a CPU
+    with pytest.raises(ValueError, match="need ranks=2 or more"):
+        nt.estimate(config, t, sharding={"cpu_offload": True})
+    with pytest.raises(ValueError, match="cannot split .* over 3 ranks"):
+        nt.estimate(config, t.replace(method="qlora", batch_size=3), ranks=3)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        with pytest.raises(RuntimeError, match="already belongs to a job"):
+            nt.estimate(config, t, ranks=2)
+    finally:
+        dist.destroy_process_group()

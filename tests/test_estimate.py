@@ -114,6 +114,7 @@ def test_stand_in_state_is_what_the_real_optimizer_keeps(name):
 
 PUBLISHED_PARAMETERS = {  # from each model card / safetensors index
     "llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-70b": 70_553_706_496, "llama-2-70b": 68_976_648_192,
     "qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-7b": 7_615_616_512,
     "mistral-7b": 7_248_023_552,
 }

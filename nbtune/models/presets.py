@@ -32,6 +32,18 @@ PRESETS: dict[str, tuple[dict, str]] = {
         rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling={**_LLAMA_3_ROPE, "factor": 8.0},
         max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
         eos_token_id=128001), "https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json"),
+    "llama-3.1-70b": (dict(
+        model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling={**_LLAMA_3_ROPE, "factor": 8.0},
+        max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
+        eos_token_id=128001), "https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json"),
+    "llama-2-70b": (dict(
+        model_type="llama", vocab_size=32000, hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+        "https://huggingface.co/meta-llama/Llama-2-70b-hf/blob/main/config.json"),
     "qwen2.5-0.5b": (dict(
         model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,

@@ -235,8 +235,8 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     if target == "cuda":
         result = held_throughout(result, cublas_workspaces())
     host = host_memory(config, t, target, result, step, spread)
-    if offloaded:
-        host = replace(host, sharded=sum(offloaded.values()))
+    if offloaded:  # every rank's shards, on the one host
+        host = replace(host, sharded=sum(offloaded.values()) * spread.world)
     return replace(result, host=host)
 
 

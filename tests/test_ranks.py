@@ -112,3 +112,51 @@ def test_per_rank_estimates_refuse_what_cannot_run():
             nt.estimate(config, t, ranks=2)
     finally:
         dist.destroy_process_group()
+
+
+def test_fit_on_several_cards_and_how_many_cards_a_run_needs():
+    from nbtune.predict.budgets import parse_cards, required
+    from nbtune.units import format_bytes
+
+    assert parse_cards("2x RTX 3090 + 64 GB RAM") == (2, "RTX 3090 + 64 GB RAM")
+    assert parse_cards("4 \u00d7 24GiB") == (4, "24GiB") and parse_cards("RTX 3090") == (1, "RTX 3090")
+    config = ModelConfig(**TINY)
+    t = nt.Techniques(batch_size=4, seq_len=96)
+    one = required(nt.estimate(config, t, device="cuda"))
+    two = required(nt.estimate(config, t, device="cuda", ranks=2))
+    assert two < one
+    budget = (one + two) // 2  # the start fits on two such cards, not on one
+    only = dict(toggles=(), reserve=0, margin=0.0)  # the start alone: nothing else to try
+    alone = nt.fit(config, budget, t, **only)
+    assert not alone.fits and alone.needs_cards == 2
+    assert f"It needs 2 cards of {format_bytes(budget)}" in alone.message
+    pair = nt.fit(config, f"2x {budget}B", t, **only)
+    assert pair.fits and pair.cards == 2 and pair.peak == two
+    assert "on each of 2 cards" in pair.message
+    with pytest.raises(ValueError, match="batch_size=3 is the global batch"):
+        nt.fit(config, f"2x {budget}B", t.replace(batch_size=3))
+    # the longest context over two cards reads the per-rank predictor too
+    longest = nt.longest_context(config, "2x 700MiB", t)
+    assert longest.tokens >= nt.longest_context(config, "700MiB", t).tokens > 0
+    assert longest.memory == nt.estimate(config, t.replace(seq_len=longest.tokens), device="cuda", ranks=2)
+
+
+def test_the_panels_badge_for_two_cards_is_one_ranks_step_against_one_card():
+    from nbtune.predict import Predictor
+    from nbtune.predict.budgets import required
+    from nbtune.ui.fitcheck import FitCheck
+
+    config = ModelConfig(**TINY)
+    t = nt.Techniques(batch_size=4, seq_len=96)
+    shown = []
+    check = FitCheck(Predictor.of(config, "cuda"), lambda *args: shown.append(args), delay=0.0)
+    try:
+        for budget in ("2x RTX 3090 + 64GiB", "RTX 3090"):
+            check.request(t, budget)
+            assert check.wait()
+    finally:
+        check.close()
+    (_, _, two, _, error), (_, _, one, _, _) = shown
+    assert error is None and two.budget == one.budget == 24576 * 2**20
+    assert two.need == required(nt.estimate(config, t, device="cuda", ranks=2)) < one.need
+    assert two.host_budget == 64 * 2**30

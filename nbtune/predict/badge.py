@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..memory.breakdown import MemoryBreakdown
 from ..units import format_bytes
-from .budgets import host_usable, parse_budget, parse_machine, required, usable
+from .budgets import host_usable, parse_budget, parse_cards, parse_machine, required, usable
 
 # The category holding most at the peak, in words: "other" alone says nothing.
 HELD_BY = {"other": "other (the step's temporaries: attention and MLP scratch, the loss's "
@@ -94,9 +94,10 @@ def fit_badge(memory, budget, *, device: str | None = None, reserve: int | None 
     margin kept back). A measured CUDA step already shows both: what its allocator reserved
     and what is in use outside it (context included), so nothing is kept back for them.
     An estimate carries its host memory (``HostMemory``): on CUDA it is held against ``host``
-    (a size; default: the card's usual ``HOST_RAM``) where that is known.
+    (a size; default: the card's usual ``HOST_RAM``) where that is known. Several cards ("2x
+    RTX 3090"): ``memory`` is one rank's (``Predictor.of(..., ranks=2)``), held against one card.
     """
-    limit, card_host = parse_machine(budget)
+    limit, card_host = parse_machine(parse_cards(budget)[1])
     host_limit = parse_budget(host) if host is not None else card_host
     if isinstance(memory, MemoryBreakdown):
         target = device or memory.device

@@ -78,6 +78,23 @@ def parse_machine(value) -> tuple[int, int | None]:
     return parse_budget(value), None
 
 
+_CARDS_PREFIX = re.compile(r"\s*([0-9]+)\s*[x\u00d7]\s*(.+)", re.IGNORECASE)
+
+
+def parse_cards(value) -> tuple[int, object]:
+    """(how many cards, the rest) from "2x RTX 3090 + 64 GB RAM" (also "2 x", "2\u00d7"); one
+    card, and ``value`` as it is, otherwise. The rest is what ``parse_machine`` takes: one
+    card's memory, and the host's, which every card's process shares."""
+    if isinstance(value, str):
+        match = _CARDS_PREFIX.fullmatch(value)
+        if match:
+            count = int(match.group(1))
+            if count < 1:
+                raise ValueError(f"{value!r}: give at least one card (\"2x RTX 3090\").")
+            return count, match.group(2)
+    return 1, value
+
+
 def host_usable(budget: int) -> int:
     """Bytes of a host of ``budget`` that a run may hold: less the margin ``nbtune.host``
     keeps free (the notebook server, the page cache weights stream through)."""

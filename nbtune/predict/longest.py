@@ -18,7 +18,7 @@ from ..memory.breakdown import MemoryBreakdown
 from ..models.config import ModelConfig
 from ..techniques import Techniques, as_techniques
 from ..units import format_bytes
-from .budgets import host_usable, parse_budget, parse_machine, required, usable
+from .budgets import host_usable, parse_budget, parse_cards, parse_machine, required, usable
 from .carry import BASE, carried_tiles
 from .predictor import Predictor
 
@@ -99,7 +99,8 @@ def longest_context(model, card="RTX 3090", techniques: Techniques | dict | None
     """The longest ``seq_len`` (a multiple of ``GRAIN``, at most the model's context) whose
     training step the estimator predicts to fit ``card`` and, on CUDA, the host.
 
-    ``card``: anything ``fit`` takes ("RTX 3090", "24GiB", "RTX 3090 + 64 GB RAM");
+    ``card``: anything ``fit`` takes ("RTX 3090", "24GiB", "RTX 3090 + 64 GB RAM", "2x RTX
+    3090": FSDP2 over both, each one's step predicted);
     ``host``: the host's memory where the card's usual one is not yours. ``techniques``
     (a Techniques or a dict of its fields) are kept as they are, ``seq_len`` aside.
     ``progress(tokens)`` is called before each estimate. Each estimate of an 8B model takes
@@ -107,12 +108,13 @@ def longest_context(model, card="RTX 3090", techniques: Techniques | dict | None
     one at the answer confirms it; where that one does not fit, what fits and what does not
     is closed to one grain (``MAX_ESTIMATES`` at most; then the longest seen to fit).
     """
-    forecaster = Predictor.of(model, device)
+    cards, machine = parse_cards(card)
+    forecaster = Predictor.of(model, device, cards)
     config = forecaster.config
     t = as_techniques(techniques)
     if batch_size:
         t = t.replace(batch_size=batch_size)
-    limit, card_host = parse_machine(card)
+    limit, card_host = parse_machine(machine)
     host_limit = parse_budget(host) if host is not None else card_host
     cuda = str(device).startswith("cuda")
     room = usable(limit, device)

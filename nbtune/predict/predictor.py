@@ -20,6 +20,7 @@ from ..memory.breakdown import MemoryBreakdown
 from ..techniques import Techniques, as_techniques
 from .carry import TraceCache
 from .estimator import estimate, resolve_config
+from .ranks import Ranks
 
 # What an estimate may raise for a combination it cannot run (remembered, raised again as is).
 ESTIMATE_ERRORS = (ValueError, RuntimeError, NotImplementedError)
@@ -58,8 +59,11 @@ class Predictor:
 
     CACHE_SIZE = 512
 
-    def __init__(self, config, device: str = "cuda", *, estimator=None) -> None:
+    def __init__(self, config, device: str = "cuda", *, estimator=None, ranks: int = 1,
+                 sharding=None) -> None:
         self.config, self.device = resolve_config(config), str(device)
+        spread = Ranks.of(ranks, sharding)  # checked once; estimates run per rank under FSDP2
+        self.ranks, self.sharding = (1, None) if spread is None else (spread.world, spread.sharding)
         self._estimator = estimator
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._traces = TraceCache()  # few-tile recordings of tiled steps (``carry``)
@@ -96,10 +100,10 @@ class Predictor:
             try:
                 if self._estimator is not None:
                     result = self._estimator(self.config, key[0], batch_size=key[1],
-                                             seq_len=key[2], device=self.device)
+                                             seq_len=key[2], device=self.device, **self._spread)
                 else:
                     result = estimate(self.config, key[0], batch_size=key[1], seq_len=key[2],
-                                      device=self.device, traces=self._traces)
+                                      device=self.device, traces=self._traces, **self._spread)
             except ESTIMATE_ERRORS as err:
                 result = _Failed(type(err), " ".join(str(err).split()))
             with self._lock:
@@ -112,6 +116,11 @@ class Predictor:
                 self._running.pop(key).set()
         return _answer(result)
 
+    @property
+    def _spread(self) -> dict:
+        """``estimate``'s ranks and sharding, where there are several ranks."""
+        return {"ranks": self.ranks, "sharding": self.sharding} if self.ranks > 1 else {}
+
     def clear(self) -> None:
         """Forget every estimate."""
         with self._lock:
@@ -119,20 +128,22 @@ class Predictor:
         self._traces.clear()
 
     @classmethod
-    def of(cls, model, device: str = "cuda") -> "Predictor":
-        """The one ``Predictor`` of ``model`` (anything ``estimate`` takes) on ``device``; a
-        ``Predictor`` given as ``model`` is used as it is."""
+    def of(cls, model, device: str = "cuda", ranks: int = 1, sharding=None) -> "Predictor":
+        """The one ``Predictor`` of ``model`` (anything ``estimate`` takes) on ``device``, for
+        each of ``ranks`` processes under FSDP2 (``sharding``: its settings); a ``Predictor``
+        given as ``model`` is used as it is."""
         target = "cuda" if str(device).startswith("cuda") else str(device)
         if isinstance(model, Predictor):
             if model.device != target:
                 raise ValueError(f"device={device!r}: this Predictor estimates for {model.device!r}.")
             return model
         config = resolve_config(model)
-        key = (config_key(config), target)
+        spread = Ranks.of(ranks, sharding)
+        key = (config_key(config), target, spread)
         with _REGISTRY_LOCK:
             found = _PREDICTORS.get(key)
             if found is None:
-                found = _PREDICTORS[key] = cls(config, target)
+                found = _PREDICTORS[key] = cls(config, target, ranks=ranks, sharding=sharding)
             _PREDICTORS.move_to_end(key)
             while len(_PREDICTORS) > MAX_PREDICTORS:
                 _PREDICTORS.popitem(last=False)

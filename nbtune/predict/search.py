@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from ..memory.breakdown import MemoryBreakdown
 from ..techniques import Techniques
 from ..units import format_bytes
-from .budgets import host_usable, parse_budget, parse_machine, required, usable
+from .budgets import host_usable, parse_budget, parse_cards, parse_machine, required, usable
 from .estimator import resolve_config
 from .predictor import ESTIMATE_ERRORS, Predictor
 from .space import AXES, PLACEMENT_FIELDS, Candidate, search_space, toggles_on
@@ -198,6 +198,8 @@ class FitResult:
     host_budget: int | None = None  # the host's memory checked against (None: not checked)
     host_usable: int | None = None
     search: str = ""  # what the search cost (estimates run, cache hits, ruled out): the details
+    cards: int = 1  # the cards it was fitted to, one process each under FSDP2 (peaks are per card)
+    needs_cards: int | None = None  # where nothing fits: the fewest cards the lightest tried fits
 
     @property
     def fits(self) -> bool:
@@ -255,11 +257,12 @@ class FitResult:
                    if self.search else ""))
 
 
-def _describe(budget: int, room: int, device: str) -> str:
+def _describe(budget: int, room: int, device: str, cards: int = 1) -> str:
+    each = f" on each of {cards} cards" if cards > 1 else ""
     if room == budget:
-        return f"{format_bytes(budget)}"
-    return (f"{format_bytes(room)} usable of {format_bytes(budget)} ({device}: less the context "
-            "and allocator margin)")
+        return f"{format_bytes(budget)}{each}"
+    return (f"{format_bytes(room)} usable of {format_bytes(budget)}{each} ({device}: less the "
+            "context and allocator margin)")
 
 
 class _Search:
@@ -329,7 +332,8 @@ class _Search:
         of those fits, nothing weaker does. One the estimator cannot run is set aside (with
         those including its toggles) and the most-saving of the rest are tried instead."""
         while True:
-            live = [c for c in cands if c.techniques not in self.broken]
+            live = [c for c in cands if c.techniques not in self.broken and not (
+                c.techniques in self.estimated and self.estimated[c.techniques].error)]
             for c in _most_saving(live):
                 if c.techniques not in self.estimated and self.dominated(c):
                     continue  # a failure saves at least as much: it does not fit
@@ -391,12 +395,16 @@ class _Search:
 
 def fit(model, budget, techniques: Techniques | None = None, *, device: str = "cuda",
         max_tries: int = 16, toggles=None, reserve: int | None = None,
-        margin: float | None = None, host=None) -> FitResult:
+        margin: float | None = None, host=None, sharding=None) -> FitResult:
     """The fastest combination of memory toggles predicted to fit ``budget``.
 
     ``model``: what ``estimate`` accepts (preset name, ModelConfig, config.json or model
     folder, Hub id) or an nn.Module with a ``ModelConfig`` as ``.config``. ``budget``: see
-    ``parse_machine`` (a card, a size, or "RTX 3090 + 64 GB RAM"). ``techniques``: the start
+    ``parse_machine`` (a card, a size, or "RTX 3090 + 64 GB RAM"), or several cards ("2x RTX
+    3090 + 64 GB RAM": one process each under FSDP2, ``sharding`` its settings, every peak
+    per card, the host shared; ``batch_size`` is then the global batch). Where nothing fits,
+    the answer says how many such cards the lightest combination tried needs (up to 8).
+    ``techniques``: the start
     (default ``Techniques()``); its method, dtype, optimizer, LoRA settings, seq_len and
     effective batch are kept unless nothing else fits. ``max_tries``: most estimator calls
     (cached ones are free). ``toggles``: limit the axes searched (``AXES``).
@@ -418,15 +426,22 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
                          f"{device}: " + " ".join(r.reason for r in refused))
     if not isinstance(max_tries, int) or max_tries < 1:
         raise ValueError(f"max_tries must be a positive int, got {max_tries!r}.")
-    limit, card_host = parse_machine(budget)
+    cards, machine = parse_cards(budget)
+    limit, card_host = parse_machine(machine)
     host_limit = parse_budget(host) if host is not None else card_host
+    if cards > 1 and start.batch_size % cards:
+        raise ValueError(f"fit on {cards} cards: batch_size={start.batch_size} is the global batch, "
+                         f"split over the cards' processes: make it a multiple of {cards}.")
+    if isinstance(model, Predictor) and model.ranks != cards:
+        raise ValueError(f"budget={budget!r} names {cards} card(s), but this Predictor estimates "
+                         f"for {model.ranks}: give the model instead.")
     if target != "cuda":
         host_limit = None  # on a CPU the budget is the host
     host_room = host_usable(host_limit) if host_limit is not None else None
     room = usable(limit, target, reserve, margin)
-    space = search_space(start, target, num_layers=config.num_layers, toggles=toggles)
-    search = _Search(Predictor.of(model if isinstance(model, Predictor) else config, target),
-                     space, room, host_room, max_tries)
+    space = search_space(start, target, num_layers=config.num_layers, toggles=toggles, ranks=cards)
+    search = _Search(Predictor.of(model if isinstance(model, Predictor) else config, target,
+                                  cards, sharding), space, room, host_room, max_tries)
     try:
         chosen, out_of_tries = search.run(), False
     except _OutOfTries:  # the cheapest of those seen to fit, if any
@@ -436,7 +451,7 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
         chosen = fitting[0] if fitting else None
     skipped = len(search.pruned - set(search.estimated))
     tried_text, searched = _failures(search), _searched(search, skipped, len(space))
-    card = _describe(limit, room, target)
+    card = _describe(limit, room, target, cards)
     if chosen is not None:
         c, memory = chosen, search.memories[chosen.techniques]
         need = required(memory)
@@ -444,13 +459,44 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
                          out_of_tries)
         return FitResult(c.techniques, dict(c.changes), need, limit, room, start, device, search.rows,
                          c.exact, c.cost, message, memory, search.estimates, skipped, len(space),
-                         host_limit, host_room, searched)
+                         host_limit, host_room, searched, cards)
     where = card
     if host_limit is not None:
         where += f" and {format_bytes(host_room)} usable of {format_bytes(host_limit)} host memory"
     message = _nothing(search.rows, where, room, max_tries if out_of_tries else None, tried_text)
+    needs = _more_cards(config, start, search.rows, cards, target, sharding, room, host_room) \
+        if target == "cuda" else None
+    if needs is not None:
+        count, row, need = needs
+        message += (f" It needs {count} cards of {format_bytes(limit)}: {row.label} is predicted "
+                    f"at {format_bytes(need)} per card (budget \"{count}x ...\" to fit there).")
     return FitResult(None, {}, None, limit, room, start, device, search.rows, None, None, message,
-                     None, search.estimates, skipped, len(space), host_limit, host_room, searched)
+                     None, search.estimates, skipped, len(space), host_limit, host_room, searched,
+                     cards, needs[0] if needs else None)
+
+
+def _more_cards(config, start: Techniques, rows: list[FitRow], cards: int, target: str, sharding,
+                room: int, host_room: int | None):
+    """(cards, row, per-card need): the fewest cards, up to 8 and doubling from ``cards``, on
+    which the lightest combination tried fits, keeping the global batch; None if none."""
+    sized = [r for r in rows if r.peak is not None]
+    if not sized:
+        return None
+    lightest = min(sized, key=lambda r: r.peak)
+    t = start.replace(**lightest.changes)
+    count = cards * 2
+    while count <= 8:
+        if t.batch_size % count == 0:
+            try:
+                memory = Predictor.of(config, target, count, sharding).estimate(t)
+            except ESTIMATE_ERRORS:
+                return None
+            need = required(memory)
+            on_host = host_room is None or memory.host is None or memory.host.without_undo <= host_room
+            if need <= room and on_host:
+                return count, lightest, need
+        count *= 2
+    return None
 
 
 def _searched(search: _Search, skipped: int, size: int) -> str:

@@ -111,7 +111,8 @@ def toggles_on(t: Techniques) -> frozenset:
     return frozenset(name for name, on in TOGGLES_ON.items() if on(t))
 
 
-def _options(start: Techniques, device: str, axes, num_layers: int | None) -> dict[str, list]:
+def _options(start: Techniques, device: str, axes, num_layers: int | None,
+             ranks: int = 1) -> dict[str, list]:
     cuda = str(device).startswith("cuda")
     opts: dict[str, list] = {name: [getattr(start, name)] for name in AXES}
     opts["batch_size"] = [(start.batch_size, start.grad_accum)]
@@ -132,7 +133,8 @@ def _options(start: Techniques, device: str, axes, num_layers: int | None) -> di
     if "batch_size" in axes:
         total = start.batch_size * start.grad_accum
         opts["batch_size"] = [(start.batch_size, start.grad_accum)] + [
-            (d, total // d) for d in range(total, 0, -1) if total % d == 0 and d != start.batch_size]
+            (d, total // d) for d in range(total, 0, -1)
+            if total % d == 0 and d % ranks == 0 and d != start.batch_size]  # the global batch splits
     if "optimizer_in_backward" in axes:
         opts["optimizer_in_backward"] = [start.optimizer_in_backward, not start.optimizer_in_backward]
     for name in ("activation_offloading", "cpu_offload_optimizer"):
@@ -148,18 +150,19 @@ def _options(start: Techniques, device: str, axes, num_layers: int | None) -> di
 
 
 def search_space(start: Techniques, device: str = "cuda", *, num_layers: int | None = None,
-                 toggles=None) -> list[Candidate]:
+                 toggles=None, ranks: int = 1) -> list[Candidate]:
     """Every combination ``fit`` may try, in the order it prefers them: fewest maths steps
     first, then cheapest, then fewest changes. Only combinations valid on ``device``.
 
     ``toggles`` limits the axes searched (names from ``AXES``; "batch_size" stands for the
-    split of the effective batch into batch_size x grad_accum); default all.
+    split of the effective batch into batch_size x grad_accum); default all. Over ``ranks``
+    processes (FSDP2) ``batch_size`` is the global batch: it stays a multiple of ``ranks``.
     """
     axes = AXES if toggles is None else tuple(toggles)
     unknown = [a for a in axes if a not in AXES]
     if unknown:
         raise ValueError(f"toggles {unknown} are not searched by fit; choose from {', '.join(AXES)}.")
-    opts = _options(start, device, axes, num_layers)
+    opts = _options(start, device, axes, num_layers, ranks)
     base = {f.name: getattr(start, f.name) for f in fields(start)}
     rules = [rule for rule in RULES if rule.device is None or rule.device != device]
     out, seen = [], set()

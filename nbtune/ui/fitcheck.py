@@ -18,6 +18,7 @@ import weakref
 from typing import Callable
 
 from ..predict import Predictor, fit_badge
+from ..predict.budgets import parse_cards
 from ..techniques import Techniques
 
 
@@ -51,12 +52,17 @@ class FitCheck:
             worker.join(timeout)
         _OPEN.discard(self)
 
+    def _predictor(self, budget) -> Predictor:
+        """The predictor for ``budget``'s cards: several ("2x RTX 3090") predict one rank each."""
+        cards = parse_cards(budget)[0]
+        return self.predictor if cards == 1 else Predictor.of(self.predictor.config, self.device, cards)
+
     def request(self, techniques: Techniques, budget) -> None:
         asked = time.monotonic()
         with self._lock:
             if self._closed:
                 return
-            cached = self.predictor.cached(techniques)
+            cached = self._predictor(budget).cached(techniques)
             if not cached:
                 self._latest = (techniques, budget, asked)
                 if self._worker is None or not self._worker.is_alive():
@@ -66,7 +72,7 @@ class FitCheck:
                 self._wake.notify()
                 return
             self._latest = None  # an older request still waiting is superseded
-        self._deliver(techniques, budget, self._estimate(techniques), asked)
+        self._deliver(techniques, budget, self._estimate(techniques, budget), asked)
 
     def wait(self, timeout: float = 60.0) -> bool:
         """Block until no request is waiting or being estimated (tests, benchmarks)."""
@@ -94,19 +100,19 @@ class FitCheck:
                 techniques, budget, asked = self._latest
                 self._busy = True
             try:
-                if not self.predictor.cached(techniques):
+                if not self._predictor(budget).cached(techniques):
                     self.estimates += 1
-                self._deliver(techniques, budget, self._estimate(techniques), asked)
+                self._deliver(techniques, budget, self._estimate(techniques, budget), asked)
             finally:
                 with self._lock:
                     if self._latest is not None and self._latest[2] == asked:
                         self._latest = None
                     self._busy = False
 
-    def _estimate(self, techniques: Techniques):
+    def _estimate(self, techniques: Techniques, budget):
         """The estimate, or the error it raised (as text: no traceback kept)."""
         try:
-            return self.predictor.estimate(techniques)
+            return self._predictor(budget).estimate(techniques)
         except Exception as err:  # noqa: BLE001 - shown in the badge
             return ValueError(f"{type(err).__name__}: {err}")
 

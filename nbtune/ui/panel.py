@@ -589,7 +589,9 @@ def _budgets(session) -> list[tuple[str, object]]:
         total, ram = torch.cuda.get_device_properties(session.device).total_memory, host.total()
         out.append((f"this GPU ({format_bytes(total)}) + this host ({format_bytes(ram or 0)})",
                     (total, ram)))
-    return out + [(f"{name} + {HOST_RAM[name] // 2**30} GiB RAM", name) for name in CARDS]
+    out += [(f"{name} + {HOST_RAM[name] // 2**30} GiB RAM", name) for name in CARDS]
+    # two 24 GB cards under FSDP2 (one process each, sharing the host): the peak per card
+    return out + [(f"2x {name} + 64 GiB RAM (FSDP2)", f"2x {name} + 64GiB") for name in ("RTX 3090", "RTX 4090")]
 
 
 def _labels(changes: list[dict]) -> str:

@@ -389,12 +389,17 @@ def ladder(path: str, *, rows=FSDP_LADDER, steps: int = 2, out: str | None = Non
            device: str | None = None, overrides: dict | None = None) -> list[dict]:
     """Each row of ``rows`` (label, dotted changes; cumulative) trained ``steps`` steps with
     every step measured, in this process or under torchrun on every rank; rank 0 prints the
-    table (peak of the highest rank, change against the first row) and writes ladder.json.
+    table (peak of the highest rank, change against the first row, and each row's peak per
+    rank as ``estimate`` predicts it for full-length rows) and writes ladder.json.
     A row the rules refuse (CPU offload without CUDA, ...) says why and is not carried on."""
     import gc
 
     from .distributed import Parallel
 
+    # Rank 0 predicts every row first: an estimate runs its own fake process group, which a
+    # process cannot do once it belongs to the job's.
+    predicted = (_predicted_rows(path, rows, overrides, device)
+                 if os.environ.get("RANK", "0") == "0" else {})
     config = runfile.load(path, overrides)
     parallel = Parallel.from_env(config.to_sharding())
     lead = parallel is None or parallel.rank == 0
@@ -426,7 +431,8 @@ def ladder(path: str, *, rows=FSDP_LADDER, steps: int = 2, out: str | None = Non
             mine = {"peak": peak, **categories, "at_peak": dict(top.memory.at_peak)}
             every = parallel.gather(mine) if parallel is not None else [mine]
             results.append({"label": label, "peak": max(m["peak"] for m in every),
-                            "per_rank": every, "tokens_per_second": tokens / seconds,
+                            "predicted_peak": predicted.get(label), "per_rank": every,
+                            "tokens_per_second": tokens / seconds,
                             "changes": {k: v for k, v in trial.items()}})
             del parts, reports
             gc.collect()
@@ -435,14 +441,15 @@ def ladder(path: str, *, rows=FSDP_LADDER, steps: int = 2, out: str | None = Non
             parallel.close()
     if lead:
         base = next((r["peak"] for r in results if "peak" in r), None)
-        lines = [f"{'row':<28} {'peak per rank':>14} {'change':>8} {'tokens/s':>9}"]
+        lines = [f"{'row':<28} {'peak per rank':>14} {'change':>8} {'tokens/s':>9} {'predicted':>11}"]
         for r in results:
             if "refused" in r:
                 lines.append(f"{r['label']:<28} refused: {r['refused']}")
             else:
                 change = f"{(r['peak'] / base - 1) * 100:+.0f} %" if base else ""
+                guess = format_bytes(r["predicted_peak"]) if r["predicted_peak"] else "-"
                 lines.append(f"{r['label']:<28} {format_bytes(r['peak']):>14} {change:>8} "
-                             f"{r['tokens_per_second']:9.0f}")
+                             f"{r['tokens_per_second']:9.0f} {guess:>11}")
         ranks = parallel.world if parallel is not None else 1
         print(f"nbtune ladder {path}: {ranks} rank(s), {steps} steps a row, every step measured")
         print("\n".join(lines))
@@ -451,6 +458,35 @@ def ladder(path: str, *, rows=FSDP_LADDER, steps: int = 2, out: str | None = Non
             write_file_atomically(Path(out) / "ladder.json", json.dumps(
                 {"ranks": ranks, "steps": steps, "rows": results}, indent=2))
     return results
+
+
+def _predicted_rows(path: str, rows, overrides: dict | None, device: str | None) -> dict:
+    """Each row's predicted peak per rank (label -> bytes; None where it cannot be
+    estimated), carried on as ``ladder`` carries its rows. The prediction is for full-length
+    rows of the batch, which the measured steps reach only when the data fills them."""
+    import torch
+
+    from .demos import demo_named
+    from .predict import estimate
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    target = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    carried, out = dict(overrides or {}), {}
+    for label, changes in rows:
+        trial = {**carried, **changes}
+        try:
+            row = runfile.load(path, trial)
+            model = demo_named(row.demo).model() if row.demo is not None else row.path(row.model)
+            spread = {"ranks": world, "sharding": row.to_sharding()} if world > 1 else {}
+            out[label] = estimate(model, row.to_techniques(), device=str(target).split(":")[0],
+                                  **spread).peak
+        except (ValueError, RuntimeError, NotImplementedError, FileNotFoundError):
+            out[label] = None
+            continue
+        carried = trial
+    if world == 1 and "FSDP2" in out:
+        out["one process (no FSDP2)"] = out["FSDP2"]
+    return out
 
 
 def replaced_parallel(parallel, config):

@@ -54,10 +54,12 @@ def budget(device: torch.device) -> int | None:
 
 
 def explain(err: BaseException, phase: str | None, step: int, held: dict, config, t: Techniques,
-            device: torch.device, shape: tuple[int, int] | None) -> OutOfMemory:
-    """The ``OutOfMemory`` to raise in place of ``err``."""
+            device: torch.device, shape: tuple[int, int] | None, parallel=None) -> OutOfMemory:
+    """The ``OutOfMemory`` to raise in place of ``err``; under torchrun (``parallel``) it
+    names the rank, and its predictions are that rank's (FSDP2 over the job's ranks)."""
     limit = budget(device)
-    now, suggestions = suggest(config, t, device, shape, limit)
+    spread = (parallel.world, parallel.sharding) if parallel is not None else (1, None)
+    now, suggestions = suggest(config, t, device, shape, limit, *spread)
     predicted = None if now is None else now.highest
     if now is not None and "activations and temporaries" not in held:
         held["activations (estimated)"] = now.activations  # CPU: no allocator to ask
@@ -68,19 +70,30 @@ def explain(err: BaseException, phase: str | None, step: int, held: dict, config
     if len(measured) < len(held):
         held_line += (f"; this step's activations would reach "
                       f"{format_bytes(held['activations (estimated)'])} (estimated)")
-    lines = [f"Out of memory in the {phase or 'set-up'} phase of step {step}; the step was rolled "
-             "back and the session is as it was before it.",
+    if parallel is None:
+        head = (f"Out of memory in the {phase or 'set-up'} phase of step {step}; the step was "
+                "rolled back and the session is as it was before it.")
+    else:  # the other ranks wait in a collective: the job ends
+        head = (f"Rank {parallel.rank} of {parallel.world} ran out of memory in the "
+                f"{phase or 'set-up'} phase of step {step}; the job stops (resume from its last "
+                "checkpoint with --resume once the run file has a change that fits).")
+    lines = [head,
              f"{held_line}. The largest: {top.replace('_', ' ').replace(' (estimated)', '')}."]
     if suggestions:
         now = format_bytes(predicted) if predicted is not None else "?"
         where = f" of {format_bytes(limit)} available" if limit is not None else ""
-        lines.append(f"Predicted peak now {now}{where}; these changes lower it:")
+        lines.append(f"Predicted peak {'per rank ' if parallel is not None else ''}now {now}{where}; "
+                     "these changes lower it:")
         for s in suggestions:
             note = ("fits" if s.fits else "still too big") if s.fits is not None else ""
             kept = "same maths" if s.exact else "changes the maths slightly"
             lines.append(f"  {s.label}: {now} -> {format_bytes(s.peak)} ({kept}{', ' + note if note else ''})")
-        lines.append(f"Apply one with session.set({suggestions[0].label}), or run(n, "
-                     "on_oom='adapt') to apply the first and go on.")
+        if parallel is None:
+            lines.append(f"Apply one with session.set({suggestions[0].label}), or run(n, "
+                         "on_oom='adapt') to apply the first and go on.")
+        else:
+            first = ", ".join(f"techniques.{k}: {v}" for k, v in suggestions[0].changes.items())
+            lines.append(f"Put one in the run file ({first}) and start the job again.")
     else:
         lines.append("No single toggle change is predicted to lower the peak: shorten seq_len or "
                      "lower batch_size.")

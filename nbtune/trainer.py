@@ -211,7 +211,7 @@ class Trainer:
                 raise
             try:  # memory is back: now the estimator can say what would fit
                 explained = explain(err, phase[0], number, held, self.model.config, t,
-                                    self.device, shape)
+                                    self.device, shape, self.parallel)
             except Exception:  # noqa: BLE001 - never hide the out-of-memory error itself
                 raise err from None
             raise explained from err

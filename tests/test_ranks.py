@@ -160,3 +160,33 @@ def test_the_panels_badge_for_two_cards_is_one_ranks_step_against_one_card():
     assert error is None and two.budget == one.budget == 24576 * 2**20
     assert two.need == required(nt.estimate(config, t, device="cuda", ranks=2)) < one.need
     assert two.host_budget == 64 * 2**30
+
+
+@pytest.mark.slow
+def test_a_ranks_out_of_memory_names_it_with_its_own_predictions():
+    """Inside a job a rank cannot start the estimator's fake process group: it asks a fresh
+    Python process, which gives what this process gives outside a job."""
+    import torch
+
+    from nbtune.distributed import Parallel
+    from nbtune.oom import explain
+    from nbtune.predict.advice import suggest
+
+    config = ModelConfig(**TINY)
+    t = nt.Techniques(batch_size=4, seq_len=96)
+    cpu = torch.device("cpu")
+    now, expected = suggest(config, t, cpu, (2, 96), None, 2, Sharding())
+    assert expected and now.peak == nt.estimate(config, t, ranks=2).peak
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        err = explain(torch.OutOfMemoryError("CUDA out of memory."), "backward", 3,
+                      {"parameters": 1, "gradients": 2, "optimizer_state": 3}, config, t, cpu, (2, 96),
+                      Parallel(1, 2, 1, Sharding()))
+    finally:
+        dist.destroy_process_group()
+    text = str(err)
+    assert text.startswith("Rank 1 of 2 ran out of memory in the backward phase of step 3")
+    assert "Predicted peak per rank now" in text and "--resume" in text
+    assert [(s.changes, s.peak) for s in err.suggestions] == [(s.changes, s.peak) for s in expected]
+    first = ", ".join(f"techniques.{k}: {v}" for k, v in expected[0].changes.items())
+    assert f"Put one in the run file ({first})" in text

@@ -43,6 +43,14 @@ checkpointing, tiles and offloading (``LONG_TECHNIQUES``):
 14. cuBLAS workspace: what the first matrix products of a fresh process leave allocated (a
     workspace per thread, which the estimate does not count yet).
 
+Several GPUs (issue 35), skipped with a line saying so on fewer than two:
+
+15. per-rank estimate: ``benchmarks/rank_peaks.py`` under torchrun on 2 GPUs (NCCL): each
+    rank's measured peak (allocator) within 5 % of ``estimate(..., ranks=2)``, for full, LoRA
+    and QLoRA, with and without checkpointing.
+16. QLoRA on 2 ranks: ``nbtune train`` of a QLoRA run file under torchrun equals one process
+    (losses within 1e-5 in fp32, the adapters within 1e-5).
+
 ``--only 'estimate,compile'`` runs the checks named (a short rerun inside a lease).
 """
 
@@ -650,6 +658,77 @@ def check_workspace(result: Result) -> None:
     result.detail = f"the first products left {total / 2**20:.1f} MiB in the allocator: {grown}"
 
 
+def _needs_gpus(count: int = 2) -> None:
+    _needs_cuda()
+    import torch
+
+    if torch.cuda.device_count() < count:
+        raise Skip(f"needs {count} or more GPUs: this machine has {torch.cuda.device_count()}")
+
+
+def _torchrun(*args, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+RANK_CASES = [
+    {"name": "full", "techniques": {}},
+    {"name": "full, checkpointed", "techniques": {"activation_checkpointing": True}},
+    {"name": "lora", "techniques": {"method": "lora", "lora_rank": 8}},
+    {"name": "qlora, checkpointed", "techniques": {"method": "qlora", "lora_rank": 8,
+                                                    "activation_checkpointing": True}},
+]
+
+
+def check_rank_estimate(result: Result) -> None:
+    _needs_gpus()
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = Path(tmp) / "cases.json"
+        cases.write_text(json.dumps({"config": SMOLLM2_SHAPES, "batch_size": 4, "seq_len": 256,
+                                     "cases": RANK_CASES}))
+        done = _torchrun(HERE / "rank_peaks.py", cases, Path(tmp) / "out.json")
+        if done.returncode:
+            result.status, result.detail = "error", done.stderr[-300:]
+            return
+        rows = json.loads((Path(tmp) / "out.json").read_text())["rows"]
+    errors = {row["name"]: max(abs(row["estimate"]["peak"] - m["peak"]) / m["peak"] for m in row["ranks"])
+              for row in rows}
+    worst = max(errors.values())
+    result.numbers = {"rows": rows, "errors": errors, "worst": worst}
+    result.status = "pass" if worst <= ESTIMATE_TOLERANCE else "fail"
+    result.detail = f"worst rank {worst:.1%} off its estimate: " + ", ".join(
+        f"{name} {error:.1%}" for name, error in errors.items())
+
+
+def check_rank_qlora(result: Result) -> None:
+    _needs_gpus()
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run.yaml"
+        run.write_text("demo: tiny\ndevice: cuda\ntechniques: {method: qlora, batch_size: 4, seq_len: 96, "
+                       "lr: 1e-3, lora_rank: 4}\nrun: {steps: 5, save: [hf]}\n")
+        one = subprocess.run([sys.executable, "-m", "nbtune", "train", str(run), "--out",
+                              str(Path(tmp) / "one")], capture_output=True, text=True, timeout=300)
+        two = _torchrun("-m", "nbtune", "train", run, "--out", Path(tmp) / "two")
+        if one.returncode or two.returncode:
+            result.status, result.detail = "error", (one.stderr or two.stderr)[-300:]
+            return
+
+        def losses(name):
+            lines = (Path(tmp) / name / "metrics.jsonl").read_text().splitlines()
+            return [json.loads(line)["loss"] for line in lines]
+
+        adapters = [load_file(str(Path(tmp) / name / "final" / "adapter_model.safetensors"))
+                    for name in ("one", "two")]
+        loss_gap = max(abs(a - b) for a, b in zip(losses("one"), losses("two")))
+    weight_gap = max((adapters[0][k] - adapters[1][k]).abs().max().item() for k in adapters[0])
+    result.numbers = {"loss_gap": loss_gap, "adapter_gap": weight_gap}
+    result.status = "pass" if loss_gap <= 1e-5 and weight_gap <= 1e-5 else "fail"
+    result.detail = f"2 ranks vs 1 process: losses within {loss_gap:.1e}, adapters within {weight_gap:.1e}"
+
+
 def check_peers(result: Result, left_s: float) -> None:
     _needs_cuda()
     if left_s < 150:
@@ -684,6 +763,8 @@ CHECKS = [
     ("compile + offloading", "no recompile each step with offloading on", check_compile_offload),
     ("longest context", "a step at the predicted longest context fits", check_longest_step),
     ("cuBLAS workspace", "what the first matrix products keep allocated", check_workspace),
+    ("per-rank estimate", "each of 2 ranks within 5 % of its estimate", check_rank_estimate),
+    ("qlora on 2 ranks", "QLoRA under FSDP2 equals one process", check_rank_qlora),
     ("peers", "the GPU half of benchmarks/peers.py runs", None),
 ]
 

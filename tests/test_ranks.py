@@ -65,6 +65,21 @@ def test_a_rank_holds_its_share_of_the_weights_gradients_and_state():
                                       for p in model.parameters())
         assert each.gradients == each.parameters and each.optimizer_state >= 2 * each.parameters
         assert each.peak < one.peak
+    # QLoRA: FSDP2 splits each NF4 weight's codes and both levels of scales (torchao's
+    # extension); its 16-value lookup table and mean scale are kept whole on every rank
+    from nbtune.peft import to_nf4
+
+    qlora = t.replace(method="qlora", lora_rank=4)
+    whole = nt.estimate(config, qlora).quantized
+    parts = [to_nf4(module.weight.detach()) for module in CausalLM(config).modules()
+             if isinstance(module, torch.nn.Linear) and module.weight.shape[1] in (128, 384)
+             and module.weight.shape[0] != 259]
+    assert len(parts) == 28 and whole == sum(sum(getattr(w, name).nbytes for name in (
+        "quantized_data", "quantized_scalers", "quantization_factor", "nf4", "scaler_mean")) for w in parts)
+    split = sum(sum(getattr(w, name).nbytes for name in ("quantized_data", "quantized_scalers",
+                                                         "quantization_factor")) for w in parts)
+    for ranks in (2, 4):
+        assert nt.estimate(config, qlora, ranks=ranks).quantized == split // ranks + whole - split
     assert not dist.is_initialized()  # the fake process group is gone
 
 

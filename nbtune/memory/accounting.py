@@ -10,6 +10,7 @@ import torch
 from torch import nn
 # torch internal: a subclass (NF4, quantized state) is counted by its inner tensors.
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.distributed.tensor import DTensor
 
 
 def plain_tensors(value) -> list[torch.Tensor]:
@@ -47,8 +48,9 @@ def parameter_bytes(model: nn.Module) -> dict[str, int]:
     seen: set = set()
     out = {"trainable": 0, "frozen": 0, "quantized": 0}
     for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p  # FSDP2: this rank's shard
         kind = ("trainable" if p.requires_grad
-                else "quantized" if is_traceable_wrapper_subclass(p) else "frozen")
+                else "quantized" if is_traceable_wrapper_subclass(local) else "frozen")
         out[kind] += storage_bytes([p], seen)
     out["frozen"] += storage_bytes(model.buffers(), seen)
     return out

@@ -331,12 +331,15 @@ class Session:
 
     # ---- memory: before, across configurations, in detail -----------------------------
 
-    def estimate(self, *, batch_size: int | None = None, seq_len: int | None = None):
+    def estimate(self, *, batch_size: int | None = None, seq_len: int | None = None,
+                 ranks: int = 1, sharding=None, device: str | None = None):
         """The next step's memory predicted on fake tensors for full-length rows of this
-        session's shape (or ``batch_size`` x ``seq_len``): seconds, no memory used."""
+        session's shape (or ``batch_size`` x ``seq_len``): seconds, no memory used.
+        ``ranks``: each rank's step of this session's run file under torchrun (FSDP2,
+        ``sharding`` its settings); ``device``: "cuda" to ask about cards from a CPU."""
         from .predict import Predictor
 
-        return Predictor.of(self.model.config, self.device.type).estimate(
+        return Predictor.of(self.model.config, device or self.device.type, ranks, sharding).estimate(
             self.techniques, batch_size=batch_size, seq_len=seq_len)
 
     def fit(self, budget="24GiB", **options):

@@ -83,6 +83,7 @@ def test_a_rank_holds_its_share_of_the_weights_gradients_and_state():
     assert not dist.is_initialized()  # the fake process group is gone
 
 
+@pytest.mark.slow
 def test_layers_are_carried_to_the_byte_under_fsdp():
     """The last layer is the first to run backward under FSDP2: the shallow runs keep it apart
     from the front ones (3 and 4 layers), so a deep model's step is carried exactly."""
@@ -205,3 +206,10 @@ def test_a_ranks_out_of_memory_names_it_with_its_own_predictions():
     assert [(s.changes, s.peak) for s in err.suggestions] == [(s.changes, s.peak) for s in expected]
     first = ", ".join(f"techniques.{k}: {v}" for k, v in expected[0].changes.items())
     assert f"Put one in the run file ({first})" in text
+
+
+def test_a_sessions_estimate_per_rank_is_the_estimators():
+    session = nt.Session.demo("tiny")
+    t = session.techniques
+    assert session.estimate(ranks=2) == nt.estimate(session.model.config, t, ranks=2)
+    assert session.estimate(ranks=2, device="cuda", sharding={"cpu_offload": True}).parameters == 0

@@ -36,6 +36,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..checkpoint import PART_BYTES
+from ..distributed import Parallel, Sharding, check_sharding, shard_model
 from ..hub import resolve_model_folder
 from ..memory.accounting import optimizer_state_bytes, parameter_bytes
 from ..memory.breakdown import HostMemory, MemoryBreakdown
@@ -52,7 +53,6 @@ from ..step import NO_CONTEXT, StepContext, StepOptions, evaluate_sum, update
 from ..techniques import PAGED_OPTIMIZERS, Techniques, as_techniques
 from ..undo import UNDO_AUTO_BYTES
 from .budgets import cublas_workspaces
-from ..distributed import Parallel, Sharding, check_sharding, shard_model
 from .carry import BASE, TraceCache, carried_tiles, lines
 from .ranks import Ranks, fake_group, offload
 
@@ -279,7 +279,10 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
                        offloaded=one.offloaded * world, paged=one.paged * world,
                        cpu_optimizer=one.cpu_optimizer * world, undo=0,
                        loading=one.loading * world, checkpoint=one.checkpoint * world,
-                       merged=_gathered(config, t), gguf=one.gguf + _gathered(config, t))
+                       # rank 0 gathers every weight to its host, then merges a dense copy
+                       merged=_gathered(config, t) + (0 if t.method == "full" else
+                                                      config.num_parameters * _BYTES[t.dtype]),
+                       gguf=one.gguf + _gathered(config, t))
     cuda = target == "cuda"
     dtype = _BYTES[t.dtype]
     trainable, state = step.trainable, step.optimizer_state

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -53,7 +54,9 @@ def test_ranks_equal_one_process_and_hold_their_share_of_the_state_each(tmp_path
     and its merged save (the base dequantized plus the update) equal one process's."""
     adapters = techniques != FULL
     steps = 5 if techniques == QLORA else 3
-    path = run_file(tmp_path, techniques, steps=steps, save="hf, merged" if adapters else "hf")
+    gguf = techniques == QLORA and ranks == 2
+    saves = "hf, merged, gguf" if gguf else "hf, merged" if adapters else "hf"
+    path = run_file(tmp_path, techniques, steps=steps, save=saves)
     assert cli.main(["train", str(path), "--out", str(tmp_path / "one")]) == 0
     done = torchrun(path, tmp_path / "two", ranks=ranks)
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
@@ -65,6 +68,16 @@ def test_ranks_equal_one_process_and_hold_their_share_of_the_state_each(tmp_path
     close(weights(tmp_path / "one"), weights(tmp_path / "two"))
     if adapters:
         close(weights(tmp_path / "one", "merged"), weights(tmp_path / "two", "merged"))
+    if gguf:  # f16 tensors: a weight 1e-7 apart may round to the neighbouring f16 value
+        from gguf import GGUFReader
+
+        one_file, two_file = (GGUFReader(str(tmp_path / run / "gguf" / "model.gguf")) for run in ("one", "two"))
+        assert [t.name for t in one_file.tensors] == [t.name for t in two_file.tensors]
+        for a, b in zip(one_file.tensors, two_file.tensors):
+            if a.data.dtype == np.float16:
+                assert np.abs(a.data.view(np.int16).astype(int) - b.data.view(np.int16).astype(int)).max() <= 1
+            else:
+                np.testing.assert_allclose(a.data, b.data, rtol=0, atol=1e-5)
     # the tracker's per-rank bytes: each rank holds its share of the weights (LoRA: the frozen
     # base too; QLoRA: its NF4 codes and scales), gradients and optimizer state
     single = one[0]["memory"]

@@ -391,6 +391,11 @@ MUTANTS: list[Mutant] = [
            "SHARDS = 8  # FSDP2 splits",
            "SHARDS = 1  # FSDP2 splits",
            (T + "test_distributed.py::test_sharding_refusals_name_the_setting_and_the_fix",)),
+    Mutant("processes", "a rank no longer notices that the kernel which started it is gone",
+           "nbtune/processes.py",
+           "    while os.getppid() == parent:",
+           "    while True:",
+           (T + "test_processes.py::test_a_killed_kernel_leaves_no_rank_and_no_controller_behind",)),
 ]
 
 

@@ -484,18 +484,15 @@ def _more_cards(config, start: Techniques, rows: list[FitRow], cards: int, targe
         return None
     lightest = min(sized, key=lambda r: r.peak)
     t = start.replace(**lightest.changes)
-    count = cards * 2
-    while count <= 8:
-        if t.batch_size % count == 0:
-            try:
-                memory = Predictor.of(config, target, count, sharding).estimate(t)
-            except ESTIMATE_ERRORS:
-                return None
-            need = required(memory)
-            on_host = host_room is None or memory.host is None or memory.host.without_undo <= host_room
-            if need <= room and on_host:
-                return count, lightest, need
-        count *= 2
+    for count in (n for n in (cards * 2, cards * 4, cards * 8) if n <= 8 and t.batch_size % n == 0):
+        try:
+            memory = Predictor.of(config, target, count, sharding).estimate(t)
+        except ESTIMATE_ERRORS:  # (an NF4 weight that does not split over so many ranks)
+            continue
+        need = required(memory)
+        on_host = host_room is None or memory.host is None or memory.host.without_undo <= host_room
+        if need <= room and on_host:
+            return count, lightest, need
     return None
 
 

@@ -63,6 +63,7 @@ def test_a_killed_kernel_leaves_no_rank_and_no_controller_behind(tmp_path):
     path.write_text(RUN.format(techniques="batch_size: 4, seq_len: 96, lr: 1e-3"))
     kernel = subprocess.Popen([sys.executable, "-c", KERNEL, str(path)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
+    started = []
     try:
         assert kernel.stdout.readline().strip() == "READY"
         started = psutil.Process(kernel.pid).children(recursive=True)
@@ -75,3 +76,40 @@ def test_a_killed_kernel_leaves_no_rank_and_no_controller_behind(tmp_path):
     finally:
         if kernel.poll() is None:
             kernel.kill()
+        for process in started:  # where the behaviour broke, leave the machine clean anyway
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_the_others_ended_and_a_restart_comes_back_to_the_checkpoint(tmp_path):
+    import os
+    import signal
+    import threading
+
+    path = tmp_path / "run.yaml"
+    path.write_text(RUN.format(techniques="batch_size: 4, seq_len: 96, lr: 1e-3"))
+    assert cli.main(["train", str(path), "--out", str(tmp_path / "one")]) == 0
+    one = [json.loads(line)["loss"] for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    ranks = Processes(path, 2, timeout=120)
+    try:
+        ranks.run(2)
+        ranks.save_checkpoint(tmp_path / "at-2")
+        engines = ranks._all(os.getpid, lambda rank: ())
+        started = psutil.Process().children(recursive=True)
+        threading.Timer(1.0, os.kill, (engines[1], signal.SIGKILL)).start()
+        with pytest.raises(RuntimeError) as failed:
+            ranks.run(10_000)
+        assert failed.value.rank == 1 and "Rank 1 failed" in str(failed.value)
+        assert f"restart() starts them again from {tmp_path / 'at-2'}" in str(failed.value)
+        gone, still = psutil.wait_procs(started, timeout=30)  # rank 0 ended too: no process left
+        assert not still, [p.cmdline() for p in still]
+        ranks.restart()
+        assert ranks.step_number == 2 and [r["step"] for r in ranks.history] == [1, 2]
+        after = ranks.run(3)
+    finally:
+        ranks.close()
+    assert [r["step"] for r in after] == [3, 4, 5]
+    assert all(abs(a - b["loss"]) <= 1e-5 for a, b in zip(one[2:], after))

@@ -76,8 +76,13 @@ class Processes:
         self._profile = tempfile.TemporaryDirectory(prefix="nbtune-ranks-")
         self.cluster = ipp.Cluster(n=processes, profile_dir=self._profile.name, log_level=40,
                                    shutdown_atexit=True)
-        self.client = self.cluster.start_and_connect_sync(activate=False)
-        self.client.wait_for_engines(processes, timeout=self.timeout)
+        self.client = self._engines = None
+        try:
+            self.client = self.cluster.start_and_connect_sync(activate=False)
+            self.client.wait_for_engines(processes, timeout=self.timeout)
+        except BaseException:  # (Ctrl-C, a timeout) whatever was started is ended
+            self._end()
+            raise
         self._engines = [self.client[i] for i in sorted(self.client.ids)[:processes]]
         controller = self.cluster.controller.process.pid if self.cluster.controller else None
         port, parent = _free_port(), os.getpid()
@@ -157,14 +162,16 @@ class Processes:
             self._end()
 
     def _end(self) -> None:
-        if getattr(self, "client", None) is None:
+        """End the engines and the controller (idempotent)."""
+        if getattr(self, "cluster", None) is None:
             return
         self._engines = []
         try:
-            self.client.close()
+            if self.client is not None:
+                self.client.close()
             self.cluster.stop_cluster_sync()
         finally:
-            self.client = None
+            self.client = self.cluster = None
             self._profile.cleanup()
 
 

@@ -328,3 +328,24 @@ def test_a_prompt_tried_in_the_panel_streams_its_reply_there_during_a_run(sessio
     panel.prompt.value = "  "
     panel.prompt_button.click()
     assert "Type a prompt" in panel.status.value
+
+
+def test_two_cards_in_the_machine_list_badge_one_ranks_step(session_and_panel):
+    """The machine list offers two 24 GB cards under FSDP2; choosing them shows the need of
+    one rank's step (``estimate(..., ranks=2)``), not the whole step's."""
+    import nbtune as nt
+    from nbtune.predict.budgets import required
+    from nbtune.units import format_bytes
+
+    session, panel = session_and_panel
+    two = [value for label, value in panel.budget.options if label.startswith("2x RTX 3090")]
+    assert two == ["2x RTX 3090 + 64GiB"]
+    shown, show = [], panel._fitcheck._show
+    panel._fitcheck._show = lambda *args: (shown.append(args), show(*args))
+    panel.budget.value = two[0]
+    assert panel._fitcheck.wait(120)
+    per_rank = required(nt.estimate(session.model.config, session.planned, device="cuda", ranks=2))
+    whole = required(nt.estimate(session.model.config, session.planned, device="cuda"))
+    badge = shown[-1][2]
+    assert shown[-1][1] == two[0] and badge.need == per_rank < whole
+    assert f"{format_bytes(badge.usable - per_rank)} to spare" in panel.badge.value

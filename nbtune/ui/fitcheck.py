@@ -57,12 +57,16 @@ class FitCheck:
         cards = parse_cards(budget)[0]
         return self.predictor if cards == 1 else Predictor.of(self.predictor.config, self.device, cards)
 
+    def cached(self, techniques: Techniques, budget) -> bool:
+        """Whether ``budget``'s estimate of ``techniques`` is at hand (no estimator run)."""
+        return self._predictor(budget).cached(techniques)
+
     def request(self, techniques: Techniques, budget) -> None:
         asked = time.monotonic()
         with self._lock:
             if self._closed:
                 return
-            cached = self._predictor(budget).cached(techniques)
+            cached = self.cached(techniques, budget)
             if not cached:
                 self._latest = (techniques, budget, asked)
                 if self._worker is None or not self._worker.is_alive():
@@ -100,7 +104,7 @@ class FitCheck:
                 techniques, budget, asked = self._latest
                 self._busy = True
             try:
-                if not self._predictor(budget).cached(techniques):
+                if not self.cached(techniques, budget):
                     self.estimates += 1
                 self._deliver(techniques, budget, self._estimate(techniques, budget), asked)
             finally:

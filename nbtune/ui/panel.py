@@ -397,7 +397,7 @@ class Panel(w.VBox):
         if techniques != self.runner.planned or budget != self.budget.value:
             # an answer to an older question; where the newest is answered already (a question
             # asked again while its answer was on the way), show that one now, not "estimating…"
-            if self._fitcheck.predictor.cached(self.runner.planned):
+            if self._fitcheck.cached(self.runner.planned, self.budget.value):
                 self._fitcheck.request(self.runner.planned, self.budget.value)
             return
         self.last_fit_seconds = seconds

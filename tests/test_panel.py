@@ -330,6 +330,7 @@ def test_a_prompt_tried_in_the_panel_streams_its_reply_there_during_a_run(sessio
     assert "Type a prompt" in panel.status.value
 
 
+@pytest.mark.slow
 def test_two_cards_in_the_machine_list_badge_one_ranks_step(session_and_panel):
     """The machine list offers two 24 GB cards under FSDP2; choosing them shows the need of
     one rank's step (``estimate(..., ranks=2)``), not the whole step's."""

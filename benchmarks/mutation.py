@@ -396,6 +396,21 @@ MUTANTS: list[Mutant] = [
            "    while os.getppid() == parent:",
            "    while True:",
            (T + "test_processes.py::test_a_killed_kernel_leaves_no_rank_and_no_controller_behind",)),
+    Mutant("processes", "a change one rank refused is still made by the ranks that could",
+           "nbtune/processes.py",
+           "        commit = refused is None\n",
+           "        commit = True\n",
+           (T + "test_processes.py::test_a_change_one_rank_refuses_is_made_by_no_rank",)),
+    Mutant("processes", "a dropped change keeps the optimizer it built (abort undoes nothing)",
+           "nbtune/trainer.py",
+           "    def abort(self, prepared) -> None:\n        self._abort(prepared)",
+           "    def abort(self, prepared) -> None:\n        self._commit(prepared)",
+           (T + "test_processes.py::test_a_prepared_change_dropped_leaves_the_next_step_as_a_twin_never_asked_gives_it",)),
+    Mutant("processes", "FSDP2-wrapped fields may change while the model is sharded",
+           "nbtune/trainer.py",
+           "        if fixed and self.parallel is not None:",
+           "        if False:",
+           (T + "test_processes.py::test_while_sharded_only_what_fsdp2_did_not_wrap_may_change",)),
 ]
 
 

@@ -24,6 +24,8 @@ RETUNES_MODEL = frozenset({"lora_alpha", "lora_dropout", "activation_checkpointi
                            "compile"})
 REBUILDS_DATA = frozenset({"seq_len", "batch_size", "seed", "packing"})
 REBUILDS_OPTIMIZER = REBUILDS_MODEL | {"optimizer", "optimizer_in_backward", "cpu_offload_optimizer"}
+# What FSDP2 wrapped as it was: fixed while the model is sharded over ranks.
+SHARDED_FIELDS = REBUILDS_MODEL | RETUNES_MODEL
 
 
 def check(t: Techniques, model: nn.Module, device: str) -> list[str]:

@@ -165,12 +165,21 @@ class Session:
 
     @classmethod
     def from_config(cls, config, *, overrides: dict | None = None, device=None,
-                    parallel=None) -> "Session":
+                    parallel=None, processes: int | None = None):
         """A session from a run file (``save_config`` writes one) or a loaded ``RunConfig``.
 
         ``overrides`` are dotted fields that win over the file, e.g. ``{"techniques.lr": 1e-4}``;
         a bad field is refused naming its line (``RunFileError``) before anything loads. torch's
-        random generator is seeded with ``techniques.seed`` first, so two runs of a file agree."""
+        random generator is seeded with ``techniques.seed`` first, so two runs of a file agree.
+        ``processes=N``: the run on N ranks (FSDP2, as under torchrun) started and driven from
+        here, cell by cell: a ``nbtune.processes.Processes``."""
+        if processes is not None:
+            from .processes import Processes
+
+            if not isinstance(config, (str, os.PathLike)):
+                raise TypeError("from_config(processes=N) takes the run file's path: each rank "
+                                "reads it (save_config writes one).")
+            return Processes(config, processes, overrides=overrides)
         return cls._of(runs.from_config(config, overrides=overrides, device=device,
                                         parallel=parallel))
 

@@ -43,8 +43,8 @@ from .predict import Predictor
 from . import host
 from .optim import OptimizerInBackward, build_optimizer, release_optimizer
 from .peft import adapter_state_dict, has_lora
-from .plan import (REBUILDS_DATA, REBUILDS_MODEL, REBUILDS_OPTIMIZER, RETUNES_MODEL, ModelJournal,
-                   check, transform_model)
+from .plan import (REBUILDS_DATA, REBUILDS_MODEL, REBUILDS_OPTIMIZER, RETUNES_MODEL, SHARDED_FIELDS,
+                   ModelJournal, check, transform_model)
 from .step import StepContext, StepOptions, StepReport, held_out_loss, train_step
 from .techniques import Techniques
 from .state import (base_fingerprint, check_optimizer_state, check_weights, full_weights,
@@ -171,12 +171,31 @@ class Trainer:
         """Switch to ``new`` techniques, all or nothing; returns the fields that changed."""
         self.check_usable()
         changed = new.changed(self.techniques)
-        if changed and self.parallel is not None:
-            raise ValueError(f"Under torchrun the techniques are fixed by the run file (the model is "
-                             f"sharded): change {', '.join(sorted(changed))} in the file and start again.")
         if changed:
-            self._commit(self._prepare(new))
+            self.commit(self.prepare(new))
         return changed
+
+    def prepare(self, new: Techniques):
+        """The first half of ``set``: build what ``new`` needs beside what is in use, changing
+        nothing in use. ``commit`` swaps it in (it cannot fail), ``abort`` drops it: several
+        ranks change together, or none does."""
+        self.check_usable()
+        fixed = new.changed(self.techniques) & SHARDED_FIELDS
+        if fixed and self.parallel is not None:
+            raise ValueError(f"{', '.join(sorted(fixed))} cannot change while the model is sharded "
+                             "over ranks (FSDP2 wrapped the model as it was built): change it in the "
+                             "run file and start the ranks again.")
+        if self.parallel is not None and new.batch_size % self.parallel.world:
+            raise ValueError(f"batch_size={new.batch_size} does not split over {self.parallel.world} "
+                             "ranks: it is the global batch, so make it a multiple of the number of "
+                             "processes.")
+        return self._prepare(new)
+
+    def commit(self, prepared) -> None:
+        self._commit(prepared)
+
+    def abort(self, prepared) -> None:
+        self._abort(prepared)
 
     def step(self, track: bool, usage: bool = False) -> StepReport:
         """One optimizer step, all or nothing. ``track``: measure its memory (else the report

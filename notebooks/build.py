@@ -577,37 +577,38 @@ YOUR_DATA_CHECK = ("only the reply is trained on: True\nlearned the schema on un
 
 
 SCALE_OUT = [
-    ("md", """# Scale out: the same run unattended, then sharded over several processes
+    ("md", """# Scale out: one run sharded over several processes, driven from this notebook
 
-**Needs:** nothing but a CPU: about a minute on 2 cores, offline. On a machine with N GPUs the
-same commands run with `--nproc_per_node N`.
+**Needs:** nothing but a CPU: about two minutes on 2 cores, offline. On a machine with N GPUs
+the same cells run with `processes=N`, one rank per GPU.
 
-A notebook is where you tune; a long run belongs in a terminal, and a model too big for one
-card on several. nbtune does both from one **run file**: `nbtune train run.yaml` trains it in
-one process, and `torchrun --nproc_per_node N -m nbtune train run.yaml` trains the same file
-sharded with PyTorch's FSDP2 (`fully_shard`): each of the N processes (*ranks*) keeps 1/N of
-the weights, gradients and optimizer state, and gathers a layer's full weights only while that
-layer runs. Both use the notebook's own training step.
+A model too big for one card is trained on several: with PyTorch's FSDP2 (`fully_shard`) each
+of N processes (*ranks*) keeps 1/N of the weights, gradients and optimizer state, and gathers
+a layer's full weights only while that layer runs. nbtune starts the ranks from this kernel
+(as ipyparallel engines, one per rank) and sends each of them every command, so the session
+is still driven cell by cell: steps, a toggle changed mid-run, a background run and its
+Stop, checkpoints, a rank that dies and the way back.
 
-You will: write a run file from a session, train it in one process and in two, check that the
-two give the same losses and weights while each rank holds half the state, and regenerate the
-FSDP2 ladder of what each sharding technique saves per rank."""),
-    ("md", """The `!` cells below are shell commands, as you would type them in a terminal. The first
-cell makes them use this kernel's environment and gives each rank one CPU thread (torchrun's
-default, which it otherwise announces with a warning)."""),
+You will: write a run file from a session, train it in one process and on two ranks, check
+that both give the same losses while each rank holds half the state, change a toggle on both
+ranks at once, stop a background run, kill a rank and recover, and regenerate the FSDP2
+ladder of what each sharding technique saves per rank."""),
     ("code", """import dataclasses
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
+import time
 
+import psutil
 import torch
+from safetensors.torch import load_file
 
 import nbtune as nt
 from nbtune.models import CausalLM
 
-os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
-os.environ["OMP_NUM_THREADS"] = "1"
 shutil.rmtree("scale_out", ignore_errors=True)"""),
     ("md", """A model whose output head is its own matrix, not tied to the embedding (as in Llama 3.1 8B
 or Qwen2.5-7B), so that every FSDP2 setting applies: the tiny demo's 4 layers with Llama 2's
@@ -625,44 +626,106 @@ print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
 
 Load it as any model and tune as usual; `save_config` then writes everything needed to repeat
 the session: the model, the data, every technique, the number of steps, checkpoints and save
-formats. `batch_size` is the global batch: on N ranks each takes `batch_size / N` of the rows."""),
+formats. `batch_size` is the global batch: on N ranks each takes `batch_size / N` of the rows.
+The same file also runs unattended: `nbtune train run.yaml` in one process, `torchrun
+--nproc_per_node N -m nbtune train run.yaml` on N."""),
     ("code", """session = nt.Session.from_pretrained("scale_out/model", demo.data_files["train"],
                                      techniques=nt.Techniques(method="full", batch_size=8, seq_len=96,
                                                               lr=1e-4))
 session.save_config("scale_out/run.yaml", steps=4)
 print(open("scale_out/run.yaml").read())"""),
-    ("md", """## One process, unattended
+    ("md", """## One process, for reference
 
-`nbtune train` prints a line per step and writes `metrics.jsonl`, one JSON object per step,
-checkpoints if asked, and the final model. In a terminal it also draws a progress bar;
-`--no-progress` leaves it out here, where the step lines say enough."""),
-    ("code", """!nbtune train scale_out/run.yaml --out scale_out/one --no-progress"""),
-    ("md", """## Two processes: FSDP2 under torchrun
+The run file in this kernel, as one process: four steps."""),
+    ("code", """alone = nt.Session.from_config("scale_out/run.yaml")
+one = alone.run(4, progress=False)
+print([round(r.loss, 6) for r in one])"""),
+    ("md", """## Two ranks, from this notebook
 
-The same file on 2 ranks (here 2 CPU processes talking through gloo; on GPUs, NCCL). Rank 0
-prints the steps and, at the end, every rank's memory breakdown."""),
-    ("code", """!torchrun --standalone --nproc_per_node 2 -m nbtune train scale_out/run.yaml \\
-    --out scale_out/two --no-progress"""),
-    ("md", """Both runs saw the same examples each step, so they should agree: the losses to rounding (the
-sums run in another order) and the final weights too. Each rank, though, held half of what the
-single process held."""),
-    ("code", """from safetensors.torch import load_file
-
-
-def metrics(name):
-    return [json.loads(line) for line in open(f"scale_out/{name}")]
-
-
-one, two, rank1 = metrics("one/metrics.jsonl"), metrics("two/metrics.jsonl"), metrics("two/metrics.rank1.jsonl")
+`processes=2` starts two ranks (here 2 CPU processes talking through gloo; on GPUs, NCCL), each
+building the run from the file and sharding it. This takes a few seconds; then every call
+goes to both ranks at once and rank 0 answers. Both ranks saw the same examples each step as
+the single process did, so the losses agree to rounding (the sums run in another order)."""),
+    ("code", """ranks = nt.Session.from_config("scale_out/run.yaml", processes=2)
+two = ranks.run(4)
 for a, b in zip(one, two):
-    print(f"step {a['step']}: loss {a['loss']:.6f} in one process, {b['loss']:.6f} on 2 ranks")
-w1, w2 = (load_file(f"scale_out/{run}/final/model.safetensors") for run in ("one", "two"))
-weight_gap = max((w1[k] - w2[k]).abs().max().item() for k in w1)
-print(f"largest difference in the final weights: {weight_gap:.1e}")
-state = ("parameters", "gradients", "optimizer_state")
+    print(f"step {a.step}: loss {a.loss:.6f} in one process, {b['loss']:.6f} on 2 ranks")"""),
+    ("md", """Each rank held half of what the single process held: the weights, their gradients and the
+optimizer state are split; the activations of each rank's half of the batch are its own."""),
+    ("code", """state = ("parameters", "gradients", "optimizer_state")
 for kind in state + ("activations",):
-    print(f"{kind:>16}: {one[0]['memory'][kind] / 2**20:5.1f} MiB in one process, "
-          f"{two[0]['memory'][kind] / 2**20:5.1f} and {rank1[0]['memory'][kind] / 2**20:5.1f} MiB on ranks 0 and 1")"""),
+    print(f"{kind:>16}: {one[0].memory.categories[kind] / 2**20:5.1f} MiB in one process, "
+          + " and ".join(f"{rank[kind] / 2**20:5.1f}" for rank in two[0]["ranks"]) + " MiB on ranks 0 and 1")"""),
+    ("code", """# NBVAL_IGNORE_OUTPUT
+ranks.chart()"""),
+    ("md", """## A toggle changed mid-run
+
+`set` reaches every rank at the same step boundary, and all or nothing: each rank first builds
+what the change needs beside what it uses, and only when every rank could does every rank
+switch. A change that would re-wrap the sharded model (checkpointing, the method, the dtype)
+is refused by the ranks, with the reason, and changes nothing anywhere."""),
+    ("code", """try:
+    ranks.set(lr=3e-4, activation_checkpointing=True)
+except ValueError as refused:
+    said = str(refused)
+    print(said)
+ranks_lr = ranks.techniques.lr
+print("learning rate still", ranks_lr)"""),
+    ("code", """ranks.set(lr=3e-4, grad_accum=2)
+alone.set(lr=3e-4, grad_accum=2)
+changed_two, changed_one = ranks.run(2, progress=False), alone.run(2, progress=False, live=False)
+for a, b in zip(changed_one, changed_two):
+    print(f"step {a.step}: loss {a.loss:.6f} in one process, {b['loss']:.6f} on 2 ranks")"""),
+    ("md", """## In the background, and Stop
+
+`start` trains while the notebook stays free; `stop()` (or the Stop of a cell interrupted with
+Ctrl-C) ends the run at the next step boundary, on every rank."""),
+    ("code", """background = ranks.start(1000)
+time.sleep(3)
+ranks.stop()
+stopped_at = ranks.rank_steps
+print(background, "- each rank stands at step", stopped_at)"""),
+    ("md", """## A rank dies
+
+Save a checkpoint (each rank writes its own shard), train two steps, then kill rank 1 with
+SIGKILL while a run is under way, as the out-of-memory killer would. The session names the
+rank, ends the other one (it would wait for its peer forever in the next collective), and the
+kernel goes on."""),
+    ("code", """ranks.save_checkpoint("scale_out/checkpoint")
+before = ranks.run(2, progress=False)
+workers = [psutil.Process(pid) for pid in ranks.pids]
+threading.Timer(1.0, os.kill, (ranks.pids[1], signal.SIGKILL)).start()
+try:
+    ranks.run(1000, progress=False)
+except nt.RankFailed as failed:
+    named = failed.rank
+    print(failed)
+gone, alive = psutil.wait_procs(workers, timeout=30)
+print("ranks still running:", len(alive))"""),
+    ("md", """`recover()` starts both ranks again from the checkpoint. The two steps after it are those the
+ranks made before the kill, to the bit: nothing of the failure is left behind."""),
+    ("code", """ranks.recover()
+again = ranks.run(2, progress=False)
+for a, b in zip(before, again):
+    print(f"step {a['step']}: loss {a['loss']:.6f} before the kill, {b['loss']:.6f} after recover()")"""),
+    ("md", """## Use and save the trained model
+
+`generate` and `save` run on both ranks, each gathering one layer at a time; rank 0 answers
+and writes. (This model is random and barely trained: its reply is noise.) The saved folder
+is an ordinary model folder; it holds the weights the single process reaches in as many
+steps, with the same change at step 5."""),
+    ("code", """print(repr(ranks.generate("Which letter is a capital?", input="Krqt", max_new_tokens=8)))
+ranks.save("scale_out/final")
+alone.run(ranks.step_number - len(alone.history), progress=False, live=False)
+saved, reached = load_file("scale_out/final/model.safetensors"), alone.model.state_dict()
+weight_gap = max((saved[name] - reached[name]).abs().max().item() for name in saved)
+print(f"{ranks.step_number} steps: largest difference from the single process's weights {weight_gap:.1e}")"""),
+    ("md", """`close()` ends the ranks and the processes that drove them; none is left (closing the
+kernel, or the kernel dying, ends them too: each rank watches the kernel that started it)."""),
+    ("code", """children = psutil.Process().children(recursive=True)
+ranks.close()
+gone, left = psutil.wait_procs(children, timeout=30)
+print("processes left after close():", len(left))"""),
     ("md", """## What each sharding setting saves: the FSDP2 ladder
 
 `nbtune ladder` runs rows that each add one change to the row before, two steps a row with
@@ -677,7 +740,12 @@ embeddings, + chunked loss.
 * **Sharded embeddings** make the embedding and the head units of their own: gathered only
   while they run instead of for the whole step (the root unit otherwise holds them).
 * **Chunked loss** never holds the scores of the whole 32,000-token vocabulary at once."""),
-    ("code", """!torchrun --standalone --nproc_per_node 2 -m nbtune ladder scale_out/run.yaml --out scale_out/ladder"""),
+    ("md", """The ladder is a measurement, each row in freshly started processes, so it runs unattended,
+as in a terminal (the `!` line); the first line makes it use this kernel's environment and gives
+each rank one CPU thread (torchrun's default, which it otherwise announces with a warning)."""),
+    ("code", """os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
+os.environ["OMP_NUM_THREADS"] = "1"
+!torchrun --standalone --nproc_per_node 2 -m nbtune ladder scale_out/run.yaml --out scale_out/ladder"""),
     ("md", """The same ladder as bars, one per rank and row, split by what held memory at each rank's
 peak: the ranks hold the same amount, and each row takes its share off both."""),
     ("code", """# NBVAL_IGNORE_OUTPUT
@@ -715,11 +783,20 @@ print(eight_b.message)"""),
     ("md", """The outcomes this notebook promises, checked:"""),
     ("code", """# NBVAL_CHECK_OUTPUT
 rows = {row["label"]: row for row in json.load(open("scale_out/ladder/ladder.json"))["rows"]}
-print("two ranks trained like one process:",
-      all(abs(a["loss"] - b["loss"]) < 1e-5 for a, b in zip(one, two)) and weight_gap < 1e-5)
+print("two ranks trained like one process, before and after a change mid-run:",
+      all(abs(a.loss - b["loss"]) < 1e-5 for a, b in zip(one + changed_one, two + changed_two)))
 print("each rank held half the weights, gradients and optimizer state:",
-      all(abs(2 * rank[0]["memory"][k] - one[0]["memory"][k]) <= 0.01 * one[0]["memory"][k]
-          for rank in (two, rank1) for k in state))
+      all(abs(2 * rank[k] - one[0].memory.categories[k]) <= 0.01 * one[0].memory.categories[k]
+          for rank in two[0]["ranks"] for k in state))
+print("a change one rank refused changed nothing:", "no rank made it" in said and ranks_lr == 1e-4)
+print("Stop ended the background run at one step on both ranks:",
+      not background.running and 0 < len(background.reports) < 1000
+      and stopped_at == [6 + len(background.reports)] * 2)
+print("the killed rank was named and the other ended:", named == 1 and not alive)
+print("recover() came back to the checkpoint, bit for bit:",
+      [a["loss"] for a in before] == [b["loss"] for b in again])
+print("the ranks saved the weights one process reaches:", weight_gap < 1e-5 and len(saved) == len(reached))
+print("no process left after close():", not left)
 print("checkpointing, sharded embeddings and chunked loss each lowered the peak per rank:",
       rows["FSDP2"]["peak"] > rows["+ activation checkpointing"]["peak"]
       > rows["+ sharded embeddings"]["peak"] > rows["+ chunked loss"]["peak"])
@@ -731,8 +808,14 @@ print("8B full finetuning needs more cards than one, and fit says how many:", ei
     ("code", """shutil.rmtree("scale_out")"""),
 ]
 
-SCALE_OUT_CHECK = ("two ranks trained like one process: True\n"
+SCALE_OUT_CHECK = ("two ranks trained like one process, before and after a change mid-run: True\n"
                    "each rank held half the weights, gradients and optimizer state: True\n"
+                   "a change one rank refused changed nothing: True\n"
+                   "Stop ended the background run at one step on both ranks: True\n"
+                   "the killed rank was named and the other ended: True\n"
+                   "recover() came back to the checkpoint, bit for bit: True\n"
+                   "the ranks saved the weights one process reaches: True\n"
+                   "no process left after close(): True\n"
                    "checkpointing, sharded embeddings and chunked loss each lowered the peak per rank: True\n"
                    "CPU offload refused here, with the reason: True\n"
                    "each row's prediction within 2 % of its measured peak or above it (shorter rows measured): True\n"

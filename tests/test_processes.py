@@ -1,12 +1,13 @@
 """Several processes driven from the kernel (ipyparallel engines, each a gloo rank) against one
 process on the same run file, and no process left behind."""
 
-import json
+import threading
 
 import psutil
 import pytest
+import torch
 
-from nbtune import cli
+from nbtune import Session
 from nbtune.processes import Processes
 
 RUN = ("demo: tiny\ntechniques: {{{techniques}}}\nrun: {{steps: 5, checkpoint_every: 0, save: []}}\n")
@@ -17,25 +18,39 @@ RUN = ("demo: tiny\ntechniques: {{{techniques}}}\nrun: {{steps: 5, checkpoint_ev
                                         "method: lora, batch_size: 4, seq_len: 96, lr: 1e-3, lora_rank: 4"],
                          ids=["full", "lora"])
 def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behind(tmp_path, techniques):
+    """Steps, a change mid-run (all ranks at one boundary) and a greedy reply: as one process
+    gives them on the same batches; the refused change changed nothing on any rank."""
     path = tmp_path / "run.yaml"
     path.write_text(RUN.format(techniques=techniques))
-    assert cli.main(["train", str(path), "--out", str(tmp_path / "one")]) == 0
-    one = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    alone = Session.from_config(path)
+    one = [alone.step() for _ in range(2)]
+    alone.set(lr=3e-4, grad_accum=2)
+    one += alone.run(3, progress=False)
+    reply = alone.generate("Which letter is a capital?", input="Krqt", max_new_tokens=6,
+                           temperature=1.0, seed=3)
+    assert reply  # (greedy says nothing yet: the end of the reply comes first)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    ranks = Processes(path, 2)
+    ranks = Session.from_config(path, processes=2)
     try:
         started = {p.pid for p in psutil.Process().children(recursive=True)} - before
-        assert len(started) >= 3  # a controller and two engines
-        first = ranks.step()
-        reports = [first] + ranks.run(4)
+        assert len(started) >= 3 and set(ranks.pids) <= started  # a controller and two engines
+        reports = [ranks.step(), ranks.step()]
+        with pytest.raises(ValueError, match="refused the change, so no rank made it"):
+            ranks.set(lr=3e-4, activation_checkpointing=True)  # fixed while the model is sharded
+        assert ranks.techniques.lr == 1e-3
+        assert ranks.set(lr=3e-4, grad_accum=2).grad_accum == 2
+        reports += ranks.run(3, progress=False)
+        assert ranks.generate("Which letter is a capital?", input="Krqt", max_new_tokens=6,
+                              temperature=1.0, seed=3) == reply
+        assert ranks.rank_steps == [5, 5]
     finally:
         ranks.close()
     assert [r["step"] for r in reports] == [1, 2, 3, 4, 5]
     for a, b in zip(one, reports):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 and a["tokens"] == b["tokens"]
+        assert abs(a.loss - b["loss"]) <= 1e-5 and a.tokens == b["tokens"]
     # each rank's memory, as the kernel gathered it: half the single process's state each
     for rank in reports[-1]["ranks"]:
-        assert abs(rank["parameters"] / one[-1]["memory"]["parameters"] - 0.5) < 0.02
+        assert abs(rank["parameters"] / one[-1].memory.categories["parameters"] - 0.5) < 0.02
     alive = [p for p in psutil.Process().children(recursive=True) if p.pid in started]
     gone, still = psutil.wait_procs(alive, timeout=20)
     assert not still, [p.cmdline() for p in still]
@@ -84,32 +99,111 @@ def test_a_killed_kernel_leaves_no_rank_and_no_controller_behind(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_is_named_the_others_ended_and_a_restart_comes_back_to_the_checkpoint(tmp_path):
+def test_a_killed_rank_is_named_the_others_ended_and_recover_comes_back_to_the_checkpoint(tmp_path, capsys):
+    """Ctrl-C stops every rank at one step; a rank killed mid-run is named, the other ended,
+    and recover() trains on from the checkpoint to the losses of a run never stopped."""
     import os
     import signal
     import threading
 
     path = tmp_path / "run.yaml"
     path.write_text(RUN.format(techniques="batch_size: 4, seq_len: 96, lr: 1e-3"))
-    assert cli.main(["train", str(path), "--out", str(tmp_path / "one")]) == 0
-    one = [json.loads(line)["loss"] for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     ranks = Processes(path, 2, timeout=120)
     try:
-        ranks.run(2)
-        ranks.save_checkpoint(tmp_path / "at-2")
-        engines = ranks._all(os.getpid, lambda rank: ())
+        ranks.run(1)
+        threading.Timer(1.0, signal.raise_signal, (signal.SIGINT,)).start()  # Ctrl-C in the kernel
+        interrupted = ranks.run(10_000, progress=False)
+        at = ranks.step_number
+        assert 0 < len(interrupted) < 10_000 and ranks.rank_steps == [at, at]
+        assert capsys.readouterr().out.endswith(f"after step {at} on every rank.\n")
+        ranks.save_checkpoint(tmp_path / "saved")
         started = psutil.Process().children(recursive=True)
-        threading.Timer(1.0, os.kill, (engines[1], signal.SIGKILL)).start()
+        threading.Timer(1.0, os.kill, (ranks.pids[1], signal.SIGKILL)).start()
         with pytest.raises(RuntimeError) as failed:
             ranks.run(10_000)
         assert failed.value.rank == 1 and "Rank 1 failed" in str(failed.value)
-        assert f"restart() starts them again from {tmp_path / 'at-2'}" in str(failed.value)
+        assert f"recover() starts them again from {tmp_path / 'saved'}" in str(failed.value)
         gone, still = psutil.wait_procs(started, timeout=30)  # rank 0 ended too: no process left
         assert not still, [p.cmdline() for p in still]
-        ranks.restart()
-        assert ranks.step_number == 2 and [r["step"] for r in ranks.history] == [1, 2]
+        ranks.recover()
+        assert ranks.step_number == at and [r["step"] for r in ranks.history] == list(range(1, at + 1))
         after = ranks.run(3)
     finally:
         ranks.close()
-    assert [r["step"] for r in after] == [3, 4, 5]
-    assert all(abs(a - b["loss"]) <= 1e-5 for a, b in zip(one[2:], after))
+    never_stopped = Session.from_config(path).run(at + 3, progress=False)
+    assert [r["step"] for r in after] == [at + 1, at + 2, at + 3]
+    assert all(abs(a.loss - b["loss"]) <= 1e-5 for a, b in zip(never_stopped[at:], after))
+
+
+def _twins(**changes):
+    return [Session.demo("tiny", batch_size=4, seq_len=96, **changes) for _ in range(2)]
+
+
+def test_a_prepared_change_dropped_leaves_the_next_step_as_a_twin_never_asked_gives_it():
+    """The ranks' two-phase set: each builds the change beside what it uses; when another rank
+    refused, abort() must leave this one exactly as it was (optimizer state, data, RNG)."""
+    asked, twin = _twins()
+    asked.run(2, progress=False), twin.run(2, progress=False)
+    trainer = asked.trainer
+    prepared = trainer.prepare(trainer.techniques.replace(optimizer="sgd", batch_size=8, lr=1e-2))
+    trainer.abort(prepared)
+    a, b = asked.step(), twin.step()
+    assert a.loss == b.loss and asked.techniques == twin.techniques
+    assert all(torch.equal(x, y) for x, y in zip(asked.model.parameters(), twin.model.parameters()))
+
+
+def test_while_sharded_only_what_fsdp2_did_not_wrap_may_change():
+    """A sharded trainer (``parallel`` set) refuses the fields FSDP2 wrapped the model with and
+    a batch that does not split over the ranks, naming them; the rest is prepared."""
+    from types import SimpleNamespace
+
+    session = Session.demo("tiny", batch_size=4, seq_len=96)
+    trainer = session.trainer
+    trainer.parallel = SimpleNamespace(world=2)  # only its size is read here
+    t = trainer.techniques
+    for field, value in [("activation_checkpointing", True), ("method", "lora"),
+                         ("dtype", "bf16"), ("tile_tokens", 16), ("lora_alpha", 8.0)]:
+        with pytest.raises(ValueError, match=f"{field} cannot change while the model is sharded"):
+            trainer.prepare(t.replace(**{field: value}))
+    with pytest.raises(ValueError, match="batch_size=5 does not split over 2 ranks"):
+        trainer.prepare(t.replace(batch_size=5))
+    trainer.abort(trainer.prepare(t.replace(lr=1e-3, grad_accum=2, batch_size=8, optimizer="sgd")))
+    assert trainer.techniques == t
+
+
+class _InOneProcess(Processes):
+    """Two ranks' engine functions run here in turn, each on its own run: the kernel's side
+    of a command without the processes (``_all`` as the engines would answer it)."""
+
+    def __init__(self, runs):
+        self.world, self.techniques = len(runs), runs[0].trainer.techniques
+        self.states = [{"rank": rank, "run": run} for rank, run in enumerate(runs)]
+        self._pending, self.current_run, self._lock = [], None, threading.Lock()
+
+    def _all(self, function, args_of):
+        from nbtune.processes import ENGINE_STATE
+
+        answers = []
+        for rank, state in enumerate(self.states):
+            ENGINE_STATE.clear()
+            ENGINE_STATE.update(state)
+            answers.append(function(*args_of(rank)))
+            self.states[rank] = dict(ENGINE_STATE)
+        ENGINE_STATE.clear()
+        return answers
+
+
+def test_a_change_one_rank_refuses_is_made_by_no_rank():
+    """Rank 1 refuses (here: its model is sharded, rank 0's not), so rank 0, which had built
+    the change, drops it: its next step is the step of a twin never asked."""
+    from types import SimpleNamespace
+
+    rank0, rank1, twin = (Session.demo("tiny", batch_size=4, seq_len=96) for _ in range(3))
+    rank1.trainer.parallel = SimpleNamespace(world=2)
+    ranks = _InOneProcess([rank0.parts, rank1.parts])
+    with pytest.raises(ValueError, match="Rank 1 refused the change, so no rank made it: "
+                                         "activation_checkpointing cannot change"):
+        ranks.set(optimizer="sgd", activation_checkpointing=True)
+    assert rank0.techniques == twin.techniques and ranks.techniques == twin.techniques
+    assert rank0.step().loss == twin.step().loss
+    assert ranks.set(lr=1e-3).lr == 1e-3 and rank0.techniques.lr == rank1.techniques.lr == 1e-3

@@ -397,7 +397,7 @@ MUTANTS: list[Mutant] = [
            "    while True:",
            (T + "test_processes.py::test_a_killed_kernel_leaves_no_rank_and_no_controller_behind",)),
     Mutant("processes", "a change one rank refused is still made by the ranks that could",
-           "nbtune/processes.py",
+           "nbtune/ranked.py",
            "        commit = refused is None\n",
            "        commit = True\n",
            (T + "test_processes.py::test_a_change_one_rank_refuses_is_made_by_no_rank",)),

@@ -1,5 +1,6 @@
-"""What driving the ranks from the kernel costs per step: ``Processes.step()`` called N times
-from this process (each a command to every engine and the answers back), against the same
+"""What driving the ranks from the kernel costs per step: ``session.run(1)`` of a session on two
+processes (``Session.from_config(path, processes=2)``) called N times from this process (each
+a command to every engine and the answers back, through the session's own runner), against the same
 run file's steps under ``torchrun -m nbtune train``, one after the other on this machine.
 A torchrun step's wall time is the difference of two jobs' training time (summary.json's
 ``seconds``: 1 step and N + 1 steps) over N, so the loop around each step counts on both
@@ -42,17 +43,17 @@ def under_torchrun(path: Path, out: Path) -> float:
 
 
 def from_the_kernel(path: Path) -> tuple[list[float], float]:
-    from nbtune.processes import Processes
+    from nbtune import Session
 
     began = time.perf_counter()
-    ranks = Processes(path, 2)
+    ranks = Session.from_config(path, processes=2)
     started = time.perf_counter() - began
     try:
         ranks.step()  # warm-up
         walls = []
         for _ in range(STEPS):
             before = time.perf_counter()
-            ranks.step()
+            ranks.run(1, progress=False, live=False)  # memory sampled, as nbtune train does
             walls.append(time.perf_counter() - before)
     finally:
         ranks.close()

@@ -64,6 +64,9 @@ class Run:
     history = property(lambda self: self.trainer.history)
     base_changed = property(lambda self: self.trainer.base_changed)
 
+    def close(self) -> None:
+        """Nothing to end: the run lives in this process (``ranked.RankedRun`` ends its ranks)."""
+
     # ---- the state on disk ------------------------------------------------------------------
 
     def save_checkpoint(self, folder: str | os.PathLike) -> Path:

@@ -111,6 +111,8 @@ class Session:
                         doc="What memory tracking and live charts may cost (OverheadBudget).")
     pending = property(lambda self: self.runner.pending,
                        doc="Changes made with set() during a background run, not applied yet.")
+    ranks_memory = property(lambda self: getattr(self.trainer, "rank_memory", None),
+                            doc="On several processes: step -> each rank's MemoryBreakdown.")
     current_run = property(lambda self: self.runner.current,
                            doc="The background run while it trains, else None.")
 
@@ -171,15 +173,16 @@ class Session:
         ``overrides`` are dotted fields that win over the file, e.g. ``{"techniques.lr": 1e-4}``;
         a bad field is refused naming its line (``RunFileError``) before anything loads. torch's
         random generator is seeded with ``techniques.seed`` first, so two runs of a file agree.
-        ``processes=N``: the run on N ranks (FSDP2, as under torchrun) started and driven from
-        here, cell by cell: a ``nbtune.processes.Processes``."""
+        ``processes=N``: the run on N ranks (FSDP2, as under torchrun), each a process started
+        and driven from here: every command reaches every rank (``nbtune.ranked``);
+        ``close()`` ends them."""
         if processes is not None:
-            from .processes import Processes
+            from .ranked import RankedRun
 
             if not isinstance(config, (str, os.PathLike)):
                 raise TypeError("from_config(processes=N) takes the run file's path: each rank "
                                 "reads it (save_config writes one).")
-            return Processes(config, processes, overrides=overrides)
+            return cls._of(RankedRun(config, processes, overrides))
         return cls._of(runs.from_config(config, overrides=overrides, device=device,
                                         parallel=parallel))
 
@@ -341,12 +344,17 @@ class Session:
     # ---- memory: before, across configurations, in detail -----------------------------
 
     def estimate(self, *, batch_size: int | None = None, seq_len: int | None = None,
-                 ranks: int = 1, sharding=None, device: str | None = None):
+                 ranks: int | None = None, sharding=None, device: str | None = None):
         """The next step's memory predicted on fake tensors for full-length rows of this
         session's shape (or ``batch_size`` x ``seq_len``): seconds, no memory used.
         ``ranks``: each rank's step of this session's run file under torchrun (FSDP2,
-        ``sharding`` its settings); ``device``: "cuda" to ask about cards from a CPU."""
+        ``sharding`` its settings; default: this session's ranks and sharding, one process
+        when it has none); ``device``: "cuda" to ask about cards from a CPU."""
         from .predict import Predictor
+
+        if ranks is None:
+            ranks = self.parallel.world if self.parallel is not None else 1
+            sharding = sharding if sharding is not None or self.parallel is None else self.parallel.sharding
 
         return Predictor.of(self.model.config, device or self.device.type, ranks, sharding).estimate(
             self.techniques, batch_size=batch_size, seq_len=seq_len)
@@ -381,6 +389,10 @@ class Session:
         (start with ``{}``), or whole ``Techniques``; see ``nbtune.ladder.compare``."""
         from .ladder import compare
 
+        if self.parallel is not None:
+            raise NotImplementedError("compare runs trial copies of the model in this process; "
+                                      "with the model sharded over ranks, measure rows with "
+                                      "`torchrun -m nbtune ladder run.yaml`.")
         return compare(self.trainer, configs, steps, estimate=estimate, progress=progress)
 
     @_command()
@@ -476,13 +488,26 @@ class Session:
 
     def chart(self, kind: str = "summary"):
         """A matplotlib Figure of the steps so far: "summary" (the last step's breakdown,
-        peak and loss per step) or "steps" (every step's breakdown as stacked bars)."""
+        peak and loss per step), "steps" (every step's breakdown as stacked bars) or, on
+        several processes, "ranks" (each rank's breakdown at its peak in the last step)."""
         from .ui.charts import memory_figure, steps_figure
 
         charts = {"summary": memory_figure, "steps": steps_figure}
+        if kind == "ranks" and self.ranks_memory:  # each rank's last step, side by side
+            from .ui.charts import ranks_figure
+
+            step = max(self.ranks_memory)
+            return ranks_figure(self.ranks_memory[step], step)
         if kind not in charts:
-            raise ValueError(f"chart kind {kind!r} is not one of {', '.join(map(repr, charts))}.")
+            raise ValueError(f"chart kind {kind!r} is not one of {', '.join(map(repr, charts))}"
+                             f"{' or ranks' if self.ranks_memory is not None else ''}.")
         return charts[kind](self.history)
+
+    def close(self) -> None:
+        """End what the session started: its ranks (``processes=N``), none left behind.
+        Nothing to end for a session in this process."""
+        self.stop()
+        self.parts.close()
 
     def panel(self):
         """ipywidgets controls bound to ``techniques``, Step/Run buttons and the live chart;
@@ -500,10 +525,13 @@ class Session:
 
     def __repr__(self) -> str:
         n = sum(p.numel() for p in self.model.parameters())
-        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        trainable = getattr(self.trainer, "trainable", None)  # on ranks: the kernel holds no weights
+        if trainable is None:
+            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        where = self.device if self.parallel is None else f"{self.device} x {self.parallel.world} ranks"
         changed = self.techniques.changed(Techniques())  # the defaults go without saying
         fields = ", ".join(f"{k}={getattr(self.techniques, k)!r}"
                            for k in Techniques.__dataclass_fields__ if k in changed)
         return (f"Session({self.model.config.model_type}, {n / 1e6:.2f}M params, "
-                f"{trainable / 1e6:.2f}M trainable, {self.device}, steps={len(self.history)})\n"
+                f"{trainable / 1e6:.2f}M trainable, {where}, steps={len(self.history)})\n"
                 f"  techniques (besides the defaults): {fields or 'none'}")

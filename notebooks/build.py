@@ -649,15 +649,17 @@ the single process did, so the losses agree to rounding (the sums run in another
     ("code", """ranks = nt.Session.from_config("scale_out/run.yaml", processes=2)
 two = ranks.run(4)
 for a, b in zip(one, two):
-    print(f"step {a.step}: loss {a.loss:.6f} in one process, {b['loss']:.6f} on 2 ranks")"""),
+    print(f"step {a.step}: loss {a.loss:.6f} in one process, {b.loss:.6f} on 2 ranks")"""),
     ("md", """Each rank held half of what the single process held: the weights, their gradients and the
 optimizer state are split; the activations of each rank's half of the batch are its own."""),
     ("code", """state = ("parameters", "gradients", "optimizer_state")
+step_one = ranks.ranks_memory[1]  # step 1's MemoryBreakdown on each rank
 for kind in state + ("activations",):
     print(f"{kind:>16}: {one[0].memory.categories[kind] / 2**20:5.1f} MiB in one process, "
-          + " and ".join(f"{rank[kind] / 2**20:5.1f}" for rank in two[0]["ranks"]) + " MiB on ranks 0 and 1")"""),
+          + " and ".join(f"{rank.categories[kind] / 2**20:5.1f}" for rank in step_one)
+          + " MiB on ranks 0 and 1")"""),
     ("code", """# NBVAL_IGNORE_OUTPUT
-ranks.chart()"""),
+ranks.chart("ranks")"""),
     ("md", """## A toggle changed mid-run
 
 `set` reaches every rank at the same step boundary, and all or nothing: each rank first builds
@@ -675,15 +677,25 @@ print("learning rate still", ranks_lr)"""),
 alone.set(lr=3e-4, grad_accum=2)
 changed_two, changed_one = ranks.run(2, progress=False), alone.run(2, progress=False, live=False)
 for a, b in zip(changed_one, changed_two):
-    print(f"step {a.step}: loss {a.loss:.6f} in one process, {b['loss']:.6f} on 2 ranks")"""),
+    print(f"step {a.step}: loss {a.loss:.6f} in one process, {b.loss:.6f} on 2 ranks")"""),
+    ("md", """## The panel, on two ranks
+
+The panel drives the ranks as it drives one process: a toggle goes through the same two-phase
+change (checkpointing, for one, is refused: FSDP2 wrapped the model without it), Run trains
+in the background with the notebook free, Stop ends the run at a step boundary on every rank,
+and the chart shows each rank's memory side by side. The fit badge asks about two cards."""),
+    ("code", """# NBVAL_IGNORE_OUTPUT
+panel = ranks.panel()
+panel"""),
     ("md", """## In the background, and Stop
 
-`start` trains while the notebook stays free; `stop()` (or the Stop of a cell interrupted with
-Ctrl-C) ends the run at the next step boundary, on every rank."""),
+`ranks` is an ordinary `Session`: `start` trains while the notebook stays free and its Stop
+button, `stop()` or Kernel > Interrupt ends the run at the next step boundary, on every rank.
+`ranks.parts.ranks` is what drives the processes: each rank's step and process id."""),
     ("code", """background = ranks.start(1000)
 time.sleep(3)
 ranks.stop()
-stopped_at = ranks.rank_steps
+stopped_at = ranks.parts.ranks.rank_steps
 print(background, "- each rank stands at step", stopped_at)"""),
     ("md", """## A rank dies
 
@@ -693,8 +705,9 @@ rank, ends the other one (it would wait for its peer forever in the next collect
 kernel goes on."""),
     ("code", """ranks.save_checkpoint("scale_out/checkpoint")
 before = ranks.run(2, progress=False)
-workers = [psutil.Process(pid) for pid in ranks.pids]
-threading.Timer(1.0, os.kill, (ranks.pids[1], signal.SIGKILL)).start()
+pids = ranks.parts.ranks.pids
+workers = [psutil.Process(pid) for pid in pids]
+threading.Timer(1.0, os.kill, (pids[1], signal.SIGKILL)).start()
 try:
     ranks.run(1000, progress=False)
 except nt.RankFailed as failed:
@@ -707,7 +720,7 @@ ranks made before the kill, to the bit: nothing of the failure is left behind.""
     ("code", """ranks.recover()
 again = ranks.run(2, progress=False)
 for a, b in zip(before, again):
-    print(f"step {a['step']}: loss {a['loss']:.6f} before the kill, {b['loss']:.6f} after recover()")"""),
+    print(f"step {a.step}: loss {a.loss:.6f} before the kill, {b.loss:.6f} after recover()")"""),
     ("md", """## Use and save the trained model
 
 `generate` and `save` run on both ranks, each gathering one layer at a time; rank 0 answers
@@ -716,10 +729,10 @@ is an ordinary model folder; it holds the weights the single process reaches in 
 steps, with the same change at step 5."""),
     ("code", """print(repr(ranks.generate("Which letter is a capital?", input="Krqt", max_new_tokens=8)))
 ranks.save("scale_out/final")
-alone.run(ranks.step_number - len(alone.history), progress=False, live=False)
+alone.run(len(ranks.history) - len(alone.history), progress=False, live=False)
 saved, reached = load_file("scale_out/final/model.safetensors"), alone.model.state_dict()
 weight_gap = max((saved[name] - reached[name]).abs().max().item() for name in saved)
-print(f"{ranks.step_number} steps: largest difference from the single process's weights {weight_gap:.1e}")"""),
+print(f"{len(ranks.history)} steps: largest difference from the single process's weights {weight_gap:.1e}")"""),
     ("md", """`close()` ends the ranks and the processes that drove them; none is left (closing the
 kernel, or the kernel dying, ends them too: each rank watches the kernel that started it)."""),
     ("code", """children = psutil.Process().children(recursive=True)
@@ -784,17 +797,16 @@ print(eight_b.message)"""),
     ("code", """# NBVAL_CHECK_OUTPUT
 rows = {row["label"]: row for row in json.load(open("scale_out/ladder/ladder.json"))["rows"]}
 print("two ranks trained like one process, before and after a change mid-run:",
-      all(abs(a.loss - b["loss"]) < 1e-5 for a, b in zip(one + changed_one, two + changed_two)))
+      all(abs(a.loss - b.loss) < 1e-5 for a, b in zip(one + changed_one, two + changed_two)))
 print("each rank held half the weights, gradients and optimizer state:",
-      all(abs(2 * rank[k] - one[0].memory.categories[k]) <= 0.01 * one[0].memory.categories[k]
-          for rank in two[0]["ranks"] for k in state))
+      all(abs(2 * rank.categories[k] - one[0].memory.categories[k]) <= 0.01 * one[0].memory.categories[k]
+          for rank in step_one for k in state))
 print("a change one rank refused changed nothing:", "no rank made it" in said and ranks_lr == 1e-4)
 print("Stop ended the background run at one step on both ranks:",
       not background.running and 0 < len(background.reports) < 1000
       and stopped_at == [6 + len(background.reports)] * 2)
 print("the killed rank was named and the other ended:", named == 1 and not alive)
-print("recover() came back to the checkpoint, bit for bit:",
-      [a["loss"] for a in before] == [b["loss"] for b in again])
+print("recover() came back to the checkpoint, bit for bit:", [a.loss for a in before] == [b.loss for b in again])
 print("the ranks saved the weights one process reaches:", weight_gap < 1e-5 and len(saved) == len(reached))
 print("no process left after close():", not left)
 print("checkpointing, sharded embeddings and chunked loss each lowered the peak per rank:",

@@ -1,14 +1,14 @@
 """Several processes driven from the kernel (ipyparallel engines, each a gloo rank) against one
 process on the same run file, and no process left behind."""
 
-import threading
-
 import psutil
 import pytest
 import torch
 
+import nbtune as nt
 from nbtune import Session
 from nbtune.processes import Processes
+from nbtune.ranked import RanksTrainer
 
 RUN = ("demo: tiny\ntechniques: {{{techniques}}}\nrun: {{steps: 5, checkpoint_every: 0, save: []}}\n")
 
@@ -33,7 +33,7 @@ def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behin
     ranks = Session.from_config(path, processes=2)
     try:
         started = {p.pid for p in psutil.Process().children(recursive=True)} - before
-        assert len(started) >= 3 and set(ranks.pids) <= started  # a controller and two engines
+        assert len(started) >= 3 and set(ranks.parts.ranks.pids) <= started  # a controller, two engines
         reports = [ranks.step(), ranks.step()]
         with pytest.raises(ValueError, match="refused the change, so no rank made it"):
             ranks.set(lr=3e-4, activation_checkpointing=True)  # fixed while the model is sharded
@@ -42,15 +42,15 @@ def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behin
         reports += ranks.run(3, progress=False)
         assert ranks.generate("Which letter is a capital?", input="Krqt", max_new_tokens=6,
                               temperature=1.0, seed=3) == reply
-        assert ranks.rank_steps == [5, 5]
+        assert ranks.parts.ranks.rank_steps == [5, 5]
     finally:
         ranks.close()
-    assert [r["step"] for r in reports] == [1, 2, 3, 4, 5]
+    assert [r.step for r in reports] == [1, 2, 3, 4, 5] and ranks.history == reports
     for a, b in zip(one, reports):
-        assert abs(a.loss - b["loss"]) <= 1e-5 and a.tokens == b["tokens"]
+        assert abs(a.loss - b.loss) <= 1e-5 and a.tokens == b.tokens
     # each rank's memory, as the kernel gathered it: half the single process's state each
-    for rank in reports[-1]["ranks"]:
-        assert abs(rank["parameters"] / one[-1].memory.categories["parameters"] - 0.5) < 0.02
+    for rank in ranks.ranks_memory[5]:
+        assert abs(rank.categories["parameters"] / one[-1].memory.categories["parameters"] - 0.5) < 0.02
     alive = [p for p in psutil.Process().children(recursive=True) if p.pid in started]
     gone, still = psutil.wait_procs(alive, timeout=20)
     assert not still, [p.cmdline() for p in still]
@@ -58,8 +58,8 @@ def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behin
 
 KERNEL = """
 import sys
-from nbtune.processes import Processes
-ranks = Processes(sys.argv[1], 2)
+from nbtune import Session
+ranks = Session.from_config(sys.argv[1], processes=2)
 ranks.step()
 print("READY", flush=True)
 sys.stdin.read()  # until killed
@@ -108,31 +108,35 @@ def test_a_killed_rank_is_named_the_others_ended_and_recover_comes_back_to_the_c
 
     path = tmp_path / "run.yaml"
     path.write_text(RUN.format(techniques="batch_size: 4, seq_len: 96, lr: 1e-3"))
-    ranks = Processes(path, 2, timeout=120)
+    session = Session.from_config(path, processes=2)
+    ranks = session.parts.ranks
     try:
-        ranks.run(1)
+        session.run(1, progress=False)
+        capsys.readouterr()
         threading.Timer(1.0, signal.raise_signal, (signal.SIGINT,)).start()  # Ctrl-C in the kernel
-        interrupted = ranks.run(10_000, progress=False)
-        at = ranks.step_number
-        assert 0 < len(interrupted) < 10_000 and ranks.rank_steps == [at, at]
-        assert capsys.readouterr().out.endswith(f"after step {at} on every rank.\n")
-        ranks.save_checkpoint(tmp_path / "saved")
+        interrupted = session.run(10_000, progress=False)
+        at = len(session.history)
+        assert 1 < at < 10_000 and len(interrupted) == at - 1 and ranks.rank_steps == [at, at]
+        assert f"interrupted: stopped after {at - 1} of 10000 steps" in capsys.readouterr().out
+        session.save_checkpoint(tmp_path / "saved")
         started = psutil.Process().children(recursive=True)
         threading.Timer(1.0, os.kill, (ranks.pids[1], signal.SIGKILL)).start()
-        with pytest.raises(RuntimeError) as failed:
-            ranks.run(10_000)
+        with pytest.raises(nt.RankFailed) as failed:
+            session.run(10_000, progress=False)
         assert failed.value.rank == 1 and "Rank 1 failed" in str(failed.value)
         assert f"recover() starts them again from {tmp_path / 'saved'}" in str(failed.value)
         gone, still = psutil.wait_procs(started, timeout=30)  # rank 0 ended too: no process left
         assert not still, [p.cmdline() for p in still]
-        ranks.recover()
-        assert ranks.step_number == at and [r["step"] for r in ranks.history] == list(range(1, at + 1))
-        after = ranks.run(3)
+        with pytest.raises(nt.RankFailed, match="recover()"):
+            session.step()
+        assert session.recover() == f"the checkpoint in {tmp_path / 'saved'}"
+        assert [r.step for r in session.history] == list(range(1, at + 1))
+        after = session.run(3, progress=False)
     finally:
-        ranks.close()
+        session.close()
     never_stopped = Session.from_config(path).run(at + 3, progress=False)
-    assert [r["step"] for r in after] == [at + 1, at + 2, at + 3]
-    assert all(abs(a.loss - b["loss"]) <= 1e-5 for a, b in zip(never_stopped[at:], after))
+    assert [r.step for r in after] == [at + 1, at + 2, at + 3]
+    assert all(abs(a.loss - b.loss) <= 1e-5 for a, b in zip(never_stopped[at:], after))
 
 
 def _twins(**changes):
@@ -173,14 +177,14 @@ def test_while_sharded_only_what_fsdp2_did_not_wrap_may_change():
 
 class _InOneProcess(Processes):
     """Two ranks' engine functions run here in turn, each on its own run: the kernel's side
-    of a command without the processes (``_all`` as the engines would answer it)."""
+    of a command without the processes (``each`` as the engines would answer it)."""
 
     def __init__(self, runs):
-        self.world, self.techniques = len(runs), runs[0].trainer.techniques
+        self.world, self.techniques, self.interrupted = len(runs), runs[0].trainer.techniques, False
+        self.about = {"config": runs[0].model.config, "trainable": 0}
         self.states = [{"rank": rank, "run": run} for rank, run in enumerate(runs)]
-        self._pending, self.current_run, self._lock = [], None, threading.Lock()
 
-    def _all(self, function, args_of):
+    def each(self, function, args_of=lambda rank: ()):
         from nbtune.processes import ENGINE_STATE
 
         answers = []
@@ -200,10 +204,12 @@ def test_a_change_one_rank_refuses_is_made_by_no_rank():
 
     rank0, rank1, twin = (Session.demo("tiny", batch_size=4, seq_len=96) for _ in range(3))
     rank1.trainer.parallel = SimpleNamespace(world=2)
-    ranks = _InOneProcess([rank0.parts, rank1.parts])
+    trainer = RanksTrainer(_InOneProcess([rank0.parts, rank1.parts]))  # the kernel's side
+    t = trainer.techniques
     with pytest.raises(ValueError, match="Rank 1 refused the change, so no rank made it: "
                                          "activation_checkpointing cannot change"):
-        ranks.set(optimizer="sgd", activation_checkpointing=True)
-    assert rank0.techniques == twin.techniques and ranks.techniques == twin.techniques
+        trainer.set(t.replace(optimizer="sgd", activation_checkpointing=True))
+    assert rank0.techniques == twin.techniques and trainer.techniques == twin.techniques
     assert rank0.step().loss == twin.step().loss
-    assert ranks.set(lr=1e-3).lr == 1e-3 and rank0.techniques.lr == rank1.techniques.lr == 1e-3
+    assert trainer.set(t.replace(lr=3e-3)) == {"lr"}
+    assert trainer.techniques.lr == rank0.techniques.lr == rank1.techniques.lr == 3e-3

@@ -94,7 +94,7 @@ def _top(reports: list, history: list = ()) -> float:
 HIGH_LABEL = "category's own high point"
 
 
-def draw_memory(fig: Figure, history: list) -> Figure:
+def draw_memory(fig: Figure, history: list, ranks: list | None = None) -> Figure:
     """Left, "Where memory went": the latest measured step at its peak moment, one stacked
     segment per category (``MemoryBreakdown.at_peak``), so the bar's top is the step's peak.
     Beside it, one stem per category (its colour) rises to that category's own high point,
@@ -106,15 +106,21 @@ def draw_memory(fig: Figure, history: list) -> Figure:
     Right: every step's cheap figure as a line (``report.usage``: the allocator's peak and
     reserved on CUDA, the process's peak resident memory on a CPU), and the peak of the steps
     broken down by category as points, joined only between consecutive ones (the x label
-    says how many were broken down). The loss line covers every step."""
+    says how many were broken down). The loss line covers every step.
+
+    ``ranks`` (a session on several processes): step -> each rank's ``MemoryBreakdown``;
+    the left bar is then one bar per rank, side by side, for the latest measured step."""
     fig.clear()
     if not history:
         return _empty(fig, "no steps yet")
     bars, timeline = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.15, 2.2]})
     measured = _measured(history)
-    top = _top(measured)  # the bar's own scale: the process's figure may dwarf the tensors
+    per_rank = ranks.get(measured[-1].step) if ranks and measured else None
+    top = max([_top(measured)] + [m.peak for m in per_rank or ()])  # the bar's own scale
     unit, size = byte_unit(top)
-    if measured:
+    if per_rank:
+        _draw_rank_bars(bars, per_rank, measured[-1].step, size)
+    elif measured:
         _draw_peak_bar(bars, measured[-1], history[-1].step, size)
     else:
         bars.text(0.5, 0.5, "memory not measured\non any step", ha="center", va="center",
@@ -171,6 +177,20 @@ def _draw_peak_bar(ax, report, latest_step: int, size: int) -> None:
         ax.set_xlim(-0.5, 0.5)
         ax.set_title("Where memory went\n(own high points: split at the peak not recorded)",
                      fontsize=8)
+
+
+def _draw_rank_bars(ax, memories: list, step: int, size: int) -> None:
+    """Each rank's memory at its own peak moment in ``step``, one stacked bar per rank."""
+    for rank, memory in enumerate(memories):
+        composition = _composition(memory)
+        _stack(ax, [rank], {name: [composition[name] / size] for name in CATEGORIES}, width=0.6,
+               labelled=rank == 0)
+    top = max(m.peak for m in memories)
+    ax.axhline(top / size, color=PEAK_COLOR, linestyle="--", linewidth=1,
+               label=f"highest rank's peak ({format_bytes(top)})")
+    ax.set_xticks(range(len(memories)), [f"rank {rank}" for rank in range(len(memories))], fontsize=8)
+    ax.set_xlim(-0.6, len(memories) - 0.4)
+    ax.set_title(f"Where memory went, per rank (step {step})", fontsize=10)
 
 
 def _measured_line(reports: list, value) -> tuple[list, list, list]:
@@ -367,3 +387,10 @@ class ChartFigure(Figure):
 
 def memory_figure(history: list) -> ChartFigure:
     return draw_memory(ChartFigure(figsize=(9, 4)), history)
+
+
+def ranks_figure(memories: list, step: int) -> ChartFigure:
+    """Each rank's memory at its peak in one step (``MemoryBreakdown`` per rank), by kind."""
+    bars = {f"rank {rank}": dict(memory.at_peak) for rank, memory in enumerate(memories)}
+    return breakdown_figure(bars, f"step {step}: each rank's peak, by kind of memory",
+                            totals=[memory.peak for memory in memories])

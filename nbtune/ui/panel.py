@@ -544,7 +544,7 @@ class Panel(w.VBox):
             return
         started = time.perf_counter()
         history = self.session.history
-        self.chart.value = figure_png(draw_memory(self._figure, history))
+        self.chart.value = figure_png(draw_memory(self._figure, history, self.session.ranks_memory))
         self._pacer.drew(started)
         if history and self.session.current_run is None:  # a step on its own: its numbers
             last = history[-1]
@@ -590,8 +590,12 @@ def _budgets(session) -> list[tuple[str, object]]:
         out.append((f"this GPU ({format_bytes(total)}) + this host ({format_bytes(ram or 0)})",
                     (total, ram)))
     out += [(f"{name} + {HOST_RAM[name] // 2**30} GiB RAM", name) for name in CARDS]
-    # two 24 GB cards under FSDP2 (one process each, sharing the host): the peak per card
-    return out + [(f"2x {name} + 64 GiB RAM (FSDP2)", f"2x {name} + 64GiB") for name in ("RTX 3090", "RTX 4090")]
+    # several 24 GB cards under FSDP2 (one process each, sharing the host): the peak per card;
+    # a session on N ranks asks about N of them first
+    world = session.parallel.world if session.parallel is not None else 1
+    several = [(f"{n}x {name} + {32 * n} GiB RAM (FSDP2)", f"{n}x {name} + {32 * n}GiB")
+               for n in dict.fromkeys((max(world, 2), 2)) for name in ("RTX 3090", "RTX 4090")]
+    return several + out if world > 1 else out + several
 
 
 def _labels(changes: list[dict]) -> str:

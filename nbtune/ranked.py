@@ -1,0 +1,192 @@
+"""A Session's run on N ranks: ``Session.from_config(run_file, processes=N)``.
+
+The session in the kernel is the ordinary ``Session`` with its ordinary ``Runner`` (the loop,
+background runs and Stop, changes queued for a step boundary, out-of-memory handling, events,
+progress bars, live charts, the panel); only the trainer and the run it fronts are these two,
+which send each command to every rank (``nbtune.processes.Processes``) and bring rank 0's
+answer back. So a step is one command to every rank, and everything the Runner does between
+two steps (a queued ``set``, Stop, Ctrl-C) happens at the same step boundary on every rank.
+
+``set`` is two-phase: every rank builds what the change needs beside what it uses
+(``Trainer.prepare``), and only when every rank could does every rank swap it in; if one
+refused, every rank drops it and the error names the rank. The kernel holds no weights: the
+model here is the run's shape on the meta device (for checks and estimates).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .processes import Processes, RankFailed, rank_propose, rank_settle, rank_step
+from .runner import Runner
+
+
+class _Sharding:
+    """What ``Session.parallel`` says of the ranks: how many, and how the model is sharded."""
+
+    def __init__(self, world: int, sharding) -> None:
+        self.world, self.sharding, self.rank = world, sharding, None
+
+    def __repr__(self) -> str:
+        return f"<{self.world} ranks driven from this kernel>"
+
+
+class _RanksData:
+    """The data lives on the ranks; a change the data cannot take is refused there."""
+
+    train = heldout = ()
+
+    @staticmethod
+    def problems(techniques) -> list[str]:
+        return []
+
+
+class RanksTrainer:
+    """What the ``Runner`` drives, with every rank behind it: the step and the change."""
+
+    rollback = "none"  # a failed rank ends them all: recover() returns to the last checkpoint
+    optimizer = None  # on the ranks
+    base_changed = False
+
+    def __init__(self, ranks: Processes) -> None:
+        from .models.decoder import CausalLM
+
+        self.ranks = ranks
+        with torch.device("meta"):
+            self.model = CausalLM(ranks.about["config"])  # the shape, for checks and estimates
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.trainable = ranks.about["trainable"]  # weights trained, over all ranks
+        self.data = _RanksData()
+        self.history: list = []  # rank 0's StepReports
+        self.rank_memory: dict[int, list] = {}  # step -> each rank's MemoryBreakdown
+        self.notes: list[str] = []
+        self.damaged = None
+
+    techniques = property(lambda self: self.ranks.techniques)
+
+    def check_usable(self, loading: bool = False) -> None:
+        if not self.ranks.alive:
+            raise RankFailed("These ranks were ended; session.recover() starts them again from "
+                             "the last checkpoint.", None)
+
+    def take_notes(self) -> list[str]:
+        notes, self.notes = self.notes, []
+        return notes
+
+    def step(self, track: bool, usage: bool = False):
+        """One step on every rank; Ctrl-C meanwhile lets it finish on every rank, then stops."""
+        answers = self.ranks.each(rank_step, lambda rank: (track, usage))
+        report, notes = answers[0]
+        self.history.append(report)
+        self.rank_memory[report.step] = [answer[0].memory for answer in answers]
+        self.notes += notes
+        self.ranks.step_number = report.step
+        if self.ranks.interrupted:
+            raise KeyboardInterrupt
+        return report
+
+    def set(self, new) -> set[str]:
+        """``new`` techniques on every rank, or on none (the refusal names the rank)."""
+        changed = new.changed(self.techniques)
+        if not changed:
+            return changed
+        answers = self.ranks.each(rank_propose, lambda rank: (new,))
+        refused = next(((rank, why) for rank, why in enumerate(answers) if why is not None), None)
+        commit = refused is None
+        notes = self.ranks.each(rank_settle, lambda rank: (commit,))[0]
+        if not commit:
+            rank, why = refused
+            raise ValueError(f"Rank {rank} refused the change, so no rank made it: {why}")
+        self.ranks.techniques = new
+        self.notes += notes
+        return changed
+
+    def recover(self) -> str:
+        """The ranks started again from the last checkpoint saved or loaded (else step 0)."""
+        self.ranks.restart()
+        self.replaced()
+        self.notes.append(f"recovered: the ranks are at step {self.ranks.step_number}.")
+        where = self.ranks.checkpoint
+        return f"the checkpoint in {where}" if where is not None else "step 0 (the run file)"
+
+    def replaced(self) -> None:
+        """The ranks' state was replaced (restarted, loaded): keep the steps up to theirs."""
+        del self.history[self.ranks.step_number:]
+        for step in [step for step in self.rank_memory if step > self.ranks.step_number]:
+            del self.rank_memory[step]
+
+    def state_dict(self):
+        raise NotImplementedError("state_dict: the state lives on the ranks; use "
+                                  "save_checkpoint(folder) and load_checkpoint(folder).")
+
+    load_state_dict = state_dict
+
+
+class RankedRun:
+    """The run a ``Session`` fronts, on N ranks (``runs.Run``'s commands, sent to each)."""
+
+    def __init__(self, run_file, processes: int, overrides: dict | None = None,
+                 timeout: float = 600.0) -> None:
+        self.ranks = Processes(run_file, processes, overrides=overrides, timeout=timeout)
+        about, config = self.ranks.about, self.ranks.config
+        self.trainer = RanksTrainer(self.ranks)
+        self.runner = Runner(self.trainer)
+        self.runner.sampler.mode = config.memory_tracking
+        self.tokenizer, self.device = about["tokenizer"], self.trainer.device
+        self.data = self.trainer.data
+        self.parallel = _Sharding(processes, config.to_sharding())
+        self.source, self.match, self.data_files = about["source"], about["match"], about["data_files"]
+        self.demo_name, self.settings = about["demo_name"], about["settings"]
+
+    def save_checkpoint(self, folder: str | os.PathLike) -> Path:
+        return self.ranks.save_checkpoint(folder)
+
+    def load_checkpoint(self, folder: str | os.PathLike) -> None:
+        with self.runner.replacing():
+            self.ranks.load_checkpoint(folder)
+            self.trainer.replaced()
+
+    def save(self, folder, merge: bool = False, format: str = "hf",
+             quantization: str | None = None) -> Path:
+        return Path(self.ranks.call("save", str(Path(folder).resolve()), merge=merge,
+                                    format=format, quantization=quantization))
+
+    def generate(self, prompt: str, *, stream=None, **settings):
+        """Every rank generates (each gathers one layer at a time), rank 0 answers; a sampled
+        reply uses one seed on every rank, so that they agree. ``stream`` is given the reply
+        whole."""
+        from .generate import Reply
+
+        if settings.get("temperature") and settings.get("seed") is None:
+            settings["seed"] = int.from_bytes(os.urandom(4), "little")
+        return _streamed(Reply(self.ranks.call("generate", prompt, **settings)), stream)
+
+    def chat(self, message: str, history: list[dict], stream, **settings):
+        from .generate import Reply
+
+        if settings.get("temperature") and settings.get("seed") is None:
+            settings["seed"] = int.from_bytes(os.urandom(4), "little")
+        reply = Reply(self.ranks.call("chat", message, list(history), None, **settings))
+        history += [{"role": "user", "content": message}, {"role": "assistant", "content": str(reply)}]
+        return _streamed(reply, stream)
+
+    def evaluate(self, examples=None, match=None) -> float:
+        if match is not None and not isinstance(match, str):
+            raise ValueError('evaluate: across processes match is "exact" or "json_keys" (a '
+                             "function cannot be sent to the ranks).")
+        rows = list(examples) if examples is not None else None
+        return self.ranks.call("evaluate", rows, match)
+
+    def close(self) -> None:
+        self.ranks.close()
+
+
+def _streamed(reply, stream):
+    if stream is True:
+        print(reply, flush=True)
+    elif callable(stream):
+        stream(str(reply))
+    return reply

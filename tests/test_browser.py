@@ -40,17 +40,28 @@ CELLS = [
     "s.memory_tracking = 'sampled'\nprint('memory tracking', s.memory_tracking)",
     "s.run(60, progress=False, live=False)\nprint('trained to step', len(s.history))",
 ]
+# A session on two processes (ipyparallel engines, one gloo rank each) driven by the same panel.
+RANKS_CELLS = [
+    "import pathlib\nimport nbtune as nt\n"
+    "pathlib.Path('run.yaml').write_text('demo: tiny\\ntechniques: {batch_size: 4, seq_len: 96}\\n')\n"
+    "s = nt.Session.from_config('run.yaml', processes=2)\nprint('ranks ready')",
+    "p = s.panel()\np",
+    "print('kernel free while training:', s.current_run is not None)",
+    "steps = s.parts.ranks.rank_steps\n"
+    "print('every rank at the last step:', steps == [len(s.history)] * 2, steps[0] > 0)\n"
+    "s.close()\nprint('ranks closed')",
+]
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
          "--disable-component-update", "--no-first-run"]
 
 
-def _notebook(folder: Path) -> Path:
+def _notebook(folder: Path, cells=CELLS, name: str = "panel.ipynb") -> Path:
     cells = [{"cell_type": "code", "metadata": {}, "source": source, "outputs": [],
-              "execution_count": None} for source in CELLS]
+              "execution_count": None} for source in cells]
     nb = {"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                       "language": "python"}},
           "nbformat": 4, "nbformat_minor": 5}
-    path = folder / "panel.ipynb"
+    path = folder / name
     path.write_text(json.dumps(nb))
     return path
 
@@ -64,6 +75,7 @@ def _free_port() -> int:
 @pytest.fixture
 def lab(tmp_path):
     _notebook(tmp_path)
+    _notebook(tmp_path, RANKS_CELLS, "ranks.ipynb")
     port, token = _free_port(), "nbtune-browser-test"
     # no "get notified about Jupyter news?" pop-up over the panel (it would cover the chart)
     news = tmp_path / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
@@ -192,6 +204,52 @@ def test_run_in_the_background_stop_and_a_live_toggle_in_jupyterlab(lab):
         browser.close()
     # A demo step takes ~0.1-0.5 s on 2 cores; the browser round trip adds well under a second.
     assert latency < 15, latency
+
+
+def test_the_panel_runs_and_stops_two_processes_in_jupyterlab(lab):
+    """The same panel over a session on two ranks: Run leaves the kernel free, Stop ends the
+    run at one step on both ranks, and close() ends them."""
+    import psutil
+
+    with playwright.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1400})
+        page.set_default_timeout(120_000)
+        page.goto(lab.replace("panel.ipynb", "ranks.ipynb"))
+        page.locator(".jp-Notebook .jp-Cell").first.wait_for()
+        page.get_by_text("Python 3 (ipykernel) | Idle").wait_for()
+        _run_cell(page, 0, "ranks ready")
+        _run_cell(page, 1)
+        panel = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".jp-OutputArea-output").first
+
+        def button(text):
+            return panel.locator("button.jupyter-button").filter(
+                has_text=re.compile(rf"^\s*{text}\s*$"))
+
+        run_button = button("Run")
+        run_button.wait_for()
+        steps = panel.locator(".widget-inline-hbox").filter(
+            has=page.locator("label", has_text=re.compile(r"^steps$"))).locator("input")
+        steps.fill("3000")
+        steps.press("Enter")
+        run_button.click()
+        stop = button("Stop")
+        stop.wait_for(state="visible")
+        _run_cell(page, 2, "kernel free while training: True")
+        _shot(page, "ranks-running")
+        stop.click()
+        panel.locator(".widget-html").filter(has_text="stopped after").first.wait_for(timeout=60_000)
+        assert stop.is_hidden() and run_button.is_enabled()
+        _run_cell(page, 3, "ranks closed")
+        said = page.locator(".jp-Notebook .jp-Cell").nth(3).locator(".jp-OutputArea").inner_text()
+        assert "every rank at the last step: True True" in said
+        _shot(page, "ranks-stopped")
+        assert page.locator(".jp-OutputArea-output").filter(has_text="Traceback").count() == 0
+        browser.close()
+    engines = [p for p in psutil.process_iter(["cmdline"])
+               if "ipyparallel.engine" in " ".join(p.info["cmdline"] or [])]
+    gone, left = psutil.wait_procs(engines, timeout=30)
+    assert not left
 
 
 # Each control shown in the open tab, with the hover text on it or inside it (a slider's sits

@@ -99,9 +99,9 @@ def test_a_killed_kernel_leaves_no_rank_and_no_controller_behind(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_is_named_the_others_ended_and_recover_comes_back_to_the_checkpoint(tmp_path, capsys):
+def test_ctrl_c_stops_every_rank_at_one_step_and_a_killed_rank_is_named_and_the_others_ended(tmp_path, capsys):
     """Ctrl-C stops every rank at one step; a rank killed mid-run is named, the other ended,
-    and recover() trains on from the checkpoint to the losses of a run never stopped."""
+    and the session says so at the next command."""
     import os
     import signal
     import threading
@@ -128,15 +128,9 @@ def test_a_killed_rank_is_named_the_others_ended_and_recover_comes_back_to_the_c
         gone, still = psutil.wait_procs(started, timeout=30)  # rank 0 ended too: no process left
         assert not still, [p.cmdline() for p in still]
         with pytest.raises(nt.RankFailed, match="recover()"):
-            session.step()
-        assert session.recover() == f"the checkpoint in {tmp_path / 'saved'}"
-        assert [r.step for r in session.history] == list(range(1, at + 1))
-        after = session.run(3, progress=False)
+            session.step()  # (notebook 07 recovers and checks the steps after, bit for bit)
     finally:
         session.close()
-    never_stopped = Session.from_config(path).run(at + 3, progress=False)
-    assert [r.step for r in after] == [at + 1, at + 2, at + 3]
-    assert all(abs(a.loss - b.loss) <= 1e-5 for a, b in zip(never_stopped[at:], after))
 
 
 def _twins(**changes):

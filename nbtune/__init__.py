@@ -17,7 +17,7 @@ _EXPORTS = {
     "smollm2_path": "models.gguf", "BackgroundRun": "runner", "BusyError": "runner",
     "Session": "session", "Ladder": "ladder", "OutOfMemory": "oom", "SimulatedCard": "oom",
     "NonFiniteError": "step", "StepReport": "step", "DamagedStateError": "trainer",
-    "HostMemoryError": "trainer", "Techniques": "techniques", "Processes": "processes",
+    "HostMemoryError": "trainer", "Techniques": "techniques",
     "RankFailed": "processes",
     **{name: "predict" for name in ("CARDS", "HOST_RAM", "FitResult", "LongestContext", "Predictor",
                                     "estimate", "fit", "fit_badge", "longest_context", "parse_budget",

@@ -43,9 +43,19 @@ def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behin
         assert ranks.generate("Which letter is a capital?", input="Krqt", max_new_tokens=6,
                               temperature=1.0, seed=3) == reply
         assert ranks.parts.ranks.rank_steps == [5, 5]
+        ranks.save_checkpoint(tmp_path / "at-5")
+        sixth = ranks.step()
+        ranks.load_checkpoint(tmp_path / "at-5")  # each rank its own shard, back to step 5
+        assert len(ranks.history) == 5 and ranks.step().loss == sixth.loss
+        if "lora" in techniques:  # a rank that does not answer in time is taken as hung
+            import time
+
+            ranks.parts.ranks.timeout = 2
+            with pytest.raises(nt.RankFailed, match="Rank 1 failed: no answer within 2 s from rank 1"):
+                ranks.parts.ranks.each(time.sleep, lambda rank: (30 * rank,))
     finally:
         ranks.close()
-    assert [r.step for r in reports] == [1, 2, 3, 4, 5] and ranks.history == reports
+    assert [r.step for r in reports] == [1, 2, 3, 4, 5] and ranks.history[:5] == reports
     for a, b in zip(one, reports):
         assert abs(a.loss - b.loss) <= 1e-5 and a.tokens == b.tokens
     # each rank's memory, as the kernel gathered it: half the single process's state each

@@ -130,6 +130,7 @@ def test_per_rank_estimates_refuse_what_cannot_run():
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # (notebook 07 asks fit the same question on the user's path)
 def test_fit_on_several_cards_and_how_many_cards_a_run_needs():
     from nbtune.predict.budgets import parse_cards, required
     from nbtune.units import format_bytes

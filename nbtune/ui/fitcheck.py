@@ -30,8 +30,10 @@ class FitCheck:
     the estimate failed; ``seconds`` is the time from the request to the result.
     """
 
-    def __init__(self, predictor: Predictor, show: Callable, *, delay: float = 0.3) -> None:
+    def __init__(self, predictor: Predictor, show: Callable, *, delay: float = 0.3,
+                 sharding=None) -> None:
         self.predictor, self.device, self.delay = predictor, predictor.device, delay
+        self.sharding = sharding  # FSDP2 settings a budget of several cards is predicted with
         self._show = show
         self._closed = False
         self._lock = threading.Lock()
@@ -55,7 +57,8 @@ class FitCheck:
     def _predictor(self, budget) -> Predictor:
         """The predictor for ``budget``'s cards: several ("2x RTX 3090") predict one rank each."""
         cards = parse_cards(budget)[0]
-        return self.predictor if cards == 1 else Predictor.of(self.predictor.config, self.device, cards)
+        return (self.predictor if cards == 1 else
+                Predictor.of(self.predictor.config, self.device, cards, self.sharding))
 
     def cached(self, techniques: Techniques, budget) -> bool:
         """Whether ``budget``'s estimate of ``techniques`` is at hand (no estimator run)."""

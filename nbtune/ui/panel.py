@@ -162,7 +162,9 @@ class Panel(w.VBox):
         self._make_fit_controls()
         self._make_prompt_controls()
         self._fit_changes: dict | None = None
-        self._fitcheck = FitCheck(Predictor.of(session.model.config, "cuda"), self._show_badge)
+        sharding = session.parallel.sharding if session.parallel is not None else None
+        self._fitcheck = FitCheck(Predictor.of(session.model.config, "cuda"), self._show_badge,
+                                  sharding=sharding)  # several cards: as the run shards
         self.last_fit_seconds: float | None = None  # request -> badge, for the benchmark
         self.status = w.HTML()  # replies to clicks: applied, pending, refused and why
         self._lines: list[str] = []  # what the status line shows

@@ -386,81 +386,121 @@ FSDP_LADDER = (
 
 
 def ladder(path: str, *, rows=FSDP_LADDER, steps: int = 2, out: str | None = None,
-           device: str | None = None, overrides: dict | None = None) -> list[dict]:
+           device: str | None = None, overrides: dict | None = None,
+           processes: int | None = None) -> list[dict]:
     """Each row of ``rows`` (label, dotted changes; cumulative) trained ``steps`` steps with
     every step measured, in this process or under torchrun on every rank; rank 0 prints the
     table (peak of the highest rank, change against the first row, and each row's peak per
     rank as ``estimate`` predicts it for full-length rows) and writes ladder.json.
-    A row the rules refuse (CPU offload without CUDA, ...) says why and is not carried on."""
-    import gc
-
+    A row the rules refuse (CPU offload without CUDA, ...) says why and is not carried on.
+    ``processes=N``: on N ranks started from here (a notebook cell), as under torchrun."""
     from .distributed import Parallel
 
+    if processes is not None:
+        return _ladder_on_ranks(path, rows, steps, out, overrides, processes)
     # Rank 0 predicts every row first: an estimate runs its own fake process group, which a
     # process cannot do once it belongs to the job's.
-    predicted = (_predicted_rows(path, rows, overrides, device)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    predicted = (_predicted_rows(path, rows, overrides, device, world)
                  if os.environ.get("RANK", "0") == "0" else {})
     config = runfile.load(path, overrides)
     parallel = Parallel.from_env(config.to_sharding())
-    lead = parallel is None or parallel.rank == 0
-    carried: dict = dict(overrides or {})
-    results = []
     try:
-        for label, changes in rows:
-            if parallel is None and changes and all(k.startswith("distributed.") for k in changes):
-                results.append({"label": label, "refused": "an FSDP2 setting: run the ladder under "
-                                "torchrun --nproc_per_node 2 (or more) -m nbtune ladder"})
-                continue
-            if parallel is None and not changes and label == "FSDP2":
-                label = "one process (no FSDP2)"
-            trial = {**carried, **changes}
-            try:
-                row_config = runfile.load(path, trial)
-                row_parallel = None if parallel is None else replaced_parallel(parallel, row_config)
-                parts = runs.from_config(row_config, device=device, parallel=row_parallel)
-            except ValueError as err:
-                results.append({"label": label, "refused": str(err).splitlines()[0]})
-                continue
-            carried = trial
-            parts.runner.sampler.mode = "every_step"
-            reports = parts.runner.run(steps)  # no subscriber: the rows say nothing
-            top = max(reports, key=lambda r: r.memory.peak)
-            peak, categories = top.memory.peak, reports[-1].memory.categories
-            seconds = sum(r.seconds for r in reports[1:]) or reports[0].seconds
-            tokens = sum(r.tokens for r in reports[1:]) or reports[0].tokens
-            mine = {"peak": peak, **categories, "at_peak": dict(top.memory.at_peak)}
-            every = parallel.gather(mine) if parallel is not None else [mine]
-            results.append({"label": label, "peak": max(m["peak"] for m in every),
-                            "predicted_peak": predicted.get(label), "per_rank": every,
-                            "tokens_per_second": tokens / seconds,
-                            "changes": {k: v for k, v in trial.items()}})
-            del parts, reports
-            gc.collect()
+        results = measure_rows(path, rows, steps, parallel, device, overrides, predicted)
     finally:
         if parallel is not None:
             parallel.close()
-    if lead:
-        base = next((r["peak"] for r in results if "peak" in r), None)
-        lines = [f"{'row':<28} {'peak per rank':>14} {'change':>8} {'tokens/s':>9} {'predicted':>11}"]
-        for r in results:
-            if "refused" in r:
-                lines.append(f"{r['label']:<28} refused: {r['refused']}")
-            else:
-                change = f"{(r['peak'] / base - 1) * 100:+.0f} %" if base else ""
-                guess = format_bytes(r["predicted_peak"]) if r["predicted_peak"] else "-"
-                lines.append(f"{r['label']:<28} {format_bytes(r['peak']):>14} {change:>8} "
-                             f"{r['tokens_per_second']:9.0f} {guess:>11}")
-        ranks = parallel.world if parallel is not None else 1
-        print(f"nbtune ladder {path}: {ranks} rank(s), {steps} steps a row, every step measured")
-        print("\n".join(lines))
-        if out is not None:
-            Path(out).mkdir(parents=True, exist_ok=True)
-            write_file_atomically(Path(out) / "ladder.json", json.dumps(
-                {"ranks": ranks, "steps": steps, "rows": results}, indent=2))
+    if parallel is None or parallel.rank == 0:
+        _ladder_table(path, results, world, steps, out)
     return results
 
 
-def _predicted_rows(path: str, rows, overrides: dict | None, device: str | None) -> dict:
+def _ladder_on_ranks(path, rows, steps: int, out, overrides, processes: int) -> list[dict]:
+    """The ladder on ranks started from this process, which is no rank: it predicts the rows
+    (its fake process group is its own), the ranks measure them."""
+    from .processes import Processes
+
+    predicted = _predicted_rows(path, rows, overrides, None, processes)
+    ranks = Processes(path, processes, overrides=overrides, build=False)
+    try:
+        results = ranks.each(_measure_on_rank, lambda rank: (str(Path(path).resolve()), rows, steps,
+                                                              overrides, predicted))[0]
+    finally:
+        ranks.close()
+    _ladder_table(path, results, processes, steps, out)
+    return results
+
+
+def _measure_on_rank(path: str, rows, steps: int, overrides, predicted: dict) -> list[dict]:
+    """On each rank of ``_ladder_on_ranks`` (an engine in its process group)."""
+    from .processes import ENGINE_STATE
+
+    return measure_rows(path, rows, steps, ENGINE_STATE["parallel"], None, overrides, predicted)
+
+
+def measure_rows(path: str, rows, steps: int, parallel, device, overrides: dict | None,
+                 predicted: dict) -> list[dict]:
+    """Each row built afresh on ``parallel``'s ranks (None: this process), trained, measured
+    and gathered; every rank returns every row (a collective: all ranks call it)."""
+    import gc
+
+    carried: dict = dict(overrides or {})
+    results = []
+    for label, changes in rows:
+        if parallel is None and changes and all(k.startswith("distributed.") for k in changes):
+            results.append({"label": label, "refused": "an FSDP2 setting: run the ladder under "
+                            "torchrun --nproc_per_node 2 (or more) -m nbtune ladder"})
+            continue
+        if parallel is None and not changes and label == "FSDP2":
+            label = "one process (no FSDP2)"
+        trial = {**carried, **changes}
+        try:
+            row_config = runfile.load(path, trial)
+            row_parallel = None if parallel is None else replaced_parallel(parallel, row_config)
+            parts = runs.from_config(row_config, device=device, parallel=row_parallel)
+        except ValueError as err:
+            results.append({"label": label, "refused": str(err).splitlines()[0]})
+            continue
+        carried = trial
+        parts.runner.sampler.mode = "every_step"
+        reports = parts.runner.run(steps)  # no subscriber: the rows say nothing
+        top = max(reports, key=lambda r: r.memory.peak)
+        peak, categories = top.memory.peak, reports[-1].memory.categories
+        seconds = sum(r.seconds for r in reports[1:]) or reports[0].seconds
+        tokens = sum(r.tokens for r in reports[1:]) or reports[0].tokens
+        mine = {"peak": peak, **categories, "at_peak": dict(top.memory.at_peak)}
+        every = parallel.gather(mine) if parallel is not None else [mine]
+        results.append({"label": label, "peak": max(m["peak"] for m in every),
+                        "predicted_peak": predicted.get(label), "per_rank": every,
+                        "tokens_per_second": tokens / seconds,
+                        "changes": {k: v for k, v in trial.items()}})
+        del parts, reports
+        gc.collect()
+    return results
+
+
+def _ladder_table(path: str, results: list[dict], ranks: int, steps: int, out) -> None:
+    """The ladder as a table on stdout, and ladder.json in ``out``."""
+    base = next((r["peak"] for r in results if "peak" in r), None)
+    lines = [f"{'row':<28} {'peak per rank':>14} {'change':>8} {'tokens/s':>9} {'predicted':>11}"]
+    for r in results:
+        if "refused" in r:
+            lines.append(f"{r['label']:<28} refused: {r['refused']}")
+        else:
+            change = f"{(r['peak'] / base - 1) * 100:+.0f} %" if base else ""
+            guess = format_bytes(r["predicted_peak"]) if r["predicted_peak"] else "-"
+            lines.append(f"{r['label']:<28} {format_bytes(r['peak']):>14} {change:>8} "
+                         f"{r['tokens_per_second']:9.0f} {guess:>11}")
+    print(f"nbtune ladder {path}: {ranks} rank(s), {steps} steps a row, every step measured")
+    print("\n".join(lines))
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        write_file_atomically(Path(out) / "ladder.json", json.dumps(
+            {"ranks": ranks, "steps": steps, "rows": results}, indent=2))
+
+
+def _predicted_rows(path: str, rows, overrides: dict | None, device: str | None,
+                    world: int) -> dict:
     """Each row's predicted peak per rank (label -> bytes; None where it cannot be
     estimated), carried on as ``ladder`` carries its rows. The prediction is for full-length
     rows of the batch, which the measured steps reach only when the data fills them."""
@@ -469,7 +509,6 @@ def _predicted_rows(path: str, rows, overrides: dict | None, device: str | None)
     from .demos import demo_named
     from .predict import estimate
 
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     target = device or ("cuda" if torch.cuda.is_available() else "cpu")
     carried, out = dict(overrides or {}), {}
     for label, changes in rows:

@@ -55,18 +55,20 @@ class Processes:
     ``run_file``: a run file path (what ``nbtune train`` takes); ``overrides``: dotted fields
     that win over it, as ``nbtune train`` takes them. ``timeout``: seconds a command (one
     step, a save) may take on any rank before the ranks are taken as hung and ended.
-    ``resume``: a checkpoint folder to start from.
+    ``resume``: a checkpoint folder to start from. ``build=False``: the ranks join their
+    process group and build nothing (the ladder builds its own rows on them).
     """
 
     def __init__(self, run_file, processes: int = 2, *, overrides: dict | None = None,
-                 timeout: float = 600.0, resume: str | os.PathLike | None = None) -> None:
+                 timeout: float = 600.0, resume: str | os.PathLike | None = None,
+                 build: bool = True) -> None:
         from . import runfile
 
         if not isinstance(processes, int) or isinstance(processes, bool) or processes < 2:
             raise ValueError(f"processes={processes!r}: give 2 or more (one process needs none of this).")
         path = Path(run_file).resolve()
         self.config = runfile.load(path, overrides)  # refused with the line before any process starts
-        self.world, self.timeout = processes, timeout
+        self.world, self.timeout, self.build = processes, timeout, build
         self._args = (path, overrides)
         self.checkpoint: Path | None = Path(resume).resolve() if resume is not None else None
         self.interrupted = False  # Ctrl-C came during the last command (it finished first)
@@ -94,7 +96,7 @@ class Processes:
         port, parent = _free_port(), os.getpid()
         resume = str(self.checkpoint) if self.checkpoint is not None else None
         answers = self.each(_join, lambda rank: (rank, processes, port, str(path), overrides or {},
-                                                 parent, controller, resume))
+                                                 parent, controller, resume, self.build))
         self.about = answers[0]  # rank 0's run: its model's shape, tokenizer, source, data files
         self.step_number, self.techniques = self.about["step"], self.about["techniques"]
         if self.checkpoint is None:  # the run file's, before any set(): what a resume starts from
@@ -216,7 +218,7 @@ def _reason(result) -> str:
 # ---- on each engine (ipyparallel pickles these by name: they run as nbtune code) ----------
 
 def _join(rank: int, world: int, port: int, path: str, overrides: dict, parent: int,
-          controller: int | None, resume: str | None) -> dict:
+          controller: int | None, resume: str | None, build: bool = True) -> dict:
     """Become rank ``rank``: the process group, then the run, as ``nbtune train`` builds it
     (from ``resume``'s checkpoint where given); returns what the kernel keeps of it."""
     from . import runs, runfile
@@ -232,6 +234,9 @@ def _join(rank: int, world: int, port: int, path: str, overrides: dict, parent: 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     config = runfile.load(path, overrides)
     parallel = Parallel.from_env(config.to_sharding())
+    if not build:
+        ENGINE_STATE.update(rank=rank, parallel=parallel)
+        return {"step": 0, "techniques": config.to_techniques(), "pid": os.getpid()}
     run = runs.from_config(config, parallel=parallel)
     if resume is not None:
         run.load_checkpoint(resume)

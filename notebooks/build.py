@@ -598,7 +598,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 
@@ -675,7 +674,7 @@ ranks_lr = ranks.techniques.lr
 print("learning rate still", ranks_lr)"""),
     ("code", """ranks.set(lr=3e-4, grad_accum=2)
 alone.set(lr=3e-4, grad_accum=2)
-changed_two, changed_one = ranks.run(2, progress=False), alone.run(2, progress=False, live=False)
+changed_two, changed_one = ranks.run(2, progress=False, live=False), alone.run(2, progress=False, live=False)
 for a, b in zip(changed_one, changed_two):
     print(f"step {a.step}: loss {a.loss:.6f} in one process, {b.loss:.6f} on 2 ranks")"""),
     ("md", """## The panel, on two ranks
@@ -704,23 +703,27 @@ SIGKILL while a run is under way, as the out-of-memory killer would. The session
 rank, ends the other one (it would wait for its peer forever in the next collective), and the
 kernel goes on."""),
     ("code", """ranks.save_checkpoint("scale_out/checkpoint")
-before = ranks.run(2, progress=False)
+before = ranks.run(2, progress=False, live=False)
 pids = ranks.parts.ranks.pids
 workers = [psutil.Process(pid) for pid in pids]
 threading.Timer(1.0, os.kill, (pids[1], signal.SIGKILL)).start()
 try:
-    ranks.run(1000, progress=False)
+    ranks.run(1000, progress=False, live=False)
 except nt.RankFailed as failed:
     named = failed.rank
     print(failed)
 gone, alive = psutil.wait_procs(workers, timeout=30)
 print("ranks still running:", len(alive))"""),
     ("md", """`recover()` starts both ranks again from the checkpoint. The two steps after it are those the
-ranks made before the kill, to the bit: nothing of the failure is left behind."""),
+ranks made before the kill, to the bit: nothing of the failure is left behind. (On live ranks,
+`load_checkpoint` goes back to a checkpoint the same way, each rank reading its own shard.)"""),
     ("code", """ranks.recover()
-again = ranks.run(2, progress=False)
+again = ranks.run(2, progress=False, live=False)
 for a, b in zip(before, again):
-    print(f"step {a.step}: loss {a.loss:.6f} before the kill, {b.loss:.6f} after recover()")"""),
+    print(f"step {a.step}: loss {a.loss:.6f} before the kill, {b.loss:.6f} after recover()")
+ranks.load_checkpoint("scale_out/checkpoint")
+loaded = ranks.run(2, progress=False, live=False)
+print("after load_checkpoint:", [round(r.loss, 6) for r in loaded])"""),
     ("md", """## Use and save the trained model
 
 `generate` and `save` run on both ranks, each gathering one layer at a time; rank 0 answers
@@ -741,8 +744,10 @@ gone, left = psutil.wait_procs(children, timeout=30)
 print("processes left after close():", len(left))"""),
     ("md", """## What each sharding setting saves: the FSDP2 ladder
 
-`nbtune ladder` runs rows that each add one change to the row before, two steps a row with
-every step measured on every rank, and prints the peak of the highest rank. The rows are
+The ladder runs rows that each add one change to the row before, two steps a row with every
+step measured on every rank, and prints the peak of the highest rank. Here its rows run on two
+ranks started from this cell (`processes=2`), each row built afresh on them; in a terminal,
+`torchrun --nproc_per_node 2 -m nbtune ladder run.yaml` measures the same. The rows are
 those of seed 001's table: FSDP2 alone, + activation checkpointing, + CPU offload, + sharded
 embeddings, + chunked loss.
 
@@ -753,22 +758,18 @@ embeddings, + chunked loss.
 * **Sharded embeddings** make the embedding and the head units of their own: gathered only
   while they run instead of for the whole step (the root unit otherwise holds them).
 * **Chunked loss** never holds the scores of the whole 32,000-token vocabulary at once."""),
-    ("md", """The ladder is a measurement, each row in freshly started processes, so it runs unattended,
-as in a terminal (the `!` line); the first line makes it use this kernel's environment and gives
-each rank one CPU thread (torchrun's default, which it otherwise announces with a warning)."""),
-    ("code", """os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
-os.environ["OMP_NUM_THREADS"] = "1"
-!torchrun --standalone --nproc_per_node 2 -m nbtune ladder scale_out/run.yaml --out scale_out/ladder"""),
+    ("code", """from nbtune.headless import ladder
+
+rows = ladder("scale_out/run.yaml", processes=2, out="scale_out/ladder")"""),
     ("md", """The same ladder as bars, one per rank and row, split by what held memory at each rank's
 peak: the ranks hold the same amount, and each row takes its share off both."""),
     ("code", """# NBVAL_IGNORE_OUTPUT
 from nbtune.ui.charts import breakdown_figure
 
-ladder = json.load(open("scale_out/ladder/ladder.json"))["rows"]
 per_rank = {f"{row['label']}, rank {rank}": memory["at_peak"]
-            for row in ladder if "per_rank" in row for rank, memory in enumerate(row["per_rank"])}
+            for row in rows if "per_rank" in row for rank, memory in enumerate(row["per_rank"])}
 breakdown_figure(per_rank, "FSDP2 ladder: each rank's peak, by kind of memory",
-                 totals=[m["peak"] for row in ladder if "per_rank" in row for m in row["per_rank"]])"""),
+                 totals=[m["peak"] for row in rows if "per_rank" in row for m in row["per_rank"]])"""),
     ("md", """The last column is each row's peak per rank as `nt.estimate(..., ranks=2)` predicts it before
 anything runs: the real FSDP2 sharding on fake tensors over a fake process group of 2 ranks.
 It is for rows filled to `seq_len`; the demo's examples are shorter, so the measured peaks
@@ -806,7 +807,8 @@ print("Stop ended the background run at one step on both ranks:",
       not background.running and 0 < len(background.reports) < 1000
       and stopped_at == [6 + len(background.reports)] * 2)
 print("the killed rank was named and the other ended:", named == 1 and not alive)
-print("recover() came back to the checkpoint, bit for bit:", [a.loss for a in before] == [b.loss for b in again])
+print("recover() and load_checkpoint() came back to the checkpoint, bit for bit:",
+      [a.loss for a in before] == [b.loss for b in again] == [c.loss for c in loaded])
 print("the ranks saved the weights one process reaches:", weight_gap < 1e-5 and len(saved) == len(reached))
 print("no process left after close():", not left)
 print("checkpointing, sharded embeddings and chunked loss each lowered the peak per rank:",
@@ -825,7 +827,7 @@ SCALE_OUT_CHECK = ("two ranks trained like one process, before and after a chang
                    "a change one rank refused changed nothing: True\n"
                    "Stop ended the background run at one step on both ranks: True\n"
                    "the killed rank was named and the other ended: True\n"
-                   "recover() came back to the checkpoint, bit for bit: True\n"
+                   "recover() and load_checkpoint() came back to the checkpoint, bit for bit: True\n"
                    "the ranks saved the weights one process reaches: True\n"
                    "no process left after close(): True\n"
                    "checkpointing, sharded embeddings and chunked loss each lowered the peak per rank: True\n"

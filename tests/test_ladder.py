@@ -140,7 +140,10 @@ def _spinner():
     import subprocess
     import sys
 
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    spinner = subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"],
+                               stdout=subprocess.PIPE, text=True)
+    spinner.stdout.readline()  # started (an interpreter's start on a loaded machine is slow)
+    return spinner
 
 
 def test_contention_counts_other_processes_not_this_one():

@@ -14,9 +14,9 @@ RUN = ("demo: tiny\ntechniques: {{{techniques}}}\nrun: {{steps: 5, checkpoint_ev
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("techniques", ["batch_size: 4, seq_len: 96, lr: 1e-3",
-                                        "method: lora, batch_size: 4, seq_len: 96, lr: 1e-3, lora_rank: 4"],
-                         ids=["full", "lora"])
+@pytest.mark.parametrize("techniques", [  # (full finetuning: notebook 07, on the same checks)
+    "method: lora, batch_size: 4, seq_len: 96, lr: 1e-3, lora_rank: 4",
+    "method: qlora, batch_size: 4, seq_len: 96, lr: 1e-3, lora_rank: 4"], ids=["lora", "qlora"])
 def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behind(tmp_path, techniques):
     """Steps, a change mid-run (all ranks at one boundary) and a greedy reply: as one process
     gives them on the same batches; the refused change changed nothing on any rank."""

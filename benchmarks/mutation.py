@@ -405,7 +405,7 @@ MUTANTS: list[Mutant] = [
            "nbtune/processes.py",
            "                self.interrupted = True  # the command finishes on every rank first\n                continue",
            "                self.interrupted = True  # the command finishes on every rank first\n                raise",
-           (T + "test_processes.py::test_ctrl_c_stops_every_rank_at_one_step_and_a_killed_rank_is_named_and_the_others_ended",)),
+           (T + "test_processes.py::test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behind[lora]",)),
     Mutant("processes", "a dropped change keeps the optimizer it built (abort undoes nothing)",
            "nbtune/trainer.py",
            "    def abort(self, prepared) -> None:\n        self._abort(prepared)",

@@ -82,8 +82,10 @@ class Processes:
             overrides = {**(overrides or {}), **self._changed_since_file()}
         processes = self.world
         self._profile = tempfile.TemporaryDirectory(prefix="nbtune-ranks-")
+        # --nodb: the controller keeps no record of each command (a long run's steps would
+        # pile up there); the client forgets each answer once read (``each``).
         self.cluster = ipp.Cluster(n=processes, profile_dir=self._profile.name, log_level=40,
-                                   shutdown_atexit=True)
+                                   shutdown_atexit=True, controller_args=["--nodb"])
         self.client = self._engines = None
         try:
             self.client = self.cluster.start_and_connect_sync(activate=False)
@@ -135,7 +137,10 @@ class Processes:
                 late = [rank for rank, p in enumerate(pending) if p in waiting]
                 self._fail(late[0] if len(late) == 1 else None,
                            f"no answer within {self.timeout:.0f} s from rank {', '.join(map(str, late))}")
-        return [p.get() for p in pending]
+        answers = [p.get() for p in pending]
+        self.client.purge_local_results(pending)  # nothing kept per command in the kernel
+        self.client.history.clear()
+        return answers
 
     def call(self, method: str, *args, **kwargs):
         """``run.<method>(*args, **kwargs)`` on every rank (a collective: each takes part);

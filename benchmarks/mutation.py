@@ -416,6 +416,22 @@ MUTANTS: list[Mutant] = [
            "        if fixed and self.parallel is not None:",
            "        if False:",
            (T + "test_processes.py::test_while_sharded_only_what_fsdp2_did_not_wrap_may_change",)),
+    # ---- silent NaN (issue 37) ----
+    Mutant("silent NaN", "the optimizer in backward writes a weight whose gradient is NaN",
+           "nbtune/step.py",
+           "        if not largest.isfinite().all():",
+           "        if False:",
+           (T + "test_faults.py::test_a_nan_gradient_with_the_optimizer_in_backward_is_refused_not_applied",)),
+    Mutant("silent NaN", "a training checkpoint holding NaN loads",
+           "nbtune/checkpoint.py",
+           "            check_finite(name, tensor, path, CheckpointRefused)",
+           "            pass",
+           (T + "test_checkpoint_files.py::test_a_checkpoint_holding_nan_or_infinity_is_refused_naming_file_and_tensor",)),
+    Mutant("untrue message", "an out-of-memory error after a half-written update says it was rolled back",
+           "nbtune/oom.py",
+           "    if damaged:\n        head =",
+           "    if False:\n        head =",
+           (T + "test_faults.py::test_failed_step_equals_twin[grad_hook_in_backward-oom-step3-auto]",)),
 ]
 
 

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from .files import FileRefused, inside, read_json
 from .memory import MemoryBreakdown
 from .memory.usage import SOURCES, Usage
+from .models.filling import check_finite
 from .models.hf import plain_state_dict, write_atomically, write_hf_folder
 from .peft import adapter_config, adapter_state_dict, has_lora, merged_state_dict
 from .state import rng_problem
@@ -362,10 +363,18 @@ def check_rng(rng: dict[str, torch.Tensor], path) -> dict[str, torch.Tensor]:
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint file's tensors, refused (naming file and tensor) if any holds NaN or
+    infinity, as a model's weights are: a diverged run's state would train on silently."""
     try:
-        return load_file(str(path))
+        tensors = load_file(str(path))
     except Exception as err:  # safetensors raises its own error types
         raise CheckpointRefused(f"{path} is damaged ({err}). {AGAIN}") from None
+    for name, tensor in tensors.items():
+        try:
+            check_finite(name, tensor, path, CheckpointRefused)
+        except CheckpointRefused as err:
+            raise CheckpointRefused(f"{err} {AGAIN}") from None
+    return tensors
 
 
 def _optimizer_meta(optimizer: dict, path) -> dict:

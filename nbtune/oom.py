@@ -54,9 +54,12 @@ def budget(device: torch.device) -> int | None:
 
 
 def explain(err: BaseException, phase: str | None, step: int, held: dict, config, t: Techniques,
-            device: torch.device, shape: tuple[int, int] | None, parallel=None) -> OutOfMemory:
+            device: torch.device, shape: tuple[int, int] | None, parallel=None,
+            damaged: str | None = None) -> OutOfMemory:
     """The ``OutOfMemory`` to raise in place of ``err``; under torchrun (``parallel``) it
-    names the rank, and its predictions are that rank's (FSDP2 over the job's ranks)."""
+    names the rank, and its predictions are that rank's (FSDP2 over the job's ranks).
+    ``damaged``: the trainer's own account when the update had begun writing with no copy
+    to undo it (then the step was not rolled back, and the message says so)."""
     limit = budget(device)
     spread = (parallel.world, parallel.sharding) if parallel is not None else (1, None)
     now, suggestions = suggest(config, t, device, shape, limit, *spread)
@@ -70,7 +73,9 @@ def explain(err: BaseException, phase: str | None, step: int, held: dict, config
     if len(measured) < len(held):
         held_line += (f"; this step's activations would reach "
                       f"{format_bytes(held['activations (estimated)'])} (estimated)")
-    if parallel is None:
+    if damaged:
+        head = f"Out of memory in the {phase or 'set-up'} phase of step {step}. {damaged}"
+    elif parallel is None:
         head = (f"Out of memory in the {phase or 'set-up'} phase of step {step}; the step was "
                 "rolled back and the session is as it was before it.")
     else:  # the other ranks wait in a collective: the job ends

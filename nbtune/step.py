@@ -143,19 +143,25 @@ class NonFiniteError(FloatingPointError):
 
 
 def finite_guard(step: int, lr: float):
-    """The check ``update`` runs before the optimizer changes anything (one sync per step)."""
-    def check(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+    """The check ``update`` runs before the optimizer changes anything (one sync per step;
+    with the optimizer in backward, one per weight as well: ``tensor`` names the weight
+    whose gradient is checked, ``grad_norm`` then that gradient's largest magnitude)."""
+    def check(loss: torch.Tensor, grad_norm: torch.Tensor | None, tensor: str | None = None) -> None:
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor of the ranks' partial norms
             grad_norm = grad_norm.full_tensor()
         both = loss if grad_norm is None else loss + grad_norm.float().cpu()  # one read-back
         if not both.isfinite():
             what = "loss" if not loss.isfinite() else "gradient norm"
+            if tensor is not None and what != "loss":
+                what = f"gradient of {tensor} (its largest magnitude)"
             value = float(loss if what == "loss" else grad_norm)
-            raise NonFiniteError(
+            err = NonFiniteError(
                 f"Step {step} was not applied: its {what} is {value} (lr={lr:g}). Weights and "
                 "optimizer state are unchanged. Likely causes: a learning rate too high for this "
                 "model (lower lr, add warmup_steps), no gradient clipping (set max_grad_norm=1.0), "
                 "or bf16 overflow (try dtype='fp32').")
+            err.tensor, err.step = tensor, step
+            raise err
     return check
 
 
@@ -283,7 +289,9 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
             # every rank checks the same sum: one refusing alone would leave the others
             # waiting in backward's reduce-scatter
             guard(seen if parallel is None else parallel.sum_(seen), None)
-        with _writing(optimizer, critical, undo) if in_backward else contextlib.nullcontext():
+        checked = _finite_gradients(model, guard, parallel, total + loss.detach().float().cpu()) \
+            if in_backward and guard is not None else None
+        with _writing(optimizer, critical, undo, checked) if in_backward else contextlib.nullcontext():
             # FSDP averages gradients over ranks; scaled by N, the average is the ranks' sum.
             (loss if parallel is None else loss * parallel.world).backward()
         memory.after_backward()
@@ -309,15 +317,35 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 @contextlib.contextmanager
-def _writing(optimizer: OptimizerInBackward, critical, undo):
-    """Backward while the optimizer steps in it: each weight's update is copied first by
-    ``undo``, or (without one) Ctrl-C waits until backward is over."""
-    if undo is not None:
-        optimizer.before_step = undo.before_update
-        try:
+def _writing(optimizer: OptimizerInBackward, critical, undo, checked):
+    """Backward while the optimizer steps in it: each weight's gradient is checked first
+    (``checked``), then its update copied by ``undo``, or (without one) Ctrl-C waits until
+    backward is over."""
+    before = [f for f in (checked, undo.before_update if undo is not None else None) if f]
+    if before:
+        optimizer.before_step = before[0] if len(before) == 1 else (
+            lambda param: [f(param) for f in before])
+    try:
+        with critical() if undo is None and critical is not None else contextlib.nullcontext():
             yield
-        finally:
-            optimizer.before_step = None
-    else:
-        with critical() if critical is not None else contextlib.nullcontext():
-            yield
+    finally:
+        optimizer.before_step = None
+
+
+def _finite_gradients(model: nn.Module, guard, parallel, loss: torch.Tensor):
+    """With the optimizer in backward a weight is written as soon as its gradient exists, so
+    the step's guard sees no gradient norm before the first write: each gradient is checked
+    before its own weight is written (a NaN there is refused, not applied). One read-back per
+    weight; under FSDP2 each rank holds a shard, so the ranks sum their verdicts and agree."""
+    def check(param: nn.Parameter) -> None:
+        grad = param.grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        # max |g| as one reduction: no gradient-sized temporary (memory is what is measured)
+        largest = (torch.linalg.vector_norm(local.detach(), float("inf")).float().reshape(1).cpu()
+                   if local.numel() else torch.zeros(1))
+        if parallel is not None:  # NaN + anything is NaN: every rank sees the same verdict
+            parallel.sum_(largest)
+        if not largest.isfinite().all():
+            name = next((n for n, p in model.named_parameters() if p is param), "a weight")
+            guard(loss, largest[0], tensor=name)
+    return check

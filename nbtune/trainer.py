@@ -45,7 +45,7 @@ from .optim import OptimizerInBackward, build_optimizer, release_optimizer
 from .peft import adapter_state_dict, has_lora
 from .plan import (REBUILDS_DATA, REBUILDS_MODEL, REBUILDS_OPTIMIZER, RETUNES_MODEL, SHARDED_FIELDS,
                    ModelJournal, check, transform_model)
-from .step import StepContext, StepOptions, StepReport, held_out_loss, train_step
+from .step import NonFiniteError, StepContext, StepOptions, StepReport, held_out_loss, train_step
 from .techniques import Techniques
 from .state import (base_fingerprint, check_optimizer_state, check_weights, full_weights,
                     rng_problem, rng_state, set_rng_state, write_weights)
@@ -224,13 +224,20 @@ class Trainer:
         except BaseException as err:
             oom = isinstance(err, torch.OutOfMemoryError) and not isinstance(err, OutOfMemory)
             held = held_now(self.model, self.optimizer, self.device) if oom else None
+            written = getattr(self.optimizer, "stepped", 0)  # weights the update had written
             self._roll_back(mark, undo, phase[0], t)
             _drop_frames(err)
+            damaged = self.damaged  # None when the step started: set if this one was half-written
+            if isinstance(err, NonFiniteError) and damaged:  # the error must not say "unchanged"
+                raise DamagedStateError(
+                    f"Step {number} could not be refused whole: the gradient of {err.tensor} is not "
+                    f"finite, found after the optimizer in backward had written {written} weights. "
+                    + damaged) from None
             if not oom:
                 raise
             try:  # memory is back: now the estimator can say what would fit
                 explained = explain(err, phase[0], number, held, self.model.config, t,
-                                    self.device, shape, self.parallel)
+                                    self.device, shape, self.parallel, damaged=damaged)
             except Exception:  # noqa: BLE001 - never hide the out-of-memory error itself
                 raise err from None
             raise explained from err

@@ -179,6 +179,8 @@ SHARDED_DAMAGE = {
                         CheckpointRefused, r"rank0\.json is damaged"),
     "state-field": (_json("trainer_state.json", lambda r: r["history"][0].update(loss="low")),
                     CheckpointRefused, r"trainer_state\.json: the field 'history\[0\]\.loss'"),
+    "nan-weight": (_edit("model.rank0.safetensors", lambda t: t[KEY].view(-1).__setitem__(5, float("nan"))),
+                   CheckpointRefused, rf"{KEY} in .*model\.rank0\.safetensors holds NaN or infinite"),
 }
 
 
@@ -338,6 +340,24 @@ def test_a_wrong_typed_field_is_refused_naming_it_before_anything_is_applied(sin
         session.load_checkpoint(folder)
     assert str(folder / "trainer_state.json") in str(refused.value)
     assert "Nothing was loaded" in str(refused.value)
+    assert_same(snapshot(session), twin)
+
+
+@pytest.mark.parametrize("name,value", [("weights.safetensors", float("nan")),
+                                        ("optimizer.safetensors", float("-inf"))])
+def test_a_checkpoint_holding_nan_or_infinity_is_refused_naming_file_and_tensor(single, twin, tmp_path,
+                                                                                name, value):
+    """A diverged run's checkpoint would train on silently: refused like a damaged one."""
+    folder = shutil.copytree(single, tmp_path / "ckpt")
+    tensors = load_file(str(folder / name))
+    key = sorted(k for k, t in tensors.items() if t.is_floating_point() and t.numel() > 1)[-1]
+    tensors[key].view(-1)[1] = value
+    save_file(tensors, str(folder / name))
+    session = small_session()
+    session.step()
+    with pytest.raises(CheckpointRefused, match=rf"{key} in .*{name} holds NaN or infinite") as refused:
+        session.load_checkpoint(folder)
+    assert str(folder / name) in str(refused.value) and "Nothing was loaded" in str(refused.value)
     assert_same(snapshot(session), twin)
 
 

@@ -386,6 +386,8 @@ POINTS = {  # name: (injector, session changes it needs, the phase an OOM names)
     "backward_hook": (at_backward_hook, {}, "backward"),
     "backward_function": (at_backward_function, {}, "backward"),
     "grad_hook": (at_grad_hook, {}, "backward"),
+    # after the optimizer in backward wrote this weight (its hook came first) and others
+    "grad_hook_in_backward": (at_grad_hook, {"optimizer_in_backward": True}, "backward"),
     "clip": (at_clip, {"max_grad_norm": 1.0}, "backward"),
     "optimizer": (at_optimizer, {}, "optimizer"),
 }
@@ -439,13 +441,16 @@ def test_failed_step_equals_twin(twins, point, error, number, rollback):
     err, rng_before, fault = failing_step(session, point, error)
     if point == "optimizer":
         assert fault.note["wrote"], "the optimizer fault must come after a real partial update"
-        if rollback == "auto" and number > 1:
-            # On a CPU "auto" keeps no copy once optimizer state exists (a CPU out of memory
-            # kills the process): a half-written update is damage, said as such.
-            assert session.trainer.last_undo_bytes == 0
-            assert session.trainer.damaged and "rollback='auto'" in session.trainer.damaged
-            assert _tree_diff(snapshot(session)["values"], twin.before["values"])
-            return
+    if point in ("optimizer", "grad_hook_in_backward") and rollback == "auto" and number > 1:
+        # On a CPU "auto" keeps no copy once optimizer state exists (a CPU out of memory
+        # kills the process): a half-written update is damage, said as such, also by the
+        # out-of-memory message (which must not say the step was rolled back).
+        assert session.trainer.last_undo_bytes == 0
+        assert session.trainer.damaged and "rollback='auto'" in session.trainer.damaged
+        assert _tree_diff(snapshot(session)["values"], twin.before["values"])
+        if error == "oom":
+            assert "rolled back" not in str(err) and session.trainer.damaged in str(err)
+        return
     if error == "oom":
         assert isinstance(err, nbtune.oom.OutOfMemory) and err.phase == phase
         assert f"step {number}" in str(err) and "rolled back" in str(err)
@@ -669,6 +674,55 @@ def test_non_finite_step_equals_twin(twins, case):
             session.step()
     assert fault.fired
     assert_like_twin(session, twin, rng_before, f"non-finite {what}")
+
+
+def _nan_grad_arriving(m, session, fault, handles):
+    """A gradient made NaN as it arrives, before the optimizer in backward writes its weight
+    (by then the weights whose gradients came first were written)."""
+    def poison(grad):
+        fault.fired += 1
+        grad = grad.clone()
+        grad.view(-1)[0] = float("nan")
+        return grad
+
+    handles.append(_up_proj_param(session).register_hook(poison))
+
+
+def _up_proj_name(session) -> str:
+    return next(n for n, p in session.model.named_parameters() if p is _up_proj_param(session))
+
+
+def test_a_nan_gradient_with_the_optimizer_in_backward_is_refused_not_applied(twins):
+    """The loss is finite, so only the gradient can tell: with an undo copy the weights
+    written before it arrived are put back, and the step is refused naming the tensor."""
+    twin = twins.get(2, optimizer_in_backward=True)
+    session = prepared(2, optimizer_in_backward=True)
+    session.rollback = "copy"
+    fault = Fault("runtime")
+    rng_before = torch.get_rng_state()
+    with injected(_nan_grad_arriving, session, fault):
+        with pytest.raises(NonFiniteError, match=rf"Step 3 was not applied: its gradient of "
+                                                 rf"{_up_proj_name(session)} .* is nan"):
+            session.step()
+    assert fault.fired and session.optimizer.stepped > 0  # weights had been written, then undone
+    assert_like_twin(session, twin, rng_before, "NaN gradient in backward")
+
+
+def test_a_nan_gradient_in_backward_with_no_copy_says_the_session_is_damaged():
+    """Without a copy (a CPU's "auto" after the first step) the weights written before the
+    NaN arrived cannot be put back: the error says so, and the session refuses to go on."""
+    session = prepared(2, optimizer_in_backward=True)
+    before = snapshot(session)
+    with injected(_nan_grad_arriving, session, Fault("runtime")):
+        with pytest.raises(DamagedStateError, match=rf"Step 3 could not be refused whole: the "
+                                                    rf"gradient of {_up_proj_name(session)} is not "
+                                                    r"finite, .* had written [1-9][0-9]* weights"):
+            session.step()
+    after, name = snapshot(session)["values"], _up_proj_name(session)
+    assert torch.equal(after[name], before["values"][name])  # refused before its own write
+    assert any(not torch.equal(after[n], before["values"][n]) for n in after)  # others were written
+    with pytest.raises(DamagedStateError):
+        session.step()
 
 
 @pytest.mark.parametrize("field,value", [("lr", float("nan")), ("lr", float("inf")),

@@ -165,14 +165,14 @@ def _one_message(err: BaseException) -> str:
 
 
 def run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import yaml
+    from . import runfile
 
     overrides = {}
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or not key:
             parser.error(f"--set {item!r}: write FIELD=VALUE, e.g. --set techniques.lr=1e-4")
-        overrides[key.strip()] = yaml.safe_load(value)
+        overrides[key.strip()] = runfile.parse_value(value)
     if args.steps is not None:
         overrides.update({"run.steps": args.steps, "run.epochs": None})
     if args.epochs is not None:

@@ -213,7 +213,7 @@ ACCEPTED = ("a .jsonl/.json file path (or an hf://datasets/owner/name/file.jsonl
 
 
 def _data_files(folder: Path) -> list[str]:
-    return sorted(str(p) for p in folder.iterdir() if p.suffix in (".jsonl", ".json") and p.is_file())
+    return sorted(str(p) for p in folder.iterdir() if p.suffix.lower() in (".jsonl", ".json") and p.is_file())
 
 
 def _decode(path: Path, raw: bytes) -> str:
@@ -288,10 +288,11 @@ def load_examples(path: str | Path) -> list[Example]:
     except OSError as err:
         raise DataError(f"{path}: cannot read the data file ({err.strerror or err}). Check that "
                         "it is a readable file.") from err
-    if path.suffix != ".json":  # JSON Lines: one row a line (a .json list may be one line)
+    listed = path.suffix.lower() == ".json"  # rows.JSON too: suffixes match without case
+    if not listed:  # JSON Lines: one row a line (a .json list may be one line)
         _check_lines(path, raw)
     text = _decode(path, raw)
-    if path.suffix == ".json":
+    if listed:
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as err:

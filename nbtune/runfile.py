@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import stat
 import typing
 from pathlib import Path
@@ -39,6 +40,19 @@ TRACKING = ("sampled", "every_step", "off")
 
 class RunFileError(ValueError):
     """A run file that cannot be used: each problem names its line and field."""
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans (true and false only): under YAML 1.1's,
+    ``yes``, ``no``, ``on`` and ``off`` are booleans too, so ``memory_tracking: off`` read
+    as False and ``steps: yes`` as 1."""
+
+
+_BOOL = "tag:yaml.org,2002:bool"
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
 class _Strict(BaseModel):
@@ -108,7 +122,7 @@ class RunConfig(_Strict):
         candidate = Path(value).expanduser()
         if not candidate.is_absolute():
             candidate = Path(self.base) / candidate
-        if candidate.exists() or value.endswith((".jsonl", ".json", ".gguf")) or value.startswith("."):
+        if candidate.exists() or value.lower().endswith((".jsonl", ".json", ".gguf")) or value.startswith("."):
             return str(candidate)
         return value  # not a path here: a Hub repo id
 
@@ -171,6 +185,52 @@ def _check_events(text: str, path: Path) -> None:
                                "file is a page of settings. It is damaged or crafted.")
 
 
+def _repeated_keys(node, loc: tuple = ()) -> list[str]:
+    """A key given twice in one mapping (YAML keeps the last one silently)."""
+    if not isinstance(node, yaml.MappingNode):
+        return []
+    seen, problems = set(), []
+    for key, value in node.value:
+        field = ".".join(map(str, (*loc, key.value)))
+        if key.value in seen:
+            problems.append(f"line {key.start_mark.line + 1}, {field}: given twice in the file; "
+                            "keep one.")
+        seen.add(key.value)
+        problems += _repeated_keys(value, (*loc, key.value))
+    return problems
+
+
+def _numeric(annotation) -> bool:
+    """A field that holds a number (an int or a float, maybe None) and not a boolean."""
+    kinds = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, _UnionType) \
+        else (annotation,)
+    return bool({int, float} & set(kinds)) and bool not in kinds
+
+
+_UnionType = type(int | None)
+
+
+def _booleans_for_numbers(data: dict, model: type[BaseModel], loc: tuple = ()) -> list[tuple]:
+    """Where a true or false stands for a number (pydantic would read it as 1 or 0): each
+    field's path and the value."""
+    found = []
+    for name, value in data.items():
+        field = model.model_fields.get(name) if isinstance(name, str) else None
+        if field is None:
+            continue
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel) and isinstance(value, dict):
+            found += _booleans_for_numbers(value, annotation, (*loc, name))
+        elif isinstance(value, bool) and _numeric(annotation):
+            found.append(((*loc, name), value))
+    return found
+
+
+def parse_value(text: str):
+    """A ``--set key=value`` value, read as the run file's YAML reads it."""
+    return yaml.load(text, Loader=_Loader)
+
+
 def load(source: str | Path, overrides: dict | None = None) -> RunConfig:
     """Read and check a run file; ``overrides`` (dotted keys, ``{"run.steps": 5}``) win over it.
 
@@ -185,8 +245,8 @@ def load(source: str | Path, overrides: dict | None = None) -> RunConfig:
         raise RunFileError(str(err)) from None
     try:
         _check_events(text, path)
-        tree = yaml.compose(text)
-        data = yaml.safe_load(text) or {}
+        tree = yaml.compose(text, Loader=_Loader)
+        data = yaml.load(text, Loader=_Loader) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f", line {mark.line + 1}" if mark is not None else ""
@@ -194,6 +254,9 @@ def load(source: str | Path, overrides: dict | None = None) -> RunConfig:
     if not isinstance(data, dict):
         raise RunFileError(f"{path}: a run file is a mapping of fields (model:, data:, techniques:, "
                            f"run:), not a {type(data).__name__}.")
+    repeated = _repeated_keys(tree)
+    if repeated:
+        raise RunFileError("\n".join(f"{path}, {problem}" for problem in repeated))
     for dotted, value in (overrides or {}).items():
         parts, target = dotted.split("."), data
         for part in parts[:-1]:
@@ -209,6 +272,11 @@ def load(source: str | Path, overrides: dict | None = None) -> RunConfig:
         line = _line(tree, loc)
         return f"{f', line {line}' if line else ''}, {field}"
 
+    booleans = _booleans_for_numbers(data, RunConfig)
+    if booleans:
+        raise RunFileError("\n".join(
+            f"{path}{where(loc)}: {str(value).lower()} is a boolean, but this field is a number; "
+            "write the number." for loc, value in booleans))
     try:
         config = RunConfig.model_validate(data)
     except ValidationError as err:

@@ -515,6 +515,30 @@ def gguf_merges_without_a_space(folder):
     gguf_tokenizer(_gguf_tokenizer_meta(folder, ["a", "b", "ab"], ["ab"]))
 
 
+@case("refused:GGUFError", "model.gguf", "'llama.context_length' holds str '4096'", "must be a number")
+def gguf_number_field_holding_a_string(folder):
+    entries = [kv_string("general.architecture", "llama"), kv_string("llama.context_length", "4096")]
+    nt.load_model(_gguf(folder, gguf_bytes(entries, [])))
+
+
+@case("refused:GGUFError", "model.gguf", "'llama.context_length' holds str", "must be a number")
+def gguf_tokenizer_context_length_holding_a_string(folder):
+    from gguf import GGUFWriter
+
+    from nbtune.models.gguf import gguf_tokenizer
+
+    writer = GGUFWriter(str(folder / "model.gguf"), "llama")
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b", "ab"])
+    writer.add_array("tokenizer.ggml.merges", ["a b"])
+    writer.add_string("llama.context_length", "long")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    gguf_tokenizer(folder / "model.gguf")
+
+
 # ---- data files ------------------------------------------------------------------------
 
 def _session_data(path) -> None:

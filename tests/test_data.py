@@ -79,9 +79,12 @@ def test_empty_and_missing_files_are_named(tmp_path):
         load_examples(tmp_path / "nope.jsonl")
 
 
-def test_json_list_file(tmp_path):
-    path = tmp_path / "rows.json"
-    path.write_text(json.dumps([{"instruction": "a", "output": "b"}] * 3))
+@pytest.mark.parametrize("name", ["rows.json", "rows.JSON", "rows.Json"])
+def test_json_list_file(tmp_path, name):
+    """A .json file is one list of rows, whatever the case of its suffix (an upper-case
+    one was read as JSON Lines: a multi-line list failed on its first line)."""
+    path = tmp_path / name
+    path.write_text(json.dumps([{"instruction": "a", "output": "b"}] * 3, indent=1))
     assert len(load_examples(path)) == 3
 
 

@@ -129,6 +129,33 @@ def test_run_file_errors_name_the_line_and_the_field(tmp_path):
         nt.Session.from_config(tmp_path / "missing.yaml")
 
 
+@pytest.mark.parametrize("text,match", [
+    # YAML 1.1 reads yes/no/on/off as booleans, and pydantic a boolean as 1 or 0
+    ("demo: tiny\nrun:\n  steps: yes\n", r"line 3, run\.steps: .*integer.*got 'yes'"),
+    ("demo: tiny\nrun:\n  steps: true\n", r"line 3, run\.steps: true is a boolean, but this field is a number"),
+    ("demo: tiny\ntechniques: {lr: false}\n", r"line 2, techniques\.lr: false is a boolean"),
+    # YAML keeps the last of two equal keys silently
+    ("demo: tiny\ntechniques:\n  lr: 1e-3\n  lr: 1e-2\n", r"line 4, techniques\.lr: given twice"),
+    ("demo: tiny\nrun: {steps: 2}\nrun: {steps: 3}\n", r"line 3, run: given twice"),
+], ids=["yes-for-a-number", "true-for-a-number", "false-for-a-float", "key-twice", "section-twice"])
+def test_a_boolean_for_a_number_and_a_key_given_twice_are_refused_by_line(tmp_path, text, match):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(runfile.RunFileError, match=match):
+        runfile.load(path)
+
+
+def test_yaml_1_1_words_are_read_as_the_words_they_are(tmp_path):
+    """``off`` is one of memory_tracking's values, not False; true and false stay booleans."""
+    path = tmp_path / "run.yaml"
+    path.write_text("demo: tiny\nmemory_tracking: off\ntechniques: {packing: true}\n")
+    config = runfile.load(path, {"run.steps": runfile.parse_value("3")})
+    assert config.memory_tracking == "off" and config.techniques.packing is True
+    assert config.run.steps == 3 and runfile.parse_value("no") == "no"
+    with pytest.raises(runfile.RunFileError, match=r"overridden: run\.steps=True.*is a boolean"):
+        runfile.load(path, {"run.steps": runfile.parse_value("true")})
+
+
 def test_save_config_refuses_what_it_cannot_repeat(tmp_path):
     from nbtune.models import CausalLM
 

@@ -291,6 +291,18 @@ def _arch(meta: dict, path) -> str:
     return arch
 
 
+def _number(meta: dict, key: str, default, path):
+    """A numeric metadata field, refused by name when it holds something else (a string
+    there raised int()'s bare ValueError)."""
+    value = meta.get(key, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise GGUFError(f"{path}: the metadata field {key!r} holds {type(value).__name__} {shown}, "
+                        "but it must be a number: the file is damaged or was not written for "
+                        "this architecture.")
+    return value
+
+
 def config_from_gguf(path: "str | os.PathLike | GGUFFile") -> ModelConfig:
     """The model's shape from a GGUF file's metadata (no weights read)."""
     file = _open(path)
@@ -305,7 +317,7 @@ def config_from_gguf(path: "str | os.PathLike | GGUFFile") -> ModelConfig:
     if scaling not in (None, "none", "linear"):
         raise GGUFError(f"{path}: RoPE scaling {scaling!r} is not read from GGUF; load the "
                         "model's safetensors release instead.")
-    get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    get = lambda key, default=None: _number(meta, f"{arch}.{key}", default, path)  # noqa: E731
     heads = get("attention.head_count")
     tokens = meta.get("tokenizer.ggml.tokens") or []
     hf = {
@@ -322,9 +334,9 @@ def config_from_gguf(path: "str | os.PathLike | GGUFFile") -> ModelConfig:
         "max_position_embeddings": get("context_length", 2048),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "bos_token_id": _number(meta, "tokenizer.ggml.bos_token_id", None, path),
+        "eos_token_id": _number(meta, "tokenizer.ggml.eos_token_id", None, path),
+        "pad_token_id": _number(meta, "tokenizer.ggml.padding_token_id", None, path),
     }
     if scaling == "linear":
         hf["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
@@ -451,7 +463,7 @@ def gguf_tokenizer(path: "str | os.PathLike | GGUFFile") -> Tokenizer:
               (("bos", bos), ("eos", eos), ("pad", pad), ("unk", unk)) if idx is not None}
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     config.update({"add_bos_token": add_bos, "gguf_pre": pre,
-                   "model_max_length": int(meta.get(f"{_arch(meta, path)}.context_length", 2048))})
+                   "model_max_length": int(_number(meta, f"{_arch(meta, path)}.context_length", 2048, path))})
     eot = token("eot_token_id")
     return Tokenizer(backend, bos if add_bos else None, eos, pad, config,
                      chat_template=meta.get("tokenizer.chat_template"),

@@ -432,6 +432,17 @@ MUTANTS: list[Mutant] = [
            "    if damaged:\n        head =",
            "    if False:\n        head =",
            (T + "test_faults.py::test_failed_step_equals_twin[grad_hook_in_backward-oom-step3-auto]",)),
+    # ---- pinned behaviours (issue 37, items 14 and 16) ----
+    Mutant("dropped argument", "sampling ignores the temperature",
+           "nbtune/generate.py",
+           "    probs = torch.softmax(logits.float() / temperature, dim=-1)",
+           "    probs = torch.softmax(logits.float(), dim=-1)",
+           (T + "test_generate.py::test_sampling_at_a_temperature_draws_from_softmax_of_logits_over_it",)),
+    Mutant("off-by-whitespace", "exact match strips the reply but not the reference",
+           "nbtune/scoring.py",
+           "    return reply.strip() == reference.strip()",
+           "    return reply.strip() == reference",
+           (T + "test_demos.py::test_exact_match_ignores_whitespace_around_the_reference_as_well",)),
 ]
 
 

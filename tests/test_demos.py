@@ -27,6 +27,22 @@ def test_scoring_by_hand():
         resolve_match("fuzzy")
 
 
+def test_exact_match_ignores_whitespace_around_the_reference_as_well(tmp_path, monkeypatch):
+    """JSONL outputs often end in a newline: the reference is compared stripped, like the reply."""
+    from helpers import small_session
+
+    from nbtune.data import load_examples
+
+    assert exact("Paris", "Paris\n") and exact("Paris", "  Paris ") and not exact("Paris", "Pa ris")
+    path = tmp_path / "held.jsonl"
+    path.write_text(json.dumps({"instruction": "Capital of France?", "output": " Paris\n"}) + "\n")
+    rows = load_examples(path)
+    assert rows[0].messages[-1][1] == " Paris\n"  # the reference as the file has it
+    session = small_session()
+    monkeypatch.setattr(type(session.parts), "generate", lambda self, prompt, **kwargs: "Paris")
+    assert session.evaluate(rows, match="exact") == 1.0
+
+
 def test_evaluate_uses_the_match_it_is_given():
     from helpers import small_session
 

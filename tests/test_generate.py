@@ -63,6 +63,24 @@ def test_sampling_is_seeded_and_top_p_keeps_the_nucleus():
     assert next_token(logits, 0.0) == 0
 
 
+@pytest.mark.parametrize("temperature", [0.7, 2.0])
+def test_sampling_at_a_temperature_draws_from_softmax_of_logits_over_it(monkeypatch, temperature):
+    """The probabilities handed to the sampler, against softmax(logits / T) computed here in
+    numpy (float64); a sampler that ignored T, or multiplied by it, would differ by far more."""
+    import numpy as np
+
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
+    handed = []
+    real = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda probs, *a, **k: handed.append(probs.clone()) or real(probs, *a, **k))
+    next_token(logits, temperature, generator=torch.Generator().manual_seed(0))
+    scaled = logits.double().numpy() / temperature
+    expected = np.exp(scaled - scaled.max()) / np.exp(scaled - scaled.max()).sum()
+    assert np.allclose(handed[0].double().numpy(), expected, rtol=1e-6, atol=1e-7)
+    flat = np.exp(logits.double().numpy()) / np.exp(logits.double().numpy()).sum()
+    assert np.abs(expected - flat).max() > 0.05  # T changes the distribution measurably
+
+
 def test_a_reply_is_a_str_that_a_notebook_shows_as_it_reads():
     from IPython.lib.pretty import pretty
 

@@ -210,11 +210,16 @@ def from_pretrained(path_or_id: str | os.PathLike, data=None, *, heldout=None,
         device = parallel.device
     model = load_model(base, dtype=techniques.dtype, device=device or default_device(),
                        quantize=quantize)  # NF4 as each weight is read: lean loading
-    if not chosen:  # the default rows fit the model's context
-        techniques = techniques.replace(
-            seq_len=min(techniques.seq_len, model.config.max_position_embeddings))
+    limit, default = model.config.max_position_embeddings, Techniques.__dataclass_fields__["seq_len"].default
+    followed = techniques.seq_len > limit and (not chosen or techniques.seq_len == default)
+    if followed:  # a length the user did not choose follows the model's context; a chosen one is refused
+        techniques = techniques.replace(seq_len=limit)
     run = assemble(model, tokenizer, train, heldout=held, techniques=techniques, device=device,
                    parallel=parallel, source=str(path_or_id), base=base)
+    if followed:
+        run.trainer.notes.append(f"seq_len follows the model: its context is {limit} tokens, shorter "
+                                 f"than the default seq_len of {default}; set seq_len to choose a "
+                                 "length.")
     if adapter is not None:
         load_adapter_weights(run.model, adapter)
     run.data_files = {split: str(value) for split, value in (("train", data), ("heldout", heldout))

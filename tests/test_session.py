@@ -275,3 +275,24 @@ def test_a_step_report_and_its_memory_print_in_one_line():
     assert memory.startswith(f"MemoryBreakdown(peak {format_bytes(report.memory.peak)} on cpu: ")
     assert f"parameters {format_bytes(report.memory.parameters)}" in memory
     assert memory.endswith("; measured)") and str(report) == line
+
+
+def test_a_default_seq_len_follows_a_shorter_model_context_and_a_chosen_one_is_refused(capsys):
+    """The demo model's context is 256 tokens, the default seq_len 512: a session given only
+    method="lora" follows the model (and says so once); a seq_len the user chose is refused."""
+    from nbtune.models import demo_model_dir
+    from nbtune.session import demo_data_file
+
+    limit = nt.Session.from_pretrained(demo_model_dir(), None).model.config.max_position_embeddings
+    assert limit < nt.Techniques().seq_len
+    assert "seq_len follows the model" in capsys.readouterr().out  # no techniques given: the same
+    session = nt.Session.from_pretrained(demo_model_dir(), demo_data_file("train"),
+                                         techniques=nt.Techniques(method="lora"))
+    said = capsys.readouterr().out
+    assert session.techniques.seq_len == limit and session.techniques.method == "lora"
+    assert said.count(f"seq_len follows the model: its context is {limit} tokens") == 1
+    session.step()  # rows of up to 256 tokens train
+    assert "seq_len follows" not in capsys.readouterr().out  # said once
+    with pytest.raises(ValueError, match=rf"set seq_len <= {limit}"):
+        nt.Session.from_pretrained(demo_model_dir(), demo_data_file("train"),
+                                   techniques=nt.Techniques(method="lora", seq_len=limit + 64))

@@ -443,6 +443,21 @@ MUTANTS: list[Mutant] = [
            "    return reply.strip() == reference.strip()",
            "    return reply.strip() == reference",
            (T + "test_demos.py::test_exact_match_ignores_whitespace_around_the_reference_as_well",)),
+    Mutant("unchecked input", "a single-process checkpoint's param_groups overwrite the run's unchecked",
+           "nbtune/trainer.py",
+           "            check_param_groups(prepared.optimizer, state[\"optimizer\"][\"param_groups\"])\n",
+           "",
+           (T + "test_checkpoint_files.py::test_a_wrong_typed_field_is_refused_naming_it_before_anything_is_applied",)),
+    Mutant("wrong default", "a model with a shorter context than the default seq_len is refused",
+           "nbtune/runs.py",
+           "    if t.seq_len <= limit or chosen:",
+           "    if True:",
+           (T + "test_session.py::test_a_default_seq_len_follows_a_shorter_model_context_and_a_chosen_one_is_refused",)),
+    Mutant("unchecked input", "a tokenizer larger than the embedding is accepted",
+           "nbtune/runs.py",
+           "    if ids > rows:  # else",
+           "    if False:  # else",
+           (T + "test_session.py::test_a_tokenizer_larger_than_the_embedding_is_refused_naming_both_sizes",)),
 ]
 
 

@@ -28,7 +28,7 @@ from .memory.usage import SOURCES, Usage
 from .models.filling import check_finite
 from .models.hf import plain_state_dict, write_atomically, write_hf_folder
 from .peft import adapter_config, adapter_state_dict, has_lora, merged_state_dict
-from .state import rng_problem
+from .state import OptimizerGroupsDiffer, rng_problem
 from .step import StepReport
 from .techniques import Techniques
 
@@ -190,7 +190,11 @@ def save_checkpoint(trainer, folder, source: str | None = None) -> Path:
 def load_checkpoint(trainer, folder) -> None:
     """Bring ``trainer`` (same base model and data) to the checkpoint's exact training state
     through its own ``load_state_dict``: the whole checkpoint is read and checked first."""
-    trainer.load_state_dict(read_training_checkpoint(folder))
+    state = read_training_checkpoint(folder)
+    try:
+        trainer.load_state_dict(state)
+    except OptimizerGroupsDiffer as err:  # named with the file that holds them
+        raise refused(Path(folder) / TRAINER_STATE, str(err)) from None
     trainer.note_checkpoint(folder)
 
 

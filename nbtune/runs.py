@@ -172,13 +172,33 @@ def assemble(model: CausalLM, tokenizer: Tokenizer, train: Iterable[Example] | s
              source: str | None = None, base=None) -> Run:
     """A run of a built ``model`` on ``train`` rows. What building it had to say (rows
     skipped) waits in the trainer's notes: the caller relays them once it listens."""
+    ids, rows = tokenizer.backend.get_vocab_size(with_added_tokens=True), model.config.vocab_size
+    if ids > rows:  # else the first token id past the embedding fails deep in a step
+        raise ValueError(f"The tokenizer has {ids:,} tokens but the model's embedding has {rows:,} "
+                         f"rows, so ids from {rows:,} on would index past it. Use the tokenizer "
+                         "that came with this model, or a model whose embedding covers this "
+                         "vocabulary.")
     if parallel is not None:
         device = parallel.device
     device = torch.device(device) if device is not None else default_device()
     data = TrainingData(train, tokenizer, heldout)
-    trainer = Trainer(model, data, as_techniques(techniques), device, parallel=parallel,
-                      base=base, base_name=source)
+    techniques, followed = _fit_context(techniques, model.config.max_position_embeddings)
+    trainer = Trainer(model, data, techniques, device, parallel=parallel, base=base, base_name=source)
+    if followed:
+        trainer.notes.append(followed)
     return Run(trainer, Runner(trainer), tokenizer, device, parallel=parallel, source=source)
+
+
+def _fit_context(techniques, limit: int) -> tuple[Techniques, str | None]:
+    """A ``seq_len`` the user did not choose (none given, or the default) follows a model whose
+    context is shorter, and says so; a chosen one stays, to be refused with its fix."""
+    t, default = as_techniques(techniques), Techniques.__dataclass_fields__["seq_len"].default
+    chosen = "seq_len" in techniques if isinstance(techniques, dict) else t.seq_len != default
+    if t.seq_len <= limit or chosen:
+        return t, None
+    return t.replace(seq_len=limit), (
+        f"seq_len follows the model: its context is {limit} tokens, shorter than the default "
+        f"seq_len of {default}; set seq_len to choose a length.")
 
 
 def from_pretrained(path_or_id: str | os.PathLike, data=None, *, heldout=None,
@@ -188,7 +208,7 @@ def from_pretrained(path_or_id: str | os.PathLike, data=None, *, heldout=None,
     its ``base``: the one it names, or the one given), and the training data (JSONL path,
     rows or a datasets.Dataset; None to chat, evaluate or save only: training then says it
     needs data). The data is read first, to fail fast on bad rows."""
-    chosen = techniques is not None
+    given = techniques  # as the user gave it: did they choose seq_len? (``assemble``)
     adapter = read_adapter(path_or_id) if is_adapter_folder(path_or_id) else None
     if adapter is not None:
         techniques = adapter_techniques(adapter, techniques)
@@ -210,16 +230,8 @@ def from_pretrained(path_or_id: str | os.PathLike, data=None, *, heldout=None,
         device = parallel.device
     model = load_model(base, dtype=techniques.dtype, device=device or default_device(),
                        quantize=quantize)  # NF4 as each weight is read: lean loading
-    limit, default = model.config.max_position_embeddings, Techniques.__dataclass_fields__["seq_len"].default
-    followed = techniques.seq_len > limit and (not chosen or techniques.seq_len == default)
-    if followed:  # a length the user did not choose follows the model's context; a chosen one is refused
-        techniques = techniques.replace(seq_len=limit)
-    run = assemble(model, tokenizer, train, heldout=held, techniques=techniques, device=device,
-                   parallel=parallel, source=str(path_or_id), base=base)
-    if followed:
-        run.trainer.notes.append(f"seq_len follows the model: its context is {limit} tokens, shorter "
-                                 f"than the default seq_len of {default}; set seq_len to choose a "
-                                 "length.")
+    run = assemble(model, tokenizer, train, heldout=held, techniques=given if adapter is None else techniques,
+                   device=device, parallel=parallel, source=str(path_or_id), base=base)
     if adapter is not None:
         load_adapter_weights(run.model, adapter)
     run.data_files = {split: str(value) for split, value in (("train", data), ("heldout", heldout))

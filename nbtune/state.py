@@ -10,6 +10,7 @@ import re
 
 import hashlib
 import json
+import math
 
 import torch
 from torch import nn
@@ -125,6 +126,47 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                     f"The saved optimizer state's {key} has shape {tuple(value.shape)} for a weight "
                     f"of shape {tuple(param.shape)}: it was saved from another model or other "
                     "LoRA settings. Nothing was loaded.")
+
+
+class OptimizerGroupsDiffer(ValueError):
+    """Saved ``param_groups`` unlike the run's optimizer's (``check_param_groups``)."""
+
+
+def check_param_groups(optimizer: torch.optim.Optimizer, groups) -> None:
+    """Refuse saved ``param_groups`` that do not have the run's groups, settings and kinds of
+    value: torch's ``load_state_dict`` copies every saved setting over the run's own (a
+    betas of one number would fail steps later, a NaN eps would train on)."""
+    ours = optimizer.state_dict()["param_groups"]
+    if not isinstance(groups, list) or len(groups) != len(ours):
+        count = len(groups) if isinstance(groups, list) else repr(groups)
+        raise OptimizerGroupsDiffer(f"the optimizer's param_groups are {count} groups, but this "
+                                    f"run's optimizer has {len(ours)}")
+    for i, (mine, saved) in enumerate(zip(ours, groups)):
+        label = f"optimizer.param_groups[{i}]"
+        if not isinstance(saved, dict) or set(saved) != set(mine):
+            held = sorted(saved) if isinstance(saved, dict) else repr(saved)
+            raise OptimizerGroupsDiffer(f"the field {label!r} holds {held}, but this run's "
+                                        f"optimizer holds the settings {sorted(mine)}")
+        if len(saved["params"]) != len(mine["params"]):
+            raise OptimizerGroupsDiffer(f"the field '{label}.params' lists {len(saved['params'])} weights, "
+                                        f"this run's optimizer {len(mine['params'])}")
+        for key, value in saved.items():
+            if key != "params" and not _same_kind(mine[key], value):
+                raise OptimizerGroupsDiffer(f"the field '{label}.{key}' is {value!r:.60}, but this run's "
+                                            f"optimizer holds {mine[key]!r:.60} there")
+
+
+def _same_kind(template, value) -> bool:
+    if isinstance(template, (tuple, list)):
+        return (isinstance(value, (tuple, list)) and len(value) == len(template)
+                and all(map(_same_kind, template, value)))
+    if isinstance(template, torch.Tensor):
+        return isinstance(value, torch.Tensor) and value.shape == template.shape
+    if template is None or isinstance(template, (bool, str)):
+        return type(value) is type(template)
+    if isinstance(template, (int, float)):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return False
 
 
 @torch.no_grad()

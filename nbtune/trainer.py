@@ -47,8 +47,8 @@ from .plan import (REBUILDS_DATA, REBUILDS_MODEL, REBUILDS_OPTIMIZER, RETUNES_MO
                    ModelJournal, check, transform_model)
 from .step import NonFiniteError, StepContext, StepOptions, StepReport, held_out_loss, train_step
 from .techniques import Techniques
-from .state import (base_fingerprint, check_optimizer_state, check_weights, full_weights,
-                    rng_problem, rng_state, set_rng_state, write_weights)
+from .state import (base_fingerprint, check_optimizer_state, check_param_groups, check_weights,
+                    full_weights, rng_problem, rng_state, set_rng_state, write_weights)
 from .undo import ROLLBACK_MODES, UndoCopy, copy_bytes, undo_units, undo_wanted
 
 
@@ -349,6 +349,7 @@ class Trainer:
         prepared = self._prepare(state["techniques"], fresh_optimizer=True)
         try:
             check_weights(self.model, state["weights"], state["full_weights"])
+            check_param_groups(prepared.optimizer, state["optimizer"]["param_groups"])
             prepared.optimizer.load_state_dict(state["optimizer"])
             check_optimizer_state(prepared.optimizer)  # torch's load does not check shapes
             stream = prepared.stream

@@ -737,6 +737,19 @@ def runfile_out_holds_other_files(folder):
     _cli_refusal(code, shown)
 
 
+@case("refused:ValueError", "did not write")
+def runfile_out_holds_a_foreign_metrics_file(folder):
+    """A metrics.jsonl alone does not make a folder nbtune's (only its marker, run.yaml or a
+    checkpoint does): resuming into it is refused and the file kept."""
+    (folder / "out").mkdir()
+    (folder / "out" / "metrics.jsonl").write_text('{"step": 1}\n')
+    code, shown = _train_cli(_run_file(folder, "demo: tiny\nrun: {steps: 1}\n"), "--out",
+                             folder / "out", "--resume")
+    assert (folder / "out" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert sorted(p.name for p in (folder / "out").iterdir()) == ["metrics.jsonl"]
+    _cli_refusal(code, shown)
+
+
 @case("accepted")
 def runfile_out_folders_nbtune_made_are_reused(folder):
     """An output folder is reused when nbtune made it: resuming from its own run.yaml copy, a

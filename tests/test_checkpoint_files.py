@@ -324,6 +324,11 @@ FIELD_DAMAGE = {
                            r"the field 'history\[1\]\.usage\.peak' is negative"),
     "techniques": (_set("techniques", "lr", "fast"), r"the field 'techniques' does not hold valid techniques \(lr"),
     "params": (_set("optimizer", "param_groups", 0, "params", ["a"]), r"the field 'optimizer\.param_groups\[0\]\.params'"),
+    # torch's load_state_dict would copy these over the run's own settings
+    "betas": (_set("optimizer", "param_groups", 0, "betas", [0.9]), r"the field 'optimizer\.param_groups\[0\]\.betas' is \[0\.9\]"),
+    "eps": (_set("optimizer", "param_groups", 0, "eps", "tiny"), r"the field 'optimizer\.param_groups\[0\]\.eps' is 'tiny'"),
+    "planted-setting": (_set("optimizer", "param_groups", 0, "planted", 1), r"the field 'optimizer\.param_groups\[0\]' holds \["),
+    "groups": (_set("optimizer", "param_groups", []), r"param_groups are 0 groups, but this run's optimizer has 1"),
     "files": (_set("files", "weights", "weights.safetensors"), r"the field 'files\.weights' is str"),
     "fingerprint": (_set("base_fingerprint", None), r"the field 'base_fingerprint' is NoneType None"),
 }

@@ -1,5 +1,6 @@
 """Session behaviour: steps, equal maths of the techniques, live changes, generation."""
 
+import dataclasses
 import io
 
 import pytest
@@ -296,3 +297,21 @@ def test_a_default_seq_len_follows_a_shorter_model_context_and_a_chosen_one_is_r
     with pytest.raises(ValueError, match=rf"set seq_len <= {limit}"):
         nt.Session.from_pretrained(demo_model_dir(), demo_data_file("train"),
                                    techniques=nt.Techniques(method="lora", seq_len=limit + 64))
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_naming_both_sizes():
+    """Refused when the session is made, not at the first id past the embedding."""
+    from nbtune.models import Tokenizer, demo_model_dir
+    from nbtune.models.config import ModelConfig
+    from nbtune.models.decoder import CausalLM
+    from nbtune.session import demo_data_file
+
+    tokenizer = Tokenizer.from_folder(demo_model_dir())
+    ids = tokenizer.backend.get_vocab_size(with_added_tokens=True)
+    config = ModelConfig.from_file(demo_model_dir() / "config.json")
+    small = CausalLM(dataclasses.replace(config, vocab_size=ids - 10))
+    with pytest.raises(ValueError, match=rf"tokenizer has {ids:,} tokens but the model's embedding "
+                                         rf"has {ids - 10:,} rows"):
+        nt.Session(small, tokenizer, demo_data_file("train"), device="cpu")
+    fits = CausalLM(dataclasses.replace(config, vocab_size=ids))  # padded or equal: accepted
+    assert nt.Session(fits, tokenizer, demo_data_file("train"), device="cpu").model is fits

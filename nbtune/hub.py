@@ -21,6 +21,20 @@ def _offline_error(what: str, err: Exception) -> FileNotFoundError:
         f"HF_HUB_OFFLINE), or pass a local path instead. ({err.__class__.__name__})")
 
 
+def check_repo_id(repo_id: str, what: str = "Hub repo id") -> str:
+    """``repo_id`` if the Hub would accept it (huggingface_hub's own rule), else nbtune's error
+    saying what a repo id looks like (before anything is fetched or created)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ValueError(f"{repo_id!r} is not a valid {what} ({err}). A repo id is 'owner/name': "
+                         "letters, digits, '-', '_' and '.', no '--' or '..', not starting or "
+                         "ending with '-' or '.', at most 96 characters.") from None
+    return repo_id
+
+
 def resolve_model_folder(path_or_id: str | os.PathLike, revision: str | None = None,
                          files: list[str] = MODEL_FILES) -> Path:
     """A local folder as is; otherwise a Hub repo id fetched (``files``: by default
@@ -36,6 +50,7 @@ def resolve_model_folder(path_or_id: str | os.PathLike, revision: str | None = N
         raise FileNotFoundError(
             f"{name!r} is neither a model folder nor a Hub repo id ('owner/name'). "
             "Give a folder holding config.json and *.safetensors, or a repo id.")
+    check_repo_id(name, "model folder or Hub repo id")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -58,7 +73,7 @@ def parse_datasets_url(spec: str) -> tuple[str, str | None, str]:
                          "'hf://datasets/owner/name/path/in/repo.jsonl' (optionally name@revision).")
     owner, name, filename = parts
     name, _, revision = name.partition("@")
-    return f"{owner}/{name}", unquote(revision) or None, filename
+    return check_repo_id(f"{owner}/{name}", "Hub dataset id"), unquote(revision) or None, filename
 
 
 def resolve_data_file(spec: str | os.PathLike, revision: str | None = None) -> Path:
@@ -92,6 +107,7 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, *, private: bool | None
     its Ollama Modelfile: those two files only) is accepted, so nothing else in a working
     folder is uploaded by mistake.
     """
+    check_repo_id(repo_id)  # before the folder is read or the Hub reached
     folder = Path(folder)
     is_model = (folder / "config.json").exists() and any(folder.glob("*.safetensors"))
     is_adapter = (folder / "adapter_config.json").exists() and (folder / "adapter_model.safetensors").exists()

@@ -462,8 +462,9 @@ class Session:
         Modelfile) to a temporary folder and publish it; returns the commit URL."""
         import tempfile
 
-        from .hub import push_to_hub
+        from .hub import check_repo_id, push_to_hub
 
+        check_repo_id(repo_id)  # before the save, which may take minutes
         with tempfile.TemporaryDirectory() as tmp:
             folder = self.save(Path(tmp) / "upload", merge=merge, format=format,
                                quantization=quantization)

@@ -172,3 +172,28 @@ def test_data_specs_parse_and_local_paths_stay_local(tmp_path):
         resolve_data_file("hf://datasets/only-name/a.jsonl")
     with pytest.raises(ValueError, match="give one"):
         resolve_data_file("hf://datasets/o/n@v1/a.jsonl", revision="v2")
+
+
+@pytest.mark.parametrize("repo_id", ["owner/na..me", "owner/name--x", "owner/name/extra", "-owner/name"])
+def test_a_malformed_repo_id_gets_nbtunes_error_before_anything_is_fetched_or_written(
+        repo_id, tmp_path, monkeypatch):
+    """huggingface_hub's own rule decides; the message says what a repo id looks like."""
+    import huggingface_hub
+
+    import nbtune.hub
+    from helpers import small_session
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda **kwargs: pytest.fail("the Hub was reached"))
+    said = "is not a valid .*A repo id is 'owner/name'"
+    with pytest.raises(ValueError, match=said):
+        nbtune.hub.push_to_hub(tmp_path, repo_id)  # (an empty folder: refused for the id first)
+    session = small_session()
+    monkeypatch.setattr(type(session), "save", lambda *a, **k: pytest.fail("saved first"))
+    with pytest.raises(ValueError, match=said):
+        session.push_to_hub(repo_id)
+    if repo_id.count("/") == 1:
+        with pytest.raises(ValueError, match=said):
+            nbtune.hub.resolve_model_folder(repo_id)
+        owner, name = repo_id.split("/")
+        with pytest.raises(ValueError, match=said):
+            nbtune.hub.parse_datasets_url(f"hf://datasets/{owner}/{name}/train.jsonl")

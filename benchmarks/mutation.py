@@ -458,6 +458,11 @@ MUTANTS: list[Mutant] = [
            "    if ids > rows:  # else",
            "    if False:  # else",
            (T + "test_session.py::test_a_tokenizer_larger_than_the_embedding_is_refused_naming_both_sizes",)),
+    Mutant("untrue message", "a read-only or full disk raises the raw OS error",
+           "nbtune/atomic.py",
+           "        if fix is None or not near:",
+           "        if True:",
+           (T + "test_atomic_save.py::test_a_read_only_or_full_disk_is_one_sentence_and_leaves_nothing",)),
 ]
 
 

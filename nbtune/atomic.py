@@ -45,7 +45,8 @@ try:
 except ImportError:  # Windows
     fcntl = None
 
-__all__ = ["write_atomically", "write_file_atomically", "looks_like_a_save", "recover", "remove_stale_temporaries"]
+__all__ = ["write_atomically", "write_file_atomically", "looks_like_a_save", "recover",
+           "remove_stale_temporaries", "SaveFailed"]
 
 RENAME_EXCHANGE = 2  # <linux/fs.h>
 TMP_TAG, OLD_TAG = "nbtune-tmp", "nbtune-old"
@@ -411,6 +412,45 @@ def _usual_modes(root: Path) -> None:
             path.chmod(mode)
 
 
+class SaveFailed(OSError):
+    """The file system refused a save: one sentence naming the path and the fix."""
+
+
+# What the file system said, and what to do about it: a notebook shows one sentence, not
+# "[Errno 30] Read-only file system: '.../.out.nbtune-tmp-...'".
+_FIXES = {
+    errno.EACCES: "there is no permission to write in {parent}: choose a folder you can write to",
+    errno.EPERM: "there is no permission to write in {parent}: choose a folder you can write to",
+    errno.EROFS: "the file system holding {parent} is read-only: choose a folder on a writable disk",
+    errno.ENAMETOOLONG: ("the name is longer than the file system there allows (at most {most} "
+                         "bytes a name): choose a shorter name"),
+    errno.ENOSPC: "the disk holding {parent} is full: free space there or choose another disk",
+    errno.EDQUOT: "the disk quota for {parent} is used up: free space there or choose another disk",
+}
+
+
+@contextlib.contextmanager
+def _said_plainly(target: Path):
+    """Turn the file system's refusal of a save into ``SaveFailed``: the path and the fix."""
+    try:
+        yield
+    except SaveFailed:
+        raise
+    except OSError as err:
+        fix = _FIXES.get(err.errno)
+        where = Path(os.path.abspath(err.filename)) if isinstance(err.filename, str) else None
+        near = where is None or where == target.parent or target.parent in where.parents \
+            or where in target.parent.parents  # the save's own paths, not a file it reads
+        if fix is None or not near:
+            raise
+        try:
+            most = os.pathconf(target.parent if target.parent.exists() else "/", "PC_NAME_MAX")
+        except (OSError, ValueError):
+            most = 255
+        raise SaveFailed(f"Cannot save to {target}: {fix.format(parent=target.parent, most=most)}.") \
+            from None
+
+
 def write_atomically(folder: str | os.PathLike, write: Callable[[Path], object]) -> Path:
     """Run ``write(tmp_dir)``, then put tmp_dir in place of ``folder`` in one step.
 
@@ -423,6 +463,11 @@ def write_atomically(folder: str | os.PathLike, write: Callable[[Path], object])
     target = Path(os.path.abspath(given))
     if not target.name:
         raise ValueError(f"Cannot save to {given}: choose a folder path, not the filesystem root.")
+    with _said_plainly(target):
+        return _write_atomically(given, target, write)
+
+
+def _write_atomically(given: Path, target: Path, write: Callable[[Path], object]) -> Path:
     _check_target(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(target)

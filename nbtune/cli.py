@@ -165,14 +165,15 @@ def _one_message(err: BaseException) -> str:
 
 
 def run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from . import runfile
-
-    overrides = {}
+    pairs = []
     for item in args.set:
         key, sep, value = item.partition("=")
-        if not sep or not key:
+        if not sep or not key:  # answered before torch is imported
             parser.error(f"--set {item!r}: write FIELD=VALUE, e.g. --set techniques.lr=1e-4")
-        overrides[key.strip()] = runfile.parse_value(value)
+        pairs.append((key.strip(), value))
+    from . import runfile
+
+    overrides = {key: runfile.parse_value(value) for key, value in pairs}  # as the file reads them
     if args.steps is not None:
         overrides.update({"run.steps": args.steps, "run.epochs": None})
     if args.epochs is not None:

@@ -160,6 +160,41 @@ def session():
     return small_session()
 
 
+def test_a_name_too_long_for_the_file_system_is_one_sentence_and_leaves_nothing(tmp_path, session):
+    """The file system's ENAMETOOLONG, as a notebook shows it: the path and the fix."""
+    target = tmp_path / ("m" * 300)
+    with pytest.raises(atomic.SaveFailed, match=r"Cannot save to .*mmm: the name is longer than the "
+                                                r"file system there allows \(at most 255 bytes a name\): "
+                                                r"choose a shorter name\.$") as refused:
+        session.save(target)
+    assert "Errno" not in str(refused.value) and isinstance(refused.value, OSError)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("code,fix", [(errno.EROFS, "is read-only: choose a folder on a writable disk"),
+                                      (errno.EACCES, "there is no permission to write in"),
+                                      (errno.ENOSPC, "is full: free space there")])
+def test_a_read_only_or_full_disk_is_one_sentence_and_leaves_nothing(tmp_path, session, monkeypatch,
+                                                                     code, fix):
+    """A read-only mount cannot be made here (root ignores modes): the file system's own
+    error is raised where a save first writes, the temporary folder's creation."""
+    real = os.mkdir
+
+    def refuse(path, *args, **kwargs):
+        if ".nbtune-tmp-" in str(path):
+            raise OSError(code, os.strerror(code), str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", refuse)
+    with pytest.raises(atomic.SaveFailed, match=rf"Cannot save to {tmp_path / 'out'}: .*{fix}") as refused:
+        session.save(tmp_path / "out")
+    assert "Errno" not in str(refused.value)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(os, "mkdir", real)
+    session.save(tmp_path / "out")  # and once the disk takes it, the save is whole
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file() or (tmp_path / "out" / "config.json").is_file()
+
+
 def test_session_save_refuses_a_file_and_a_foreign_folder(tmp_path, session):
     notes = tmp_path / "notes.txt"
     notes.write_text("keep me")

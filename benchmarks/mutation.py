@@ -463,6 +463,11 @@ MUTANTS: list[Mutant] = [
            "        if fix is None or not near:",
            "        if True:",
            (T + "test_atomic_save.py::test_a_read_only_or_full_disk_is_one_sentence_and_leaves_nothing",)),
+    Mutant("off-by-one", "the last step is checkpointed only on the interval (5 steps every 2: step 4)",
+           "nbtune/headless.py",
+           "                if every and (report.step % every == 0 or report.step == total):",
+           "                if every and report.step % every == 0:",
+           (T + "test_runfile.py::test_a_last_step_off_the_checkpoint_interval_is_checkpointed_and_a_finished_run_resumes_to_nothing",)),
 ]
 
 

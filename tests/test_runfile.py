@@ -213,6 +213,21 @@ def test_nbtune_train_is_the_notebook_step_and_writes_metrics_checkpoints_and_sa
     assert len(_metrics(out)) == 4
 
 
+def test_a_last_step_off_the_checkpoint_interval_is_checkpointed_and_a_finished_run_resumes_to_nothing(
+        tmp_path):
+    """5 steps, a checkpoint every 2: the run ends with a checkpoint at step 5 (not 4), so
+    --resume with the same step count trains no step, and a longer one starts at step 6."""
+    session_in_code().save_config(tmp_path / "run.yaml", steps=5, checkpoint_every=2)
+    out = tmp_path / "out"
+    assert _train(tmp_path / "run.yaml", out) == 0
+    assert [p.name for p in headless.checkpoints(out)][-1] == "step-00000005"
+    before = (out / "metrics.jsonl").read_text()
+    assert _train(tmp_path / "run.yaml", out, "--resume") == 0
+    assert (out / "metrics.jsonl").read_text() == before  # no step trained, none logged
+    assert _train(tmp_path / "run.yaml", out, "--resume", "--steps", "6") == 0
+    assert [m["step"] for m in _metrics(out)] == [1, 2, 3, 4, 5, 6]
+
+
 def test_interrupted_then_resumed_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     session_in_code().save_config(tmp_path / "run.yaml", steps=6, checkpoint_every=4)
     assert _train(tmp_path / "run.yaml", tmp_path / "whole") == 0

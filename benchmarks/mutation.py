@@ -468,6 +468,16 @@ MUTANTS: list[Mutant] = [
            "                if every and (report.step % every == 0 or report.step == total):",
            "                if every and report.step % every == 0:",
            (T + "test_runfile.py::test_a_last_step_off_the_checkpoint_interval_is_checkpointed_and_a_finished_run_resumes_to_nothing",)),
+    Mutant("wrong order", "out-of-memory advice lists maths-changing moves as readily as exact ones",
+           "nbtune/predict/advice.py",
+           "    found.sort(key=lambda s: (s.fits is False, not s.exact))",
+           "    found.sort(key=lambda s: s.fits is False)",
+           (T + "test_predictor.py::test_an_exact_change_is_advised_before_a_maths_changing_one_and_adapt_applies_it",)),
+    Mutant("wrong order", "on_oom='adapt' applies the last suggestion, not the first",
+           "nbtune/runner.py",
+           "                best, adapted = err.suggestions[0], adapted + 1",
+           "                best, adapted = err.suggestions[-1], adapted + 1",
+           (T + "test_predictor.py::test_an_exact_change_is_advised_before_a_maths_changing_one_and_adapt_applies_it",)),
 ]
 
 

@@ -163,3 +163,39 @@ def test_the_advice_offers_the_moves_it_always_did():
         (("dtype", "bf16"),): False, (("method", "lora"),): False}
     on_cpu = [c for c, _ in single_moves(nt.Techniques(method="lora", batch_size=1), "cpu")]
     assert {"activation_offloading": True} not in on_cpu and {"method": "qlora"} in on_cpu
+
+
+def test_an_exact_change_is_advised_before_a_maths_changing_one_and_adapt_applies_it(monkeypatch, capsys):
+    """Out of memory with both kinds predicted to fit: the exact change (checkpointing, smaller
+    micro-batches) comes first whatever order the moves are tried in (here reversed, the
+    maths-changing ones first), and run(on_oom="adapt") applies that one and goes on."""
+    import torch
+
+    import nbtune.oom
+    import nbtune.predict.advice as advice
+    from helpers import small_session
+
+    moves = advice.single_moves
+    monkeypatch.setattr(advice, "single_moves", lambda t, device: list(reversed(list(moves(t, device)))))
+    monkeypatch.setattr(nbtune.oom, "budget", lambda device: 1 << 40)  # every change fits
+    session = small_session(method="full")
+    before = session.techniques
+    _, found = advice.suggest(session.model.config, before, torch.device("cpu"), (4, 96), 1 << 40)
+    assert [s.exact for s in found] == sorted((s.exact for s in found), reverse=True)
+    assert found[0].exact and not found[-1].exact and all(s.fits for s in found)
+    fired = []
+
+    def out_of_memory(module, args):
+        if not fired:
+            fired.append(1)
+            raise torch.OutOfMemoryError("injected")
+
+    handle = session.model.model.layers[0].register_forward_pre_hook(out_of_memory)
+    reports = session.run(2, on_oom="adapt", progress=False, live=False)
+    handle.remove()
+    assert fired and len(reports) == 2
+    changed = session.techniques.changed(before)
+    assert changed and {k: getattr(session.techniques, k) for k in changed} == found[0].changes
+    assert (session.techniques.optimizer, session.techniques.dtype, session.techniques.method) == \
+        (before.optimizer, before.dtype, before.method)
+    assert f"set {found[0].label}" in capsys.readouterr().out

@@ -478,6 +478,11 @@ MUTANTS: list[Mutant] = [
            "                best, adapted = err.suggestions[0], adapted + 1",
            "                best, adapted = err.suggestions[-1], adapted + 1",
            (T + "test_predictor.py::test_an_exact_change_is_advised_before_a_maths_changing_one_and_adapt_applies_it",)),
+    Mutant("wrong bound", "fit compares a CUDA start with the whole card, not its usable part",
+           "nbtune/predict/search.py",
+           "    room = usable(limit, target, reserve, margin)\n    space =",
+           "    room = limit\n    space =",
+           (T + "test_fit.py::test_fit_with_the_default_reserve_and_margin_does_not_call_a_start_fitting_that_only_the_whole_card_holds",)),
 ]
 
 

@@ -598,3 +598,19 @@ def test_fit_rules_out_by_reach_and_finds_the_same_answer(stand_in, monkeypatch)
     unbounded = answers()
     assert [t for t, _ in bounded] == [t for t, _ in unbounded]
     assert sum(n for _, n in bounded) < sum(n for _, n in unbounded)
+
+
+def test_fit_with_the_default_reserve_and_margin_does_not_call_a_start_fitting_that_only_the_whole_card_holds():
+    """A CUDA card keeps its context and an allocator margin apart (``usable``): a start whose
+    predicted need lies between the usable part and the whole card does not fit, and the
+    combination chosen fits the usable part (most tests pass reserve=0, margin=0, where the
+    two bounds coincide)."""
+    start = nt.Techniques(method="lora", dtype="bf16", batch_size=4, seq_len=1024)
+    need = required(Predictor.of("llama-3.2-1b", "cuda").estimate(start))
+    card = need + CUDA_CONTEXT // 2  # the start fits the whole card, not its usable part
+    room = usable(card, "cuda")
+    assert room < need < card
+    result = nt.fit("llama-3.2-1b", card, start, device="cuda")
+    assert result.usable == room and result.tried[0].changes == {} and result.tried[0].fits is False
+    assert result.techniques is not None and result.changes and result.peak <= room
+    assert nt.fit("llama-3.2-1b", card, start, device="cuda", reserve=0, margin=0).changes == {}

@@ -483,6 +483,11 @@ MUTANTS: list[Mutant] = [
            "    room = usable(limit, target, reserve, margin)\n    space =",
            "    room = limit\n    space =",
            (T + "test_fit.py::test_fit_with_the_default_reserve_and_margin_does_not_call_a_start_fitting_that_only_the_whole_card_holds",)),
+    Mutant("wrong bound", "the undo copy's host check forgets what the step itself puts on the host",
+           "nbtune/trainer.py",
+           "        room = host.room(held=self._undo.nbytes, reserve=self._host_reserve(t)) if wanted else None",
+           "        room = host.room(held=self._undo.nbytes) if wanted else None",
+           (T + "test_host.py::test_the_undo_copys_host_check_counts_what_the_step_itself_puts_on_the_host",)),
 ]
 
 

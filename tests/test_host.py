@@ -183,3 +183,33 @@ def test_gguf_export_bytes_are_what_the_writer_holds(monkeypatch, tmp_path):
     predicted = nt.estimate(config, session.techniques, device="cuda").host
     converting = config.vocab_size * config.hidden_size * 4  # the largest tensor, in float32
     assert predicted.gguf == sum(held) + converting
+
+
+@pytest.mark.parametrize("rollback", ["auto", "copy"])
+def test_the_undo_copys_host_check_counts_what_the_step_itself_puts_on_the_host(monkeypatch, capsys,
+                                                                               rollback):
+    """Free host memory stubbed so the copy fits alone but not beside the step's own host use
+    (offloaded activations, paged state: ``_host_reserve``): "auto" keeps no copy and says so;
+    "copy" is refused with HostMemoryError before the step changes anything."""
+    from nbtune.trainer import HostMemoryError, Trainer
+
+    session = small_session()  # a new optimizer's first step: the copy is wanted on a CPU too
+    session.rollback = rollback
+    size = copy_bytes(undo_units(session.model, session.optimizer))
+    assert size > 0
+    slack = size // 4  # the copy fits with this to spare...
+    monkeypatch.setattr(host, "available", lambda root=None: size + slack + host.margin(host.total()))
+    monkeypatch.setattr(Trainer, "_host_reserve", lambda self, t: 2 * slack)  # ...but not beside this
+    if rollback == "copy":
+        with pytest.raises(HostMemoryError, match="rollback='copy' needs a host copy"):
+            session.step()
+        assert session.history == []
+    else:
+        session.step()
+        assert session.trainer.last_undo_bytes == 0
+        assert "no undo copy is kept for this update" in capsys.readouterr().out
+    monkeypatch.setattr(Trainer, "_host_reserve", lambda self, t: slack // 2)  # now it fits beside it
+    fresh = small_session()
+    fresh.rollback = rollback
+    fresh.step()
+    assert fresh.trainer.last_undo_bytes == size

@@ -488,6 +488,11 @@ MUTANTS: list[Mutant] = [
            "        room = host.room(held=self._undo.nbytes, reserve=self._host_reserve(t)) if wanted else None",
            "        room = host.room(held=self._undo.nbytes) if wanted else None",
            (T + "test_host.py::test_the_undo_copys_host_check_counts_what_the_step_itself_puts_on_the_host",)),
+    Mutant("wrong bound", "a chat template's output limit counts only flat string contents",
+           "nbtune/template/budget.py",
+           "                        total += len(part) + _ITEM if type(part) is str else _units(part, 1 << 62)",
+           "                        total += len(part) + _ITEM if type(part) is str else 0",
+           (T + "test_template_budget.py::test_a_conversation_over_4_mib_in_text_parts_and_long_tools_renders_as_jinja_does",)),
 ]
 
 

@@ -37,7 +37,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 # ---- the unbudgeted reference: nbtune's environment before the budget -------------------
 
-def reference_render(source: str, messages: list[dict], add_generation_prompt=False,
+def reference_render(source: str, messages: list[dict], add_generation_prompt=False, tools=None,
                      **tokens) -> str:
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -51,7 +51,7 @@ def reference_render(source: str, messages: list[dict], add_generation_prompt=Fa
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source).render(messages=messages, tools=None, documents=None,
+    return env.from_string(source).render(messages=messages, tools=tools, documents=None,
                                           add_generation_prompt=add_generation_prompt, **tokens)
 
 
@@ -226,6 +226,33 @@ def test_a_long_conversation_raises_the_output_limit_with_it():
     template = compile_chat_template(SMOLLM2, "chat_template.jinja")
     assert template.render(messages=messages, add_generation_prompt=True) == \
         reference_render(SMOLLM2, messages, True)
+
+
+# Content as a list of typed parts (the multimodal chat format) and tool definitions, as
+# Llama 3.1 / Qwen 2.5 templates take them.
+PARTS_AND_TOOLS = """{%- if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>{% endif %}
+{%- for message in messages %}<|{{ message.role }}|>
+{%- if message.content is string %}{{ message.content }}
+{%- else %}{% for part in message.content %}{% if part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}
+{%- endif %}<|end|>
+{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"""
+
+
+def test_a_conversation_over_4_mib_in_text_parts_and_long_tools_renders_as_jinja_does():
+    """The output limit grows with the input, counted through nested parts and tool
+    definitions too: a 6 MiB conversation of parts plus 1 MiB of tools is no hostile template."""
+    parts = [{"type": "text", "text": "z" * (1 << 20)} for _ in range(6)] + [{"type": "image"}]
+    messages = [{"role": "user", "content": parts}, {"role": "assistant", "content": "ok"}]
+    tools = [{"type": "function", "function": {"name": f"tool{i}", "description": "d" * (1 << 17),
+                                               "parameters": {"type": "object", "properties": {
+                                                   "x": {"type": "string", "enum": ["a"] * 64}}}}}
+             for i in range(8)]
+    expected = reference_render(PARTS_AND_TOOLS, messages, True, tools=tools)
+    assert len(expected) > 7 << 20
+    template = compile_chat_template(PARTS_AND_TOOLS, "chat_template.jinja")
+    assert template.render(messages=messages, tools=tools, documents=None,
+                           add_generation_prompt=True) == expected
 
 
 def test_smollm2_template_is_the_one_in_its_gguf():

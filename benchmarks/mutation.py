@@ -493,6 +493,11 @@ MUTANTS: list[Mutant] = [
            "                        total += len(part) + _ITEM if type(part) is str else _units(part, 1 << 62)",
            "                        total += len(part) + _ITEM if type(part) is str else 0",
            (T + "test_template_budget.py::test_a_conversation_over_4_mib_in_text_parts_and_long_tools_renders_as_jinja_does",)),
+    Mutant("lost state", "a LoRA run keeps no restore copy: recover() has only a checkpoint or nothing",
+           "nbtune/trainer.py",
+           "        if self.parallel is not None or self.base_changed or not has_lora(self.model):\n            return\n        if not self._kept.due",
+           "        if True:\n            return\n        if not self._kept.due",
+           (T + "test_faults.py::test_a_lora_run_recovers_to_its_last_step_from_the_copy_kept_in_host_memory",)),
 ]
 
 

@@ -49,7 +49,7 @@ from .step import NonFiniteError, StepContext, StepOptions, StepReport, held_out
 from .techniques import Techniques
 from .state import (base_fingerprint, check_optimizer_state, check_param_groups, check_weights,
                     full_weights, rng_problem, rng_state, set_rng_state, write_weights)
-from .undo import ROLLBACK_MODES, UndoCopy, copy_bytes, undo_units, undo_wanted
+from .undo import ROLLBACK_MODES, RestoreCopy, UndoCopy, copy_bytes, undo_units, undo_wanted
 
 
 
@@ -130,6 +130,8 @@ class Trainer:
         self.damaged: str | None = None  # why the state cannot be trusted, after a failed update
         self.base, self.base_name = base, base_name
         self.checkpoint: RestorePoint | None = None  # the last checkpoint saved or loaded
+        self._kept = RestoreCopy()  # a LoRA run's state after a recent step, in host memory
+        self._kept_said = False
         self.last_memory: MemoryBreakdown | None = None
         self.last_undo_bytes = 0  # host bytes the last step's undo copy held
         self._undo = UndoCopy(device)
@@ -144,6 +146,9 @@ class Trainer:
     @property
     def restore_point(self) -> RestorePoint | None:
         """The newest state the run can return to without a copy in memory, or None."""
+        kept = self._kept.state is not None and (self.checkpoint is None or self._kept.step > self.checkpoint.step)
+        if kept:
+            return RestorePoint(self._kept.step, "a copy of the trainable state kept in host memory")
         if self.checkpoint is not None:
             return self.checkpoint
         if self.base is not None and self.parallel is None and self.techniques.method == "full":
@@ -253,6 +258,7 @@ class Trainer:
             report = replace(report, memory=replace(report.memory, eval_peak=self._eval_peak))
         self.base_changed |= t.method == "full"
         self.history.append(report)
+        self._keep(report)
         if t.eval_every and number % t.eval_every == 0 and not self._interrupted:
             report = self._evaluate(report, track, t)
         if self._interrupted:  # Ctrl-C arrived while the update was being written: now it counts
@@ -367,6 +373,7 @@ class Trainer:
                                 "(or a checkpoint) again to continue.")
                 raise
             self._commit(replace(prepared, base_changed=state["base_changed"]), quiet=True)
+            self._kept.drop()  # from another timeline than the state now loaded
             self.history = list(state["history"])
             set_rng_state(state["rng"])
             self.damaged = None
@@ -384,7 +391,11 @@ class Trainer:
                 "There is no state to recover to: no checkpoint was saved or loaded, and the "
                 "base weights cannot be read again (a LoRA session, or a model built in code). "
                 "Load a state you kept (load_state_dict / load_checkpoint).")
-        if point.folder is not None:
+        if point.folder is None and self._kept.state is not None and point.step == self._kept.step:
+            kept = self._kept.state
+            self.load_state_dict(self._kept.copy())  # (drops the kept copy: it is still good)
+            self._kept.state, self._kept.step = kept, point.step
+        elif point.folder is not None:
             from .checkpoint import read_training_checkpoint
 
             if not Path(point.folder).is_dir():
@@ -418,6 +429,7 @@ class Trainer:
             self.optimizer, self.stream, self._new_optimizer = optimizer, stream, True
             self.history, self.base_changed, self.damaged = [], False, None
             self.last_memory, self._eval_peak = None, None
+            self._kept.drop()
             set_rng_state(self._start_rng)
         self._undo.release()
         if self._interrupted:
@@ -487,6 +499,21 @@ class Trainer:
             raise DamagedStateError(self.damaged)
 
     # ---- one step's undo -----------------------------------------------------------------
+
+    def _keep(self, report: StepReport) -> None:
+        """After a completed step of a LoRA run (one process): refresh the restore copy in host
+        memory when due and where the host has room (else said once)."""
+        if self.parallel is not None or self.base_changed or not has_lora(self.model):
+            return
+        if not self._kept.due(len(self.history)):
+            return
+        room = host.room(held=self._undo.nbytes)
+        if not self._kept.keep(self.state_dict(), len(self.history), room, report.seconds) \
+                and not self._kept_said:
+            self._kept_said = True
+            self.notes.append("no restore copy is kept in host memory (it does not fit there): "
+                              "a failure half-way through an update recovers to the last "
+                              "checkpoint; save one now and then (session.save_checkpoint).")
 
     def _mark(self) -> dict:
         return {"data": self.stream.state_dict(), "rng": rng_state(),

@@ -209,3 +209,68 @@ def _put(noted):
         value.update(restored)
         return value
     return value
+
+
+class RestoreCopy:
+    """A LoRA run's whole training state after a completed step, kept in host memory, so that
+    ``recover()`` after a half-written update returns there rather than to the last
+    checkpoint or step 0. It is small (the adapters and their optimizer state, not the base),
+    kept only where the host has room for it, and refreshed at most as often as keeps its
+    copying under ``SHARE`` of the training time."""
+
+    SHARE = 0.02
+
+    def __init__(self) -> None:
+        self.state: dict | None = None
+        self.step, self.nbytes, self.every = 0, 0, 1
+
+    def due(self, step: int) -> bool:
+        return self.state is None or step - self.step >= self.every
+
+    def keep(self, state: dict, step: int, room: int | None, step_seconds: float) -> bool:
+        """Copy ``state`` (``Trainer.state_dict``'s, by reference) to host memory; False (and
+        nothing kept) where the host has no room for it."""
+        import math
+        import time
+
+        size = storage_bytes(list(_tensors(state)))
+        if room is not None and size > room + self.nbytes:
+            self.drop()
+            return False
+        began = time.perf_counter()
+        self.state = _to_host(state)
+        self.step, self.nbytes = step, size
+        spent = time.perf_counter() - began
+        self.every = max(1, math.ceil(spent / (self.SHARE * step_seconds))) if step_seconds > 0 else 1
+        return True
+
+    def copy(self) -> dict:
+        """The kept state, copied again (loading it must not alias what stays kept)."""
+        return _to_host(self.state)
+
+    def drop(self) -> None:
+        self.state, self.step, self.nbytes = None, 0, 0
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _to_host(value):
+    """``value`` with every tensor copied to host memory (containers rebuilt, the rest shared)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_host(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_host(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_to_host(v) for v in value)
+    return value

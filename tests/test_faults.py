@@ -1335,6 +1335,28 @@ def test_recover_without_a_checkpoint_reads_the_base_weights_again(monkeypatch):
     assert_same(next_step(session), want_next, "recovered to the base weights (next step)")
 
 
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_a_lora_run_recovers_to_its_last_step_from_the_copy_kept_in_host_memory(twins, monkeypatch,
+                                                                                method):
+    """No checkpoint saved: an update that fails half-way with no undo copy (the optimizer in
+    backward, "auto" on a CPU) leaves the session damaged, and recover() returns to the last
+    completed step (not step 0), exactly as a twin that never failed stands there."""
+    changes = dict(method=method, optimizer_in_backward=True, optimizer="adamw")
+    armed, _ = _in_backward_fault(monkeypatch, after=5)
+    session = prepared(3, **changes)
+    kept = session.trainer.restore_point.step  # refreshed at most as often as costs 2 % of the time
+    assert 1 <= kept <= 3
+    twin = twins.get(kept, **changes)
+    armed[0] = Fault("runtime")
+    with pytest.raises(RuntimeError):
+        session.step()
+    armed[0] = None
+    point = f"step {kept} (a copy of the trainable state kept in host memory)"
+    assert session.trainer.damaged and f"session.recover() returns to {point}" in session.trainer.damaged
+    assert session.recover() == point and len(session.history) == kept
+    assert_like_twin(session, twin, None, "recovered from the host copy")
+
+
 def test_recover_refuses_lora_without_a_checkpoint():
     session = _from_files(method="lora")
     with pytest.raises(ValueError, match="no state to recover to.*LoRA"):

@@ -6,7 +6,8 @@ import transformers
 
 import nbtune as nt
 
-COMMON = dict(vocab_size=101, hidden_size=64, intermediate_size=144, num_hidden_layers=2,
+# vocab_size: the byte tokenizer's 259 tokens (sessions on these models tokenize with it)
+COMMON = dict(vocab_size=259, hidden_size=64, intermediate_size=144, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               rms_norm_eps=1e-6)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,

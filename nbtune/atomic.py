@@ -413,7 +413,11 @@ def _usual_modes(root: Path) -> None:
 
 
 class SaveFailed(OSError):
-    """The file system refused a save: one sentence naming the path and the fix."""
+    """The file system refused a save: one sentence naming the path and the fix (``str``
+    is that sentence alone; ``errno`` and ``filename`` are the file system's)."""
+
+    def __str__(self) -> str:
+        return self.strerror
 
 
 # What the file system said, and what to do about it: a notebook shows one sentence, not
@@ -439,16 +443,19 @@ def _said_plainly(target: Path):
     except OSError as err:
         fix = _FIXES.get(err.errno)
         where = Path(os.path.abspath(err.filename)) if isinstance(err.filename, str) else None
-        near = where is None or where == target.parent or target.parent in where.parents \
-            or where in target.parent.parents  # the save's own paths, not a file it reads
+        # the save's own paths (the target, its temporary, the folders above), not a file
+        # it reads beside them (a model folder next to the output)
+        near = where is None or where == target or where == target.parent \
+            or where in target.parent.parents or TMP_TAG in where.name \
+            or any(TMP_TAG in part.name for part in where.parents)
         if fix is None or not near:
             raise
         try:
             most = os.pathconf(target.parent if target.parent.exists() else "/", "PC_NAME_MAX")
         except (OSError, ValueError):
             most = 255
-        raise SaveFailed(f"Cannot save to {target}: {fix.format(parent=target.parent, most=most)}.") \
-            from None
+        raise SaveFailed(err.errno, f"Cannot save to {target}: "
+                         f"{fix.format(parent=target.parent, most=most)}.", str(target)) from None
 
 
 def write_atomically(folder: str | os.PathLike, write: Callable[[Path], object]) -> Path:

@@ -158,6 +158,10 @@ BAD_INPUT = (ValueError, OSError)
 
 
 def _one_message(err: BaseException) -> str:
+    from .atomic import SaveFailed
+
+    if isinstance(err, SaveFailed):  # already one sentence with the path and the fix
+        return str(err)
     if isinstance(err, OSError) and err.strerror:
         return (f"{err.filename}: {err.strerror}. Check the path, that its folder exists and is "
                 "writable, and that the name is not too long.")

@@ -93,7 +93,10 @@ def explain(err: BaseException, phase: str | None, step: int, held: dict, config
             note = ("fits" if s.fits else "still too big") if s.fits is not None else ""
             kept = "same maths" if s.exact else "changes the maths slightly"
             lines.append(f"  {s.label}: {now} -> {format_bytes(s.peak)} ({kept}{', ' + note if note else ''})")
-        if parallel is None:
+        if damaged:
+            lines.append(f"Once session.recover() has brought the session back, apply one with "
+                         f"session.set({suggestions[0].label}).")
+        elif parallel is None:
             lines.append(f"Apply one with session.set({suggestions[0].label}), or run(n, "
                          "on_oom='adapt') to apply the first and go on.")
         else:

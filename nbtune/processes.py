@@ -140,6 +140,8 @@ class Processes:
         answers = [p.get() for p in pending]
         self.client.purge_local_results(pending)  # nothing kept per command in the kernel
         self.client.history.clear()
+        for engine in self._engines:
+            engine.history.clear()
         return answers
 
     def call(self, method: str, *args, **kwargs):

@@ -416,7 +416,8 @@ class Runner:
                     reports.append(stood)  # recorded before its evaluation failed
                 if not isinstance(err, OutOfMemory) or stood is not None:
                     raise
-                if on_oom != "adapt" or not err.suggestions or adapted == self.MAX_ADAPT:
+                if on_oom != "adapt" or not err.suggestions or adapted == self.MAX_ADAPT \
+                        or self.trainer.damaged:  # half-written: recover() first, not a retry
                     raise
                 best, adapted = err.suggestions[0], adapted + 1
                 self.say(f"out of memory in the {err.phase} phase: set {best.label} "

@@ -324,10 +324,11 @@ class Session:
 
     @_command()
     def recover(self) -> str:
-        """Return to the newest state reachable without a copy in memory, after an update
-        failed half-way with no undo copy (or at any time): the last checkpoint this session
-        saved or loaded, else step 0 (the base weights read again from the model's files in
-        place, a fresh optimizer, the data from its start). Returns what it returned to."""
+        """Return to the newest state the run can reach, after an update failed half-way with
+        no undo copy (or at any time): a LoRA run's restore copy in host memory (its state
+        after a recent step) or the last checkpoint this session saved or loaded, whichever is
+        newer, else step 0 (the base weights read again from the model's files in place, a
+        fresh optimizer, the data from its start). Returns what it returned to."""
         with self.runner.replacing():
             return str(self.trainer.recover())
 

@@ -143,7 +143,9 @@ def check_param_groups(optimizer: torch.optim.Optimizer, groups) -> None:
                                     f"run's optimizer has {len(ours)}")
     for i, (mine, saved) in enumerate(zip(ours, groups)):
         label = f"optimizer.param_groups[{i}]"
-        if not isinstance(saved, dict) or set(saved) != set(mine):
+        # a setting this torch's optimizer has and the file lacks is filled in by torch (an
+        # older torch wrote it); one the optimizer does not know is refused
+        if not isinstance(saved, dict) or not set(saved) <= set(mine) or "params" not in saved:
             held = sorted(saved) if isinstance(saved, dict) else repr(saved)
             raise OptimizerGroupsDiffer(f"the field {label!r} holds {held}, but this run's "
                                         f"optimizer holds the settings {sorted(mine)}")

@@ -63,9 +63,9 @@ class HostMemoryError(MemoryError):
 
 @dataclass(frozen=True)
 class RestorePoint:
-    """A state the run can return to without a copy in memory (``Session.recover``): a
-    training checkpoint saved or loaded (``folder``), or step 0, the base model's weights
-    as loaded from its files (``folder`` None)."""
+    """A state the run can return to (``Session.recover``): a training checkpoint saved or
+    loaded (``folder``), a LoRA run's restore copy in host memory (``undo.RestoreCopy``), or
+    step 0, the base model's weights as loaded from its files (``folder`` None for both)."""
 
     step: int
     description: str
@@ -145,8 +145,9 @@ class Trainer:
 
     @property
     def restore_point(self) -> RestorePoint | None:
-        """The newest state the run can return to without a copy in memory, or None."""
-        kept = self._kept.state is not None and (self.checkpoint is None or self._kept.step > self.checkpoint.step)
+        """The newest state the run can return to (see ``RestorePoint``), or None."""
+        kept = self._kept.state is not None and not self.base_changed and (
+            self.checkpoint is None or self._kept.step > self.checkpoint.step)
         if kept:
             return RestorePoint(self._kept.step, "a copy of the trainable state kept in host memory")
         if self.checkpoint is not None:
@@ -383,8 +384,9 @@ class Trainer:
             raise KeyboardInterrupt
 
     def recover(self) -> RestorePoint:
-        """Return to ``restore_point`` (the last checkpoint saved or loaded, else step 0 with
-        the base weights read again from their files, in place); returns it."""
+        """Return to ``restore_point`` (a LoRA run's restore copy or the last checkpoint saved
+        or loaded, whichever is newer, else step 0 with the base weights read again from
+        their files, in place); returns it."""
         point = self.restore_point
         if point is None:
             raise ValueError(
@@ -392,9 +394,9 @@ class Trainer:
                 "base weights cannot be read again (a LoRA session, or a model built in code). "
                 "Load a state you kept (load_state_dict / load_checkpoint).")
         if point.folder is None and self._kept.state is not None and point.step == self._kept.step:
-            kept = self._kept.state
+            kept = (self._kept.state, self._kept.step, self._kept.nbytes)
             self.load_state_dict(self._kept.copy())  # (drops the kept copy: it is still good)
-            self._kept.state, self._kept.step = kept, point.step
+            self._kept.state, self._kept.step, self._kept.nbytes = kept
         elif point.folder is not None:
             from .checkpoint import read_training_checkpoint
 
@@ -488,6 +490,8 @@ class Trainer:
         self.optimizer, self.stream, self.techniques = prepared.optimizer, prepared.stream, new
         self._eval_peak = None  # the next evaluation is measured: it shows what changed
         self.base_changed = prepared.base_changed
+        if self.base_changed:  # adapters merged: an adapters-only copy no longer loads
+            self._kept.drop()
         if prepared.journal is not None:
             prepared.journal.discard()
         if not quiet:
@@ -507,9 +511,13 @@ class Trainer:
             return
         if not self._kept.due(len(self.history)):
             return
-        room = host.room(held=self._undo.nbytes)
-        if not self._kept.keep(self.state_dict(), len(self.history), room, report.seconds) \
-                and not self._kept_said:
+        try:  # the step has counted: a failed copy only loses the copy
+            room = host.room(held=self._kept.nbytes, reserve=self._host_reserve(self.techniques))
+            kept = self._kept.keep(self.state_dict(), len(self.history), room, report.seconds)
+        except Exception:  # noqa: BLE001 - (out of host memory while copying)
+            self._kept.drop()
+            kept = False
+        if not kept and not self._kept_said:
             self._kept_said = True
             self.notes.append("no restore copy is kept in host memory (it does not fit there): "
                               "a failure half-way through an update recovers to the last "

@@ -234,8 +234,8 @@ class RestoreCopy:
         import time
 
         size = storage_bytes(list(_tensors(state)))
-        if room is not None and size > room + self.nbytes:
-            self.drop()
+        self.drop()  # the old copy goes first: never two in host memory at once
+        if room is not None and size > room:
             return False
         began = time.perf_counter()
         self.state = _to_host(state)

@@ -1357,6 +1357,18 @@ def test_a_lora_run_recovers_to_its_last_step_from_the_copy_kept_in_host_memory(
     assert_like_twin(session, twin, None, "recovered from the host copy")
 
 
+def test_merging_the_adapters_drops_the_host_restore_copy():
+    """An adapters-only copy no longer loads once the adapters are merged into the base (a
+    new LoRA shape merges them): recover() must not offer it."""
+    session = prepared(2, method="lora")
+    assert "kept in host memory" in str(session.trainer.restore_point)
+    session.set(lora_rank=4)
+    assert session.trainer.base_changed
+    assert "kept in host memory" not in str(session.trainer.restore_point)
+    session.step()  # nor is a new one kept on a changed base
+    assert "kept in host memory" not in str(session.trainer.restore_point)
+
+
 def test_recover_refuses_lora_without_a_checkpoint():
     session = _from_files(method="lora")
     with pytest.raises(ValueError, match="no state to recover to.*LoRA"):

@@ -27,6 +27,7 @@ import contextlib
 import gc
 import signal
 import threading
+import time
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -511,12 +512,14 @@ class Trainer:
             return
         if not self._kept.due(len(self.history)):
             return
+        began = time.perf_counter()
         try:  # the step has counted: a failed copy only loses the copy
             room = host.room(held=self._kept.nbytes, reserve=self._host_reserve(self.techniques))
-            kept = self._kept.keep(self.state_dict(), len(self.history), room, report.seconds)
+            kept = self._kept.keep(self.state_dict(), len(self.history), room)
         except Exception:  # noqa: BLE001 - (out of host memory while copying)
             self._kept.drop()
             kept = False
+        self._kept.pace(time.perf_counter() - began, report.seconds)  # all of it, not the copy alone
         if not kept and not self._kept_said:
             self._kept_said = True
             self.notes.append("no restore copy is kept in host memory (it does not fit there): "

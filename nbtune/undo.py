@@ -227,22 +227,22 @@ class RestoreCopy:
     def due(self, step: int) -> bool:
         return self.state is None or step - self.step >= self.every
 
-    def keep(self, state: dict, step: int, room: int | None, step_seconds: float) -> bool:
+    def keep(self, state: dict, step: int, room: int | None) -> bool:
         """Copy ``state`` (``Trainer.state_dict``'s, by reference) to host memory; False (and
         nothing kept) where the host has no room for it."""
-        import math
-        import time
-
         size = storage_bytes(list(_tensors(state)))
         self.drop()  # the old copy goes first: never two in host memory at once
         if room is not None and size > room:
             return False
-        began = time.perf_counter()
-        self.state = _to_host(state)
-        self.step, self.nbytes = step, size
-        spent = time.perf_counter() - began
-        self.every = max(1, math.ceil(spent / (self.SHARE * step_seconds))) if step_seconds > 0 else 1
+        self.state, self.step, self.nbytes = _to_host(state), step, size
         return True
+
+    def pace(self, spent: float, step_seconds: float) -> None:
+        """Refresh every so many steps that keeping (``spent`` seconds, all of it) stays
+        under ``SHARE`` of the training time."""
+        import math
+
+        self.every = max(1, math.ceil(spent / (self.SHARE * step_seconds))) if step_seconds > 0 else 1
 
     def copy(self) -> dict:
         """The kept state, copied again (loading it must not alias what stays kept)."""

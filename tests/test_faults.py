@@ -1369,6 +1369,25 @@ def test_merging_the_adapters_drops_the_host_restore_copy():
     assert "kept in host memory" not in str(session.trainer.restore_point)
 
 
+def test_the_restore_copys_pace_counts_all_its_work(monkeypatch):
+    """Keeping the copy is paced by all it costs (the state dict, the host's room, the copy),
+    not the tensor copy alone: a slow state dict makes the copy rarer."""
+    session = prepared(1, method="lora")
+    trainer = session.trainer
+    real = trainer.state_dict
+
+    def slow():
+        import time
+        time.sleep(0.05)
+        return real()
+    monkeypatch.setattr(trainer, "state_dict", slow)
+    trainer._kept.drop()  # due now
+    report = session.step()
+    assert trainer._kept.step == 2
+    # 50 ms of keeping against a step of report.seconds, at most SHARE of the time
+    assert trainer._kept.every >= 0.05 / (trainer._kept.SHARE * report.seconds) - 1 > 5
+
+
 def test_recover_refuses_lora_without_a_checkpoint():
     session = _from_files(method="lora")
     with pytest.raises(ValueError, match="no state to recover to.*LoRA"):

@@ -26,8 +26,8 @@ from .files import FileRefused, inside, read_json
 from .memory import MemoryBreakdown
 from .memory.usage import SOURCES, Usage
 from .models.filling import check_finite
-from .models.hf import plain_state_dict, write_atomically, write_hf_folder
-from .peft import adapter_config, adapter_state_dict, has_lora, merged_state_dict
+from .models.hf import PART_BYTES, dense_weights, write_atomically, write_hf_folder
+from .peft import adapter_config, adapter_state_dict, has_lora
 from .state import OptimizerGroupsDiffer, rng_problem
 from .step import StepReport
 from .techniques import Techniques
@@ -36,10 +36,9 @@ from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_NOTE, base_name  # n
 TRAINER_STATE = "trainer_state.json"
 FORMAT = 2  # 2: records the base model's fingerprint and the data position as a state dict
 # safetensors moves all of a file's CUDA tensors to the host at once before writing, so a
-# checkpoint's weights and optimizer state are written in files of at most this many bytes
+# checkpoint's weights and optimizer state are written in files of at most PART_BYTES
 # (or one tensor), one file at a time: host memory for an 8B full checkpoint stays at a
 # GiB or two instead of the 15-30 GiB of one file. Trainer state lists the files.
-PART_BYTES = 1 << 30
 
 
 SAVE_FORMATS = ("hf", "gguf")
@@ -70,9 +69,7 @@ def save_gguf(session, folder, quantization: str) -> Path:
     from .models.kquants import K_QUANTS, quantize
 
     model = session.model
-    state = merged_state_dict(model) if has_lora(model) else plain_state_dict(model)
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # GGUF ties by leaving output.weight out
+    state = dense_weights(model)  # made one at a time as written; GGUF too ties by leaving the head out
     name = Path(session.source).stem if session.source else "nbtune model"
 
     def write(tmp: Path) -> None:
@@ -114,13 +111,7 @@ def save_session(session, folder, merge: bool = False, format: str = "hf",
             session.tokenizer.save(tmp)
 
         return write_atomically(folder, write)
-    if has_lora(model):
-        state = merged_state_dict(model)
-        if config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)  # safetensors refuses shared storage
-    else:
-        state = plain_state_dict(model)
-    return write_hf_folder(folder, state, config, session.tokenizer)
+    return write_hf_folder(folder, dense_weights(model), config, session.tokenizer)
 
 
 # ---- training checkpoints ---------------------------------------------------------------

@@ -301,20 +301,45 @@ def adapter_config(model: nn.Module, base_model: str | None) -> dict:
     }
 
 
-@torch.no_grad()
+class DenseWeights:
+    """A model's weights under plain (HF) names, dense (NF4 dequantized) and with every adapter
+    folded in, each made only when asked for: an export writes them one part at a time, so it
+    holds one part beside the model, not a second model (16 GB for Llama-3.1-8B in bf16).
+    ``described``: each weight's name, shape and dtype (meta tensors, nothing made)."""
+
+    def __init__(self, model: nn.Module):
+        lora = dict(_lora_modules(model))
+        self._sources: dict[str, tuple[torch.Tensor, nn.Module | None]] = {}
+        for key, value in model.state_dict().items():
+            module_name, _, leaf = key.rpartition(".")
+            parent, _, child = module_name.rpartition(".")
+            adapter = None
+            if parent in lora:
+                if child != "base_layer":
+                    continue  # lora_A / lora_B: folded into the weight when it is made
+                adapter = lora[parent] if leaf == "weight" else None
+                key = f"{parent}.{leaf}"
+            self._sources[key] = (value, adapter)
+        self.described = {key: torch.empty(value.shape, dtype=value.dtype, device="meta")
+                          for key, (value, _) in self._sources.items()}
+
+    def drop(self, key: str) -> None:
+        """Leave ``key`` out (a tied head, which files leave out)."""
+        self._sources.pop(key, None)
+        self.described.pop(key, None)
+
+    @torch.no_grad()
+    def make(self, key: str) -> torch.Tensor:
+        """The weight ``key`` made now, on the model's device (a new tensor only where it is
+        merged or dequantized)."""
+        value, adapter = self._sources[key]
+        if adapter is not None:
+            return (dequantize(value).float() + adapter.delta_weight()).to(value.dtype)
+        return dequantize(value).detach().contiguous()
+
+
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The weights with every adapter folded in (NF4 ones dequantized), under plain (HF) names;
-    ``model`` is untouched."""
-    lora = dict(_lora_modules(model))
-    out = {}
-    for key, value in model.state_dict().items():
-        module_name, _, leaf = key.rpartition(".")
-        parent, _, child = module_name.rpartition(".")
-        if parent in lora:
-            if child != "base_layer":
-                continue  # lora_A / lora_B: folded into the weight below
-            if leaf == "weight":
-                value = (dequantize(value).float() + lora[parent].delta_weight()).to(value.dtype)
-            key = f"{parent}.{leaf}"
-        out[key] = dequantize(value).detach().contiguous()
-    return out
+    """The weights with every adapter folded in (NF4 ones dequantized), under plain (HF) names,
+    all at once (a save makes them one part at a time: ``DenseWeights``); ``model`` is untouched."""
+    weights = DenseWeights(model)
+    return {key: weights.make(key) for key in weights.described}

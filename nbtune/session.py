@@ -449,11 +449,13 @@ class Session:
     def save(self, folder: str | os.PathLike, merge: bool = False, format: str = "hf",
              quantization: str | None = None) -> Path:
         """Full finetuning: an HF folder. LoRA: a PEFT adapter folder, or with ``merge``
-        the merged full weights. transformers / peft load either; the write is atomic.
+        the merged full weights. transformers / peft load either; the write is atomic, and
+        full weights go out a file of at most 1 GiB at a time (the host holds one, not the model).
 
-        ``format="gguf"`` writes ``model.gguf`` (full weights, LoRA merged in; ``quantization``
-        "f16" by default, or "bf16", "q8_0", "f32") with the tokenizer and chat template, and
-        an Ollama ``Modelfile``: ``ollama create mymodel -f folder/Modelfile``."""
+        ``format="gguf"`` writes ``model.gguf`` (full weights, LoRA merged in, a tensor at a
+        time; ``quantization`` "f16" by default, or "f32", "bf16", "q8_0", "q5_1", "q5_0",
+        "q4_1", "q4_0", and with llama.cpp "q4_k_m", "q5_k_m", "q6_k") with the tokenizer and
+        chat template, and an Ollama ``Modelfile``: ``ollama create mymodel -f folder/Modelfile``."""
         return self.parts.save(folder, merge=merge, format=format, quantization=quantization)
 
     def push_to_hub(self, repo_id: str, *, merge: bool = False, private: bool | None = None,

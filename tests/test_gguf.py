@@ -196,6 +196,29 @@ def test_gguf_round_trip_keeps_tokenizer_template_and_weights(tmp_path):
     assert (folder / "Modelfile").read_text() == 'FROM ./model.gguf\n\nPARAMETER stop "<|end|>"\n'
 
 
+def test_a_gguf_export_converts_a_chunk_of_rows_at_a_time_to_the_same_file(tmp_path, monkeypatch):
+    """Converted a few rows at a time (each q/k row taken in llama.cpp's order as it goes), the
+    file is byte for byte the one-chunk file; read back by the gguf package itself, the query
+    rows are in the order convert_hf_to_gguf.py's permute gives, bit for bit in f32."""
+    from gguf import GGUFReader
+
+    import nbtune.models.gguf as writing
+    from nbtune.peft import merged_state_dict
+
+    session = lora_session_with_live_adapters()
+    whole = session.save(tmp_path / "whole", format="gguf", quantization="q8_0")
+    monkeypatch.setattr(writing, "CONVERT_CHUNK_BYTES", 3 * 4 * session.model.config.hidden_size)
+    chunked = session.save(tmp_path / "chunked", format="gguf", quantization="q8_0")
+    assert (chunked / "model.gguf").read_bytes() == (whole / "model.gguf").read_bytes()
+    f32 = session.save(tmp_path / "f32", format="gguf", quantization="f32")
+    q = merged_state_dict(session.model)["model.layers.1.self_attn.q_proj.weight"].numpy()
+    heads = session.model.config.num_heads
+    # convert_hf_to_gguf.py's permute, written out here
+    want = q.reshape(heads, 2, q.shape[0] // heads // 2, *q.shape[1:]).swapaxes(1, 2).reshape(q.shape)
+    got = next(t for t in GGUFReader(str(f32 / "model.gguf")).tensors if t.name == "blk.1.attn_q.weight")
+    assert np.array_equal(np.asarray(got.data).reshape(q.shape), want) and not np.array_equal(want, q)
+
+
 def family_checkpoint(folder, family):
     """A tiny random Qwen2 (q/k/v biases) or Qwen3 (q/k norms) over the byte tokenizer's 259 ids.
 
@@ -234,6 +257,56 @@ def test_qwen_families_export_to_gguf(tmp_path, family):
     assert ("blk.1.attn_q.bias" in names) == (family == "qwen2")
     assert ("blk.1.attn_k_norm.weight" in names) == (family == "qwen3")
     assert "output.weight" in names
+
+
+def test_llama_3_1_rope_scaling_exports_as_llama_cpps_rope_freqs(tmp_path, smollm2):
+    """Llama 3.1's RoPE scaling ("llama3") goes out as llama.cpp's rope_freqs tensor (each
+    frequency's divisor, as convert_hf_to_gguf.py writes it): checked against transformers' own
+    llama3 frequencies; where llama.cpp is installed, it runs the file and gives nbtune's
+    logits over 96 positions (past the 32 the scaling starts at), which the unscaled model
+    does not."""
+    import dataclasses
+
+    from gguf import GGUFReader
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    import nbtune as nt
+    from nbtune.models import CausalLM
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=256,
+                                      rope_scaling=scaling, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    rows = [{"instruction": "Say hi.", "output": "hi"}] * 4
+    session = nt.Session(nt.load_model(tmp_path / "hf"), smollm2[2], rows,  # (its merges)
+                         techniques=nt.Techniques(seq_len=64), device="cpu")
+    folder = session.save(tmp_path / "out", format="gguf", quantization="f32")
+    reader = GGUFReader(str(folder / "model.gguf"))
+    factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight").data
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    plain = 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, 16, 2).float() / 16))
+    np.testing.assert_allclose(factors, (plain / scaled).numpy(), rtol=1e-6)
+    assert factors.min() == 1.0 and factors.max() == 8.0
+    assert "llama.rope.scaling.type" not in reader.fields  # llama.cpp reads the factors alone
+    llama_cpp = pytest.importorskip("llama_cpp", reason="the kquants extra is not installed")
+    ids = torch.randint(0, 49152, (96,), generator=torch.Generator().manual_seed(1))
+    model = llama_cpp.Llama(model_path=str(folder / "model.gguf"), n_ctx=128, logits_all=True,
+                            verbose=False, seed=0, n_threads=2)
+    model.eval(ids.tolist())
+    theirs = torch.tensor(np.asarray(model.scores[:96]))
+    del model
+    session.model.eval()
+    with torch.no_grad():
+        ours = session.model(ids[None])[0]
+        unscaled = CausalLM(dataclasses.replace(session.model.config, rope_scaling=None))
+        unscaled.load_state_dict(session.model.state_dict())
+        plain_logits = unscaled.eval()(ids[None])[0]
+    # (measured: 1.7e-4 against 6.2e-3 for the unscaled model)
+    assert (ours - theirs).abs().max() < min(1e-3, (plain_logits - theirs)[40:].abs().max() / 10)
 
 
 def test_bad_export_arguments_are_refused_before_writing(tmp_path):

@@ -167,22 +167,36 @@ def test_merged_save_bytes_are_every_weight(monkeypatch, tmp_path, method):
 
 
 def test_gguf_export_bytes_are_what_the_writer_holds(monkeypatch, tmp_path):
+    """The writer takes one converted tensor at a time (the largest: the embedding, in f16) and
+    the conversion one float32 chunk of rows at a time: the prediction is that tensor and two
+    chunks (the chunk and its transient), not the model."""
     import gguf
 
+    import nbtune.models.gguf as writing
+
     session = small_session(method="lora")
-    held = []
-    real = gguf.GGUFWriter.add_tensor
+    written, chunks = [], []
+    real_write, real_numpy = gguf.GGUFWriter.write_tensor_data, writing._numpy
 
-    def counting(self, name, tensor, *args, **kwargs):
-        held.append(tensor.nbytes)
-        return real(self, name, tensor, *args, **kwargs)
+    def write(self, data, *args, **kwargs):
+        written.append(data.nbytes)
+        return real_write(self, data, *args, **kwargs)
 
-    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", counting)
+    def numpy(chunk):
+        chunks.append(chunk.numel() * chunk.element_size())
+        return real_numpy(chunk)
+
+    chunk = writing.CONVERT_CHUNK_BYTES
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", write)
+    monkeypatch.setattr(writing, "_numpy", numpy)
+    monkeypatch.setattr(writing, "CONVERT_CHUNK_BYTES", 4096)  # several chunks per tensor here
     session.save(tmp_path / "gguf", format="gguf")  # f16
-    config = session.model.config
-    predicted = nt.estimate(config, session.techniques, device="cuda").host
-    converting = config.vocab_size * config.hidden_size * 4  # the largest tensor, in float32
-    assert predicted.gguf == sum(held) + converting
+    described = nbtune.models.hf.dense_weights(session.model).described
+    assert len(written) == len(described)  # each tensor once
+    assert max(written) == 2 * max(w.numel() for w in described.values())
+    assert max(chunks) <= 4096 and len(chunks) > len(written)
+    predicted = nt.estimate(session.model.config, session.techniques, device="cuda").host
+    assert predicted.gguf == max(written) + 2 * chunk
 
 
 @pytest.mark.parametrize("rollback", ["auto", "copy"])

@@ -9,6 +9,7 @@ import transformers
 
 import nbtune as nt
 import nbtune.hub
+import nbtune.peft
 from nbtune.models import demo_model_dir
 
 from helpers import small_session
@@ -53,6 +54,40 @@ def test_lora_saves_a_peft_adapter(tmp_path):
     assert (expected - our_logits(session)).abs().max() < 1e-4
     with adapted.disable_adapter(), torch.no_grad():  # the adapter really changes the output
         assert (plain(IDS).logits - expected).abs().max() > 1e-3
+
+
+def test_a_merged_save_is_written_a_part_at_a_time(tmp_path, monkeypatch):
+    """Past PART_BYTES the merged weights go into several files, as huggingface_hub cuts them
+    (with the index transformers reads), each made and written before the next is made: the
+    host holds one part, not the model. transformers and nbtune both load the parts."""
+    import nbtune.models.hf as hf
+
+    session = trained(method="qlora", lora_rank=4)
+    made, saved, real = [], [], hf.save_file
+    monkeypatch.setattr(hf, "PART_BYTES", 64 << 10)
+
+    def save_file(tensors, path, metadata=None):
+        saved.append((len(made), sum(t.numel() * t.element_size() for t in tensors.values())))
+        return real(tensors, path, metadata=metadata)
+
+    real_make = nbtune.peft.DenseWeights.make
+    monkeypatch.setattr(hf, "save_file", save_file)
+    monkeypatch.setattr(nbtune.peft.DenseWeights, "make",
+                        lambda self, key: made.append(key) or real_make(self, key))
+    folder = session.save(tmp_path / "merged", merge=True)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) == len(saved) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    largest = max(w.numel() * w.element_size() for w in nbtune.peft.merged_state_dict(session.model).values())
+    assert all(size <= max(64 << 10, largest) for _, size in saved)
+    # each file's weights were made just before it was written, not all up front
+    assert [count for count, _ in saved] == sorted({count for count, _ in saved}) and saved[0][0] < len(made) / 3
+    back = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(IDS).logits, our_logits(session), atol=1e-4, rtol=0)
+    again = nt.Session.from_pretrained(folder, device="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(again.model(IDS), our_logits(session), atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ else is refused with the way out.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import mmap
 import os
@@ -522,43 +523,117 @@ def _vocab(tokenizer: Tokenizer, size: int):
     return tokens, types, merges, _pre_name(tokenizer, merges)
 
 
-def _quantize(values: np.ndarray, quantization: str):
-    """(data, raw GGML type or None) for one tensor; 1-D tensors stay float32, as llama.cpp keeps them."""
+# Rows of a tensor converted at a time (in float32): the export's only transient besides the
+# tensor's converted form, which the writer takes whole.
+CONVERT_CHUNK_BYTES = 16 << 20
+
+
+def _stored_as(shape: tuple[int, ...], quantization: str):
+    """(numpy dtype of the written array, raw GGML type or None) for a weight of ``shape``;
+    1-D tensors stay float32, as llama.cpp keeps them."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
 
-    if values.ndim == 1 or quantization == "f32":
-        return values.astype(np.float32), None
+    if len(shape) == 1 or quantization == "f32":
+        return np.float32, None
     if quantization == "f16":
-        return values.astype(np.float16), None
-    kind = GGMLQuantizationType[quantization.upper()]
-    if quantization != "bf16" and values.shape[-1] % 32:
-        return values.astype(np.float16), None  # blocks are 32 wide; llama.cpp falls back too
-    return quantize(values.astype(np.float32), kind), kind
+        return np.float16, None
+    if quantization != "bf16" and shape[-1] % 32:
+        return np.float16, None  # blocks are 32 wide; llama.cpp falls back too
+    return np.uint8, GGMLQuantizationType[quantization.upper()]
 
 
-def write_gguf(path: str | os.PathLike, state: dict[str, torch.Tensor], config: ModelConfig,
+def _numpy(chunk: torch.Tensor) -> np.ndarray:
+    return chunk.numpy()
+
+
+def _converted(tensor: torch.Tensor, rows: torch.Tensor | None, quantization: str) -> np.ndarray:
+    """``tensor`` (on any device; ``rows``: its row order, or None) as written to GGUF, made a
+    chunk of rows at a time: one float32 chunk on the host beside the result."""
+    from gguf.quants import quant_shape_to_byte_shape, quantize
+
+    dtype, raw = _stored_as(tuple(tensor.shape), quantization)
+    shape = tuple(tensor.shape) if raw is None else quant_shape_to_byte_shape(tuple(tensor.shape), raw)
+    out = np.empty(shape, dtype)
+    step = max(1, CONVERT_CHUNK_BYTES // (4 * max(1, tensor[0].numel()))) if tensor.ndim > 1 else len(tensor)
+    for start in range(0, len(tensor), step):
+        part = tensor[start:start + step] if rows is None else tensor.index_select(
+            0, rows[start:start + step].to(tensor.device))
+        values = _numpy(part.detach().to("cpu", torch.float32))
+        out[start:start + step] = values if raw is None else quantize(values, raw)
+        del part, values
+    return out
+
+
+def write_gguf(path: str | os.PathLike, weights, config: ModelConfig,
                tokenizer: Tokenizer, quantization: str = "f16", name: str = "nbtune model") -> Path:
-    """Write ``state`` (Hugging Face names, dense) and ``tokenizer`` as one GGUF file."""
-    from gguf import GGUFWriter, LlamaFileType
+    """Write ``weights`` (``peft.DenseWeights``, or a dict of dense tensors under Hugging Face
+    names) and ``tokenizer`` as one GGUF file, a tensor at a time: the host holds one tensor's
+    converted form and a chunk of rows, not the model (``CONVERT_CHUNK_BYTES``)."""
+    from gguf import GGUFWriter
+    from gguf.quants import quant_shape_to_byte_shape
 
+    if isinstance(weights, dict):
+        weights = _Given(weights)
     if quantization not in QUANTIZATIONS:
         raise GGUFError(f"quantization={quantization!r} is not one nbtune writes; pass one of "
                         f"{', '.join(map(repr, QUANTIZATIONS))}.")
     arch = config.model_type if config.model_type in ("qwen2", "qwen3") else "llama"  # Mistral too
-    if config.rope_scaling is not None and (config.rope_scaling.get("rope_type")
-                                            or config.rope_scaling.get("type")) not in ("linear",):
+    kind = (config.rope_scaling or {}).get("rope_type", (config.rope_scaling or {}).get("type"))
+    if kind not in (None, "default", "linear") and not (kind == "llama3" and arch == "llama"):
         raise GGUFError(f"RoPE scaling {config.rope_scaling} is not written to GGUF by nbtune; "
                         "save with session.save(folder, merge=True) and convert with llama.cpp's "
                         "convert_hf_to_gguf.py.")
     if config.sliding_window:
         raise GGUFError("Sliding-window attention is not written to GGUF by nbtune; save with "
                         "session.save(folder, merge=True) and convert with llama.cpp.")
-    tokens, types, merges, pre = _vocab(tokenizer, config.vocab_size)
     back = {hf: gg for gg, hf in _TOP_NAMES.items()}
     back.update({f"model.layers.{i}.{hf}": f"blk.{i}.{gg}"
                  for i in range(config.num_layers) for gg, hf in _LAYER_NAMES.items()})
+    keys = list(weights.described)
+    missing = [key for key in keys if key not in back]
+    if missing:
+        raise GGUFError(f"{missing[0]} has no GGUF name: merge LoRA adapters before exporting.")
     writer = GGUFWriter(str(path), arch)
+    _describe(writer, config, tokenizer, quantization, name)
+    extra = {}
+    if kind == "llama3":  # Llama 3.1+: llama.cpp divides each frequency by its factor
+        from .decoder import rope_frequencies
+
+        plain = rope_frequencies(dataclasses.replace(config, rope_scaling=None))
+        extra["rope_freqs.weight"] = _numpy(plain / rope_frequencies(config)).astype(np.float32)
+    for gguf_name, values in extra.items():
+        writer.add_tensor_info(gguf_name, values.shape, values.dtype, values.nbytes)
+    for key in keys:  # every tensor's name, shape and type first: the header precedes the data
+        shape = tuple(weights.described[key].shape)
+        dtype, raw = _stored_as(shape, quantization)
+        if raw is not None:
+            shape = quant_shape_to_byte_shape(shape, raw)
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        writer.add_tensor_info(back[key], shape, np.dtype(dtype), nbytes, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for values in extra.values():
+        writer.write_tensor_data(values)
+    for key in keys:  # then each made, converted, written and freed in turn
+        tensor = weights.make(key)
+        rows = None
+        if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in key else config.num_kv_heads
+            rows = torch.from_numpy(_permute(np.arange(tensor.shape[0]), heads))
+        data = _converted(tensor, rows, quantization)
+        del tensor
+        writer.write_tensor_data(data)
+        del data
+    writer.close()
+    return Path(path)
+
+
+def _describe(writer, config: ModelConfig, tokenizer: Tokenizer, quantization: str, name: str) -> None:
+    """The file's metadata: the model's shape, its file type and the tokenizer."""
+    from gguf import LlamaFileType
+
+    tokens, types, merges, pre = _vocab(tokenizer, config.vocab_size)
     writer.add_name(name)
     plain = {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16}  # (ALL_F32 is 0)
     writer.add_file_type(plain[quantization] if quantization in plain
@@ -575,11 +650,12 @@ def write_gguf(path: str | os.PathLike, state: dict[str, torch.Tensor], config: 
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_rope_freq_base(float(config.rope_theta))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
-    if config.rope_scaling is not None:
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "linear":
         from gguf import RopeScalingType
 
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(config.rope_scaling["factor"]))
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
@@ -595,19 +671,13 @@ def write_gguf(path: str | os.PathLike, state: dict[str, torch.Tensor], config: 
     writer.add_add_bos_token(tokenizer.bos_id is not None)
     if tokenizer.chat_template is not None:
         writer.add_chat_template(tokenizer.chat_template)
-    for key, tensor in state.items():
-        if key not in back:
-            raise GGUFError(f"{key} has no GGUF name: merge LoRA adapters before exporting.")
-        values = tensor.detach().to("cpu", torch.float32).numpy()
-        if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
-            values = _permute(values, config.num_heads if "q_proj" in key else config.num_kv_heads)
-        data, raw = _quantize(values, quantization)
-        writer.add_tensor(back[key], data, raw_dtype=raw)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Path(path)
+
+
+class _Given:
+    """Tensors already made, with ``DenseWeights``' two members."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.described, self.make = state, state.__getitem__
 
 
 def _config_id(tokenizer: Tokenizer, name: str) -> int | None:

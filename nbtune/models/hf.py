@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from .. import files
 from ..atomic import write_atomically  # noqa: F401  (checkpoint.py imports it from here)
-from ..peft import dequantize, to_nf4
+from ..peft import DenseWeights, has_lora, to_nf4
 from .config import ModelConfig
 from .decoder import CausalLM
 from .filling import check_finite, empty_model, fill_model, release_freed_heap
@@ -23,6 +23,10 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
               "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
               "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 CAST_CHUNK_BYTES = 16 << 20  # source bytes read per step when casting: the only transient copy
+# Saved weights are written in files of at most this many bytes (or one larger tensor), one
+# file at a time: safetensors takes a file's tensors whole (and moves CUDA ones to the host
+# together), so an export holds one part on the host, not the model (16 GB at 8B in bf16).
+PART_BYTES = 1 << 30
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -159,25 +163,46 @@ def folder_weights(folder: Path, config: ModelConfig, expected: dict, dtype: tor
                 yield key, _read_tensor(f, begin, src_dtype, shape, dtype, buffer, key).to(device)
 
 
-def plain_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
-    """Weights under HF names, without the tied head (safetensors refuses shared storage);
-    NF4 weights come out dense in their dtype."""
-    state = {k: dequantize(v).detach().contiguous() for k, v in model.state_dict().items()}
+def dense_weights(model: CausalLM) -> DenseWeights:
+    """The weights a saved folder holds (HF names, NF4 dequantized, adapters folded in), made
+    as they are written; without the tied head (safetensors refuses shared storage)."""
+    weights = DenseWeights(model)
     if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    return state
+        weights.drop("lm_head.weight")
+    return weights
 
 
+def plain_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """``dense_weights`` made all at once (for tests and small models)."""
+    weights = dense_weights(model)
+    return {key: weights.make(key) for key in weights.described}
 
 
-def write_hf_folder(folder: str | os.PathLike, state: dict[str, torch.Tensor], config: ModelConfig,
+def write_weights(tmp: Path, weights: DenseWeights) -> None:
+    """``weights`` into ``tmp`` as safetensors files of at most ``PART_BYTES``, cut and named as
+    huggingface_hub cuts them (one ``model.safetensors`` for a small model; else
+    ``model-0000k-of-0000n.safetensors`` and the index transformers reads), each file's
+    weights made, moved to the host, written and freed before the next."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    split = split_torch_state_dict_into_shards(weights.described, max_shard_size=PART_BYTES)
+    for name, keys in split.filename_to_tensors.items():
+        part = {key: weights.make(key).to("cpu") for key in keys}
+        save_file(part, str(tmp / name), metadata={"format": "pt"})
+        del part
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_hf_folder(folder: str | os.PathLike, weights: DenseWeights, config: ModelConfig,
                     tokenizer=None) -> Path:
-    """Atomically write ``state`` (HF names, no tied head) as a folder transformers loads."""
+    """Atomically write ``weights`` as a folder transformers loads (``write_weights``)."""
     hf_config = config.to_hf()
-    hf_config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    hf_config["torch_dtype"] = str(next(iter(weights.described.values())).dtype).removeprefix("torch.")
 
     def write(tmp: Path) -> None:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_weights(tmp, weights)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         if tokenizer is not None:
             tokenizer.save(tmp)
@@ -187,8 +212,7 @@ def write_hf_folder(folder: str | os.PathLike, state: dict[str, torch.Tensor], c
 
 def save_model(model: CausalLM, folder: str | os.PathLike, tokenizer=None) -> Path:
     """Write ``model`` (and its tokenizer) as a Hugging Face folder that transformers loads."""
-    state = plain_state_dict(model)
-    if any("lora_" in k or "base_layer" in k for k in state):
+    if has_lora(model):
         raise ValueError("The model still carries LoRA layers; merge them first "
                          "(nbtune.peft.merge_lora) to save full weights.")
-    return write_hf_folder(folder, state, model.config, tokenizer)
+    return write_hf_folder(folder, dense_weights(model), model.config, tokenizer)

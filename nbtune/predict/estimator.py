@@ -35,14 +35,15 @@ from torch import nn
 # under torch._subclasses). If it changes, every estimate fails (tests/test_estimate.py).
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..checkpoint import PART_BYTES
 from ..distributed import Parallel, Sharding, check_sharding, shard_model
 from ..hub import resolve_model_folder
 from ..memory.accounting import optimizer_state_bytes, parameter_bytes
 from ..memory.breakdown import HostMemory, MemoryBreakdown
 from ..memory.tracker import CpuStepMemory, Segment, breakdown_of
 from ..models.config import ModelConfig
+from ..models.hf import PART_BYTES
 from ..models.decoder import CausalLM
+from ..models.gguf import CONVERT_CHUNK_BYTES
 from ..models.filling import CHECK_BYTES, DTYPES
 from ..models.hf import CAST_CHUNK_BYTES
 from ..models.presets import PRESETS, preset_config
@@ -279,9 +280,10 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
                        offloaded=one.offloaded * world, paged=one.paged * world,
                        cpu_optimizer=one.cpu_optimizer * world, undo=0,
                        loading=one.loading * world, checkpoint=one.checkpoint * world,
-                       # rank 0 gathers every weight to its host, then merges a dense copy
-                       merged=_gathered(config, t) + (0 if t.method == "full" else
-                                                      config.num_parameters * _BYTES[t.dtype]),
+                       # rank 0 gathers every weight to its host, then writes them a
+                       # file (or a tensor) at a time, merged as it goes
+                       merged=_gathered(config, t) + (0 if t.method == "full" else min(
+                           _adapted_weights(config, t) * _BYTES[t.dtype], one.merged)),
                        gguf=one.gguf + _gathered(config, t))
     cuda = target == "cuda"
     dtype = _BYTES[t.dtype]
@@ -312,14 +314,16 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
         # (a checkpoint is written in files of at most PART_BYTES, or one larger tensor)
         checkpoint=max(_part(weights_file, largest), _part(state - step.outside, largest * 2))
         if cuda else 0,
-        # on CUDA every weight is moved to the host to be written; on a CPU only the
+        # written a file of at most PART_BYTES (or one larger tensor) at a time: on CUDA each
+        # of its weights is moved to the host (``models.hf.write_weights``); on a CPU only the
         # adapted projections are new tensors (base + adapter folded in)
-        merged=dense if cuda else (0 if full else _adapted_weights(config, t) * dtype),
-        # the writer holds every converted tensor until the file is written (f16; norms and
-        # biases stay float32, as llama.cpp keeps them), plus one in float32 while converted
-        gguf=(config.num_parameters - _vectors(config)) * 2 + _vectors(config) * 4
-        + config.vocab_size * config.hidden_size * 4
-        + (0 if cuda or full else _adapted_weights(config, t) * dtype),
+        merged=_part(dense, largest) if cuda
+        else (0 if full else min(_adapted_weights(config, t) * dtype, _part(dense, largest))),
+        # a tensor at a time (``models.gguf.write_gguf``): the largest converted to f16 (the
+        # writer takes it whole), a float32 chunk of its rows and that chunk's transient; on a
+        # CPU a LoRA run's merged projection is a new tensor too (made in float32, then cast)
+        gguf=largest // dtype * 2 + 2 * CONVERT_CHUNK_BYTES
+        + (0 if cuda or full else _largest_adapted(config, t) * (4 + 4 + dtype)),
     )
 
 
@@ -333,27 +337,30 @@ def _gathered(config: ModelConfig, t: Techniques) -> int:
     return (config.num_parameters - adapted) * dtype + adapted * 33 // 64  # ~4.1 bits a weight
 
 
-def _vectors(config: ModelConfig) -> int:
-    """Weights in 1-D tensors (norms, biases), which GGUF files keep in float32."""
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    per_layer = 2 * config.hidden_size + (2 * config.head_dim if config.qk_norm else 0) + (
-        q + 2 * kv if config.attention_bias else 0)
-    return config.num_layers * per_layer + config.hidden_size
-
-
 def _part(nbytes: int, largest: int) -> int:
     """The largest file ``checkpoint.parts`` cuts ``nbytes`` into, whose largest tensor holds
     at most ``largest``."""
     return min(nbytes, max(PART_BYTES, largest))
 
 
-def _adapted_weights(config: ModelConfig, t: Techniques) -> int:
-    """Weights in the projections LoRA adapts (``lora_targets``), all layers."""
+def _projections(config: ModelConfig) -> dict[str, int]:
+    """Weights in each projection a layer has, by ``lora_targets``' names."""
     d, f = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    sizes = {"q_proj": d * q, "k_proj": d * kv, "v_proj": d * kv, "o_proj": q * d,
-             "gate_proj": d * f, "up_proj": d * f, "down_proj": f * d}
+    return {"q_proj": d * q, "k_proj": d * kv, "v_proj": d * kv, "o_proj": q * d,
+            "gate_proj": d * f, "up_proj": d * f, "down_proj": f * d}
+
+
+def _adapted_weights(config: ModelConfig, t: Techniques) -> int:
+    """Weights in the projections LoRA adapts (``lora_targets``), all layers."""
+    sizes = _projections(config)
     return config.num_layers * sum(sizes.get(name, 0) for name in t.lora_targets)
+
+
+def _largest_adapted(config: ModelConfig, t: Techniques) -> int:
+    """Weights in the largest projection LoRA adapts."""
+    sizes = _projections(config)
+    return max((sizes.get(name, 0) for name in t.lora_targets), default=0)
 
 
 def layer_period(config: ModelConfig, t: Techniques, sharded: bool = False) -> int | None:

@@ -518,6 +518,16 @@ MUTANTS: list[Mutant] = [
            "_numpy(plain / rope_frequencies(config))",
            "_numpy(rope_frequencies(config) / plain)",
            (T + "test_gguf.py::test_llama_3_1_rope_scaling_exports_as_llama_cpps_rope_freqs",)),
+    Mutant("lost state", "a run given a checkpoint folder never writes its periodic checkpoint",
+           "nbtune/runner.py",
+           "            if after_step is not None:\n                after_step()",
+           "            if after_step is None:\n                after_step()",
+           (T + "test_faults.py::test_a_run_checkpoints_every_so_many_minutes_and_recover_returns_there",)),
+    Mutant("off by one", "the periodic checkpoint's minutes counted from the run's start, not the last save",
+           "nbtune/on_exit.py",
+           "        finally:\n            self.since = self.clock()",
+           "        finally:\n            pass",
+           (T + "test_faults.py::test_the_periodic_checkpoint_waits_its_minutes_and_a_failed_save_does_not_end_the_run",)),
 ]
 
 

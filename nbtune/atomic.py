@@ -430,6 +430,8 @@ _FIXES = {
                          "bytes a name): choose a shorter name"),
     errno.ENOSPC: "the disk holding {parent} is full: free space there or choose another disk",
     errno.EDQUOT: "the disk quota for {parent} is used up: free space there or choose another disk",
+    errno.EFBIG: ("a file is larger than the file system holding {parent} (or this process's "
+                  "file size limit) allows (FAT32: 4 GiB): choose a folder on another disk"),
 }
 
 
@@ -441,21 +443,38 @@ def _said_plainly(target: Path):
     except SaveFailed:
         raise
     except OSError as err:
-        fix = _FIXES.get(err.errno)
-        where = Path(os.path.abspath(err.filename)) if isinstance(err.filename, str) else None
-        # the save's own paths (the target, its temporary, the folders above), not a file
-        # it reads beside them (a model folder next to the output)
-        near = where is None or where == target or where == target.parent \
-            or where in target.parent.parents or TMP_TAG in where.name \
-            or any(TMP_TAG in part.name for part in where.parents)
-        if fix is None or not near:
+        _refuse_plainly(target, err)
+        raise
+    except Exception as err:  # safetensors' own error, carrying the OS error as text
+        found = _SAFETENSORS_OS_ERROR.search(str(err)) if type(err).__name__ == "SafetensorError" else None
+        if found is None:
             raise
-        try:
-            most = os.pathconf(target.parent if target.parent.exists() else "/", "PC_NAME_MAX")
-        except (OSError, ValueError):
-            most = 255
-        raise SaveFailed(err.errno, f"Cannot save to {target}: "
-                         f"{fix.format(parent=target.parent, most=most)}.", str(target)) from None
+        _refuse_plainly(target, OSError(int(found[1]), found[0], found[2]))
+        raise
+
+
+# safetensors (0.8) says "Error while serializing: I/O error: No space left on device (os error
+# 28) at path "/x/.tmpAbc"" where the file system refuses its write
+_SAFETENSORS_OS_ERROR = re.compile(r'\(os error (\d+)\)(?: at path "(.*)")?')
+
+
+def _refuse_plainly(target: Path, err: OSError) -> None:
+    """Raise ``SaveFailed`` for ``err`` where it is a known refusal of the save's own paths."""
+    fix = _FIXES.get(err.errno)
+    where = Path(os.path.abspath(err.filename)) if isinstance(err.filename, str) else None
+    # the save's own paths (the target, its temporary, the folders above), not a file
+    # it reads beside them (a model folder next to the output)
+    near = where is None or where == target or where == target.parent \
+        or where in target.parent.parents or TMP_TAG in where.name \
+        or any(TMP_TAG in part.name for part in where.parents)
+    if fix is None or not near:
+        return
+    try:
+        most = os.pathconf(target.parent if target.parent.exists() else "/", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        most = 255
+    raise SaveFailed(err.errno, f"Cannot save to {target}: "
+                     f"{fix.format(parent=target.parent, most=most)}.", str(target)) from None
 
 
 def write_atomically(folder: str | os.PathLike, write: Callable[[Path], object]) -> Path:

@@ -1,4 +1,5 @@
-"""A background run's last checkpoint when its process is stopped: a notebook kernel shut
+"""A run's checkpoints where the user allows disk: every so many minutes of training
+(``PeriodicCheckpoint``), and the last one when its process is stopped: a notebook kernel shut
 down, or the machine stopped (SIGTERM from a spot instance's end, ``docker stop``, a
 platform's stop button; SIGHUP when a terminal goes away).
 
@@ -21,7 +22,9 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 SIGNALS = ("SIGTERM", "SIGHUP")
 
@@ -88,3 +91,30 @@ def _say(text: str) -> None:
                 stream.flush()
             except (OSError, ValueError):  # closed as the process ends
                 pass
+
+
+class PeriodicCheckpoint:
+    """A checkpoint to ``folder`` (the one the user named) after the first step that ends
+    ``minutes`` or more after the last one: what ``recover()`` returns to after a failure, and
+    what a new kernel resumes from, is at most that much training old. Each save replaces the
+    last atomically; one that fails (a full disk) is said and the run goes on."""
+
+    def __init__(self, save: Callable[[Path], Path], folder, minutes: float,
+                 say: Callable[[str], None], clock: Callable[[], float] = time.monotonic) -> None:
+        if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not minutes > 0:
+            raise ValueError(f"checkpoint_minutes={minutes!r}: give a positive number of minutes "
+                             "(e.g. 30) between the run's checkpoints.")
+        self.save, self.folder, self.minutes, self.say, self.clock = save, Path(folder), minutes, say, clock
+        self.since = clock()
+        self.saved: Path | None = None
+
+    def after_step(self) -> None:
+        if self.clock() - self.since < 60 * self.minutes:
+            return
+        try:
+            self.saved = self.save(self.folder)
+        except Exception as err:  # noqa: BLE001 - the run goes on; the last good checkpoint stays
+            self.say(f"the checkpoint every {self.minutes:g} minutes to {self.folder} failed "
+                     f"({type(err).__name__}: {err}); the run goes on, the last one stays.")
+        finally:
+            self.since = self.clock()

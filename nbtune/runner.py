@@ -124,6 +124,7 @@ class BackgroundRun:
         self.stop_requested: float | None = None  # monotonic time Stop was asked for
         self.show: Callable[[], object] | None = None  # the widget a notebook displays
         self.on_exit = None  # a SaveOnExit where the session armed one (``start(checkpoint=)``)
+        self.after_step: Callable[[], None] | None = None  # (``start(checkpoint=)``'s periodic save)
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=target, args=(self,), name="nbtune-run", daemon=True)
 
@@ -398,9 +399,11 @@ class Runner:
                          "trains faster here.")
 
     def loop(self, steps: int, on_oom: str, reports: list, run: BackgroundRun | None = None,
-             shown: Callable[[StepReport], None] | None = None) -> list[StepReport]:
+             shown: Callable[[StepReport], None] | None = None,
+             after_step: Callable[[], None] | None = None) -> list[StepReport]:
         """The one training loop: until ``steps`` steps completed (or the background run is
-        stopped), apply what was queued, take a step, record it and show it."""
+        stopped), apply what was queued, take a step, record it, show it and (``after_step``)
+        checkpoint it when due."""
         adapted = 0
         while len(reports) < steps:
             if run is not None:
@@ -427,10 +430,13 @@ class Runner:
                 continue
             if shown is not None:
                 shown(reports[-1])
+            if after_step is not None:
+                after_step()
         return reports
 
     def run(self, steps: int, on_oom: str = "raise",
-            shown: Callable[[StepReport], None] | None = None) -> list[StepReport]:
+            shown: Callable[[StepReport], None] | None = None,
+            after_step: Callable[[], None] | None = None) -> list[StepReport]:
         """``steps`` steps in this thread. Ctrl-C ends the run cleanly after the step under
         way was rolled back (or, if its update was being written, completed first)."""
         check_run_args("run", steps, on_oom)
@@ -438,7 +444,7 @@ class Runner:
         with self.claim("run"):
             start, reports = len(history), []
             try:
-                self.loop(steps, on_oom, reports, shown=shown)
+                self.loop(steps, on_oom, reports, shown=shown, after_step=after_step)
             except KeyboardInterrupt:
                 reports[:] = self.trainer.history[start:]
                 self.say(f"interrupted: stopped after {len(reports)} of {steps} steps; the "
@@ -474,7 +480,8 @@ class Runner:
 
     # ---- the background run ---------------------------------------------------------------
 
-    def start(self, steps: int, on_oom: str = "raise") -> BackgroundRun:
+    def start(self, steps: int, on_oom: str = "raise",
+              after_step: Callable[[], None] | None = None) -> BackgroundRun:
         """Train ``steps`` steps in a background thread; returns the ``BackgroundRun`` at once."""
         check_run_args("start", steps, on_oom)
         with self._lock:
@@ -487,6 +494,7 @@ class Runner:
                                 "command on this session; wait for it to finish.")
             self.trainer.check_usable()  # a damaged session says so here, not in the thread
             run = self._run = BackgroundRun(steps, on_oom, self._background)
+            run.after_step = after_step
         try:
             run.thread.start()
         except BaseException:
@@ -498,7 +506,7 @@ class Runner:
 
     def _background(self, run: BackgroundRun) -> None:
         try:
-            self.loop(run.steps, run.on_oom, run.reports, run=run)
+            self.loop(run.steps, run.on_oom, run.reports, run=run, after_step=run.after_step)
         except BaseException as err:  # noqa: BLE001 - kept for wait() and shown
             run.error = err
             self.say(f"the run stopped at step {len(self.trainer.history)}: "

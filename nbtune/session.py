@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 
 from . import runs
-from .on_exit import SaveOnExit
+from .on_exit import PeriodicCheckpoint, SaveOnExit
 from .runner import BackgroundRun, Event, Message, Subscription
 from .runs import default_device, demo_data_file  # noqa: F401  (tests and benchmarks use them)
 from .step import StepReport
@@ -243,13 +243,16 @@ class Session:
 
     @_command(exclusive=False)
     def run(self, steps: int, *, progress: bool = True, live: bool | None = None,
-            on_oom: str = "raise") -> list[StepReport]:
+            on_oom: str = "raise", checkpoint: str | os.PathLike | None = None,
+            checkpoint_minutes: float = 30) -> list[StepReport]:
         """``steps`` steps with a progress bar; in a notebook the memory chart updates in place.
 
         Ctrl-C (Kernel > Interrupt) ends the run cleanly after rolling back the step under
         way. ``on_oom="adapt"``: when a step runs out of memory, apply the estimator's first
         suggestion (said in the output), and retry the step; at most three times a run.
-        ``start(steps)`` does the same in the background.
+        ``checkpoint``: a folder the run may write to: a checkpoint there every
+        ``checkpoint_minutes`` of training (each replacing the last), which ``recover()``
+        returns to. ``start(steps)`` does the same in the background.
         """
         from tqdm.auto import tqdm
 
@@ -257,6 +260,7 @@ class Session:
         from .ui.live import LiveChart, in_notebook
 
         check_run_args("run", steps, on_oom)
+        periodic = self._periodic("run", checkpoint, checkpoint_minutes)
         chart = LiveChart(self.overhead) if (in_notebook() if live is None else live) else None
         with tqdm(total=steps, desc="training", unit="step", disable=not progress) as bar:
             def shown(report: StepReport) -> None:
@@ -264,13 +268,15 @@ class Session:
                 bar.set_postfix(loss=f"{report.loss:.3f}")
                 if chart is not None:
                     chart.update(self.history)
-            reports = self.runner.run(steps, on_oom, shown=shown)
+            reports = self.runner.run(steps, on_oom, shown=shown,
+                                      after_step=periodic.after_step if periodic else None)
         if chart is not None:
             chart.update(self.history, force=True)
         return reports
 
     def start(self, steps: int, *, on_oom: str = "raise",
-              checkpoint: str | os.PathLike | None = None) -> BackgroundRun:
+              checkpoint: str | os.PathLike | None = None,
+              checkpoint_minutes: float = 30) -> BackgroundRun:
         """Train ``steps`` steps in a background thread and return at once.
 
         Other cells run meanwhile (read ``history``, draw a chart, ``estimate``); ``set``
@@ -279,13 +285,13 @@ class Session:
         ``save``, ``generate``, loading) are refused with ``BusyError`` until it ends.
         Returns a ``BackgroundRun`` (``.stop()``, ``.wait()``, ``.running``, ``.reports``);
         in a notebook it shows a progress bar with a Stop button and what the run said.
-        ``checkpoint``: a folder to save the last completed step to if the process is stopped
-        while the run trains (the kernel shut down, SIGTERM or SIGHUP: ``nbtune.on_exit``).
+        ``checkpoint``: a folder the run may write to: a checkpoint there every
+        ``checkpoint_minutes`` of training, and of the last completed step if the process is
+        stopped while the run trains (the kernel shut down, SIGTERM or SIGHUP:
+        ``nbtune.on_exit``).
         """
-        if checkpoint is not None and Path(checkpoint).exists() and not Path(checkpoint).is_dir():
-            raise ValueError(f"start: checkpoint={str(checkpoint)!r} is a file; name a folder "
-                             "to save the run's last step to if the kernel is stopped.")
-        run = self.runner.start(steps, on_oom)
+        periodic = self._periodic("start", checkpoint, checkpoint_minutes)
+        run = self.runner.start(steps, on_oom, after_step=periodic.after_step if periodic else None)
         if checkpoint is not None:
             run.on_exit = SaveOnExit(self, run, Path(checkpoint))
 
@@ -296,6 +302,14 @@ class Session:
 
         run.show = show
         return run
+
+    def _periodic(self, name: str, checkpoint, minutes) -> "PeriodicCheckpoint | None":
+        if checkpoint is None:
+            return None
+        if Path(checkpoint).exists() and not Path(checkpoint).is_dir():
+            raise ValueError(f"{name}: checkpoint={str(checkpoint)!r} is a file; name a folder "
+                             "for the run's checkpoints.")
+        return PeriodicCheckpoint(self.parts.save_checkpoint, checkpoint, minutes, self.runner.say)
 
     def stop(self, wait: bool = True) -> BackgroundRun | None:
         """Stop the background run at the next step boundary (within one step's time) and,

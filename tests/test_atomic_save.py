@@ -195,6 +195,26 @@ def test_a_read_only_or_full_disk_is_one_sentence_and_leaves_nothing(tmp_path, s
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file() or (tmp_path / "out" / "config.json").is_file()
 
 
+def test_safetensors_own_write_error_is_one_sentence_too(tmp_path, session):
+    """safetensors reports the file system's refusal of its write as its own SafetensorError
+    (text, not an OSError): a real one here, from a file size limit (RLIMIT_FSIZE: the write
+    fails with EFBIG, as on a FAT32 stick past 4 GiB), becomes the same one sentence."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, limit[1]))
+    try:
+        with pytest.raises(atomic.SaveFailed, match=rf"Cannot save to {tmp_path / 'out'}: a file is "
+                           "larger than the file system") as refused:
+            session.save(tmp_path / "out", merge=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, previous)
+    assert refused.value.errno == errno.EFBIG and "Errno" not in str(refused.value)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_session_save_refuses_a_file_and_a_foreign_folder(tmp_path, session):
     notes = tmp_path / "notes.txt"
     notes.write_text("keep me")

@@ -1305,6 +1305,72 @@ def test_recover_returns_to_the_last_checkpoint(twins, monkeypatch, tmp_path):
     assert_like_twin(session, twin, None, "recovered from the checkpoint")
 
 
+def test_a_run_checkpoints_every_so_many_minutes_and_recover_returns_there(twins, monkeypatch,
+                                                                            tmp_path):
+    """run(checkpoint=folder, checkpoint_minutes=...): the run writes a checkpoint there when
+    the minutes are up (here at once: after every step), so a failure half-way through a
+    later update recovers to the last one, exactly as a twin that never failed stands there
+    (full finetuning keeps no host copy: without it, recover() would go back to step 0)."""
+    changes = dict(optimizer_in_backward=True, optimizer="adamw")
+    armed, _ = _in_backward_fault(monkeypatch, after=5)
+    twin = twins.get(3, **changes)
+    session = prepared(0, **changes)
+    folder = tmp_path / "every"
+    session.run(3, progress=False, checkpoint=folder, checkpoint_minutes=1e-9)
+    assert (folder / "trainer_state.json").exists()
+    armed[0] = Fault("runtime")
+    with pytest.raises(RuntimeError):
+        session.step()
+    armed[0] = None
+    point = f"step 3 (the checkpoint in {folder})"
+    assert f"session.recover() returns to {point}" in session.trainer.damaged
+    assert session.recover() == point
+    assert_like_twin(session, twin, None, "recovered from the periodic checkpoint")
+
+
+def test_a_background_run_checkpoints_every_so_many_minutes_too(tmp_path):
+    session = prepared(0, method="lora")
+    run = session.start(2, checkpoint=tmp_path / "bg", checkpoint_minutes=1e-9)
+    run.wait()
+    assert str(session.trainer.checkpoint) == f"step 2 (the checkpoint in {tmp_path / 'bg'})"
+    with pytest.raises(ValueError, match="checkpoint_minutes"):
+        session.run(1, checkpoint=tmp_path / "bg", checkpoint_minutes=0)
+    assert len(session.history) == 2  # refused before any step
+
+
+def test_the_periodic_checkpoint_waits_its_minutes_and_a_failed_save_does_not_end_the_run(tmp_path):
+    from nbtune.on_exit import PeriodicCheckpoint
+
+    now, saved, said = [0.0], [], []
+
+    def save(folder):
+        if len(saved) == 1:
+            saved.append(None)
+            raise OSError(28, "No space left on device")
+        saved.append(folder)
+        return folder
+
+    every = PeriodicCheckpoint(save, tmp_path / "c", 10, said.append, clock=lambda: now[0])
+    for now[0] in (60.0, 599.0):
+        every.after_step()
+    assert saved == []  # 10 minutes have not passed
+    now[0] = 600.0
+    every.after_step()
+    assert saved == [tmp_path / "c"]
+    now[0] = 1199.0
+    every.after_step()
+    assert len(saved) == 1  # counted from the last save, not from the start
+    now[0] = 1200.0
+    every.after_step()  # fails: said, and the run goes on
+    assert len(said) == 1 and "No space left on device" in said[0] and "the run goes on" in said[0]
+    now[0] = 1800.0
+    every.after_step()
+    assert saved[-1] == tmp_path / "c"
+    for bad in (0, -1, True, "10"):
+        with pytest.raises(ValueError, match="checkpoint_minutes"):
+            PeriodicCheckpoint(save, tmp_path, bad, said.append)
+
+
 def _from_files(**changes):
     """A session as a user builds one, from the model's files (so its base can be read again)."""
     folder, _, rows = _demo()

@@ -148,7 +148,25 @@ def main(argv: list[str] | None = None) -> int:
             raise  # asked for, or not about a path (a network error): the traceback helps
         print(f"nbtune {args.command}: {_one_message(err)}", file=sys.stderr)
         return 2
+    except Exception as err:
+        if os.environ.get("NBTUNE_DEBUG") == "1" or not _ended_the_run(err):
+            raise
+        print(f"nbtune {args.command}: {err}", file=sys.stderr)  # its own words: what, where, why
+        if args.command == "train":
+            print(f"nbtune train: the run stopped there; its last checkpoint (checkpoint_every) "
+                  f"continues with: nbtune train {args.run_file} --resume", file=sys.stderr)
+        return 1
     return 2
+
+
+def _ended_the_run(err: BaseException) -> bool:
+    """A training failure nbtune explains itself (a NaN refused, a half-written update, out of
+    memory with advice): said in one message, not a traceback."""
+    from .oom import OutOfMemory
+    from .step import NonFiniteError
+    from .trainer import DamagedStateError
+
+    return isinstance(err, (NonFiniteError, DamagedStateError, OutOfMemory))
 
 
 # What bad input raises: nbtune's own errors (all ValueError) and the operating system's

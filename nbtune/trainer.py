@@ -631,8 +631,11 @@ class Trainer:
             self.damaged = (
                 f"An update failed in the {phase} phase after it had begun writing weights and "
                 f"optimizer state, and no copy was kept to undo it (rollback={self.rollback!r}). "
-                f"To go on, {back}. session.rollback = 'copy' keeps a copy (host memory "
-                "permitting) to make such failures undoable.")
+                f"To go on, {back}. " + ("session.rollback = 'copy' keeps a copy (host memory "
+                                         "permitting) to make such failures undoable."
+                                         if self.parallel is None else
+                                         "Across processes no copy is kept: checkpoint often "
+                                         "(checkpoint_every)."))
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -117,6 +117,45 @@ def test_the_optimizer_steps_each_sharded_gradient_in_backward(tmp_path):
     assert inside[-1]["memory"]["gradients"] == 0 < after[-1]["memory"]["gradients"]
 
 
+DRIVER = """\
+import os, sys
+import nbtune.optim as optim
+from nbtune import cli
+
+real, calls = optim._step_in_backward, [0]
+
+def poisoned(owner, index, param):  # rank 1's shard of the third weight written: NaN
+    calls[0] += 1
+    if calls[0] == 3 and os.environ["RANK"] == "1":
+        param.grad.to_local().view(-1)[0] = float("nan")
+    return real(owner, index, param)
+
+optim._step_in_backward = poisoned
+sys.exit(cli.main(["train", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.slow
+def test_a_nan_in_one_ranks_shard_stops_every_rank_with_one_message(tmp_path):
+    """With the optimizer in backward under FSDP2 each rank checks its own shard of a gradient:
+    a NaN on rank 1's shard alone must stop both ranks at the same weight (they sum their
+    verdicts; a rank that went on alone would hang its collectives), each saying which tensor
+    in one message (no traceback) and how to go on."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", str(driver),
+                           str(run_file(tmp_path, FULL + ", optimizer_in_backward: true", steps=3)),
+                           "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    said = [line for line in done.stderr.splitlines() if line.startswith("nbtune train: Step 1")]
+    assert len(said) == 2, done.stderr[-3000:]  # each rank, the same words
+    assert said[0] == said[1] and "the gradient of model.layers.3.self_attn.k_proj.weight is not finite" in said[0]
+    assert "Across processes no copy is kept" in said[0] and "--resume" in done.stderr
+    assert "[rank0]: Traceback" not in done.stderr and "[rank1]: Traceback" not in done.stderr
+
+
 @pytest.fixture
 def one_rank_group():
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())

@@ -118,3 +118,14 @@ class PeriodicCheckpoint:
                      f"({type(err).__name__}: {err}); the run goes on, the last one stays.")
         finally:
             self.since = self.clock()
+
+
+def periodic_checkpoint(name: str, checkpoint, minutes, parts, say) -> PeriodicCheckpoint | None:
+    """``run``/``start``'s ``checkpoint=`` folder as a ``PeriodicCheckpoint`` (None: no folder,
+    nothing written to disk)."""
+    if checkpoint is None:
+        return None
+    if Path(checkpoint).exists() and not Path(checkpoint).is_dir():
+        raise ValueError(f"{name}: checkpoint={str(checkpoint)!r} is a file; name a folder "
+                         "for the run's checkpoints.")
+    return PeriodicCheckpoint(parts.save_checkpoint, checkpoint, minutes, say)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 
 from . import runs
-from .on_exit import PeriodicCheckpoint, SaveOnExit
+from .on_exit import SaveOnExit, periodic_checkpoint
 from .runner import BackgroundRun, Event, Message, Subscription
 from .runs import default_device, demo_data_file  # noqa: F401  (tests and benchmarks use them)
 from .step import StepReport
@@ -250,9 +250,8 @@ class Session:
         Ctrl-C (Kernel > Interrupt) ends the run cleanly after rolling back the step under
         way. ``on_oom="adapt"``: when a step runs out of memory, apply the estimator's first
         suggestion (said in the output), and retry the step; at most three times a run.
-        ``checkpoint``: a folder the run may write to: a checkpoint there every
-        ``checkpoint_minutes`` of training (each replacing the last), which ``recover()``
-        returns to. ``start(steps)`` does the same in the background.
+        ``checkpoint``: a folder the run may write a checkpoint to every ``checkpoint_minutes``
+        of training (``recover()`` returns there). ``start(steps)`` does this in the background.
         """
         from tqdm.auto import tqdm
 
@@ -260,7 +259,7 @@ class Session:
         from .ui.live import LiveChart, in_notebook
 
         check_run_args("run", steps, on_oom)
-        periodic = self._periodic("run", checkpoint, checkpoint_minutes)
+        periodic = periodic_checkpoint("run", checkpoint, checkpoint_minutes, self.parts, self.runner.say)
         chart = LiveChart(self.overhead) if (in_notebook() if live is None else live) else None
         with tqdm(total=steps, desc="training", unit="step", disable=not progress) as bar:
             def shown(report: StepReport) -> None:
@@ -290,7 +289,7 @@ class Session:
         stopped while the run trains (the kernel shut down, SIGTERM or SIGHUP:
         ``nbtune.on_exit``).
         """
-        periodic = self._periodic("start", checkpoint, checkpoint_minutes)
+        periodic = periodic_checkpoint("start", checkpoint, checkpoint_minutes, self.parts, self.runner.say)
         run = self.runner.start(steps, on_oom, after_step=periodic.after_step if periodic else None)
         if checkpoint is not None:
             run.on_exit = SaveOnExit(self, run, Path(checkpoint))
@@ -302,14 +301,6 @@ class Session:
 
         run.show = show
         return run
-
-    def _periodic(self, name: str, checkpoint, minutes) -> "PeriodicCheckpoint | None":
-        if checkpoint is None:
-            return None
-        if Path(checkpoint).exists() and not Path(checkpoint).is_dir():
-            raise ValueError(f"{name}: checkpoint={str(checkpoint)!r} is a file; name a folder "
-                             "for the run's checkpoints.")
-        return PeriodicCheckpoint(self.parts.save_checkpoint, checkpoint, minutes, self.runner.say)
 
     def stop(self, wait: bool = True) -> BackgroundRun | None:
         """Stop the background run at the next step boundary (within one step's time) and,

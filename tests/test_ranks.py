@@ -32,15 +32,18 @@ CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_each_ranks_estimate_is_within_2_percent_of_its_measured_step(tmp_path, ranks):
+    # 4 ranks on 2 cores are slow: there the cases whose splits differ most from 2 ranks'
+    # (full, LoRA with the chunked loss, QLoRA's NF4 shards); 2 ranks run all six
+    chosen = CASES if ranks == 2 else [CASES[i] for i in (0, 3, 4)]
     cases = tmp_path / "cases.json"
-    cases.write_text(json.dumps({"config": TINY, "batch_size": 4, "seq_len": 96, "cases": CASES}))
+    cases.write_text(json.dumps({"config": TINY, "batch_size": 4, "seq_len": 96, "cases": chosen}))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node", str(ranks), str(ROOT / "benchmarks" / "rank_peaks.py"),
                            str(cases), str(tmp_path / "out.json")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "out.json").read_text())["rows"]
-    assert [row["name"] for row in rows] == [case["name"] for case in CASES]
+    assert [row["name"] for row in rows] == [case["name"] for case in chosen]
     for row in rows:
         assert len(row["ranks"]) == ranks
         guess = row["estimate"]

@@ -546,14 +546,21 @@ def _numpy(chunk: torch.Tensor) -> np.ndarray:
     return chunk.numpy()
 
 
-def _converted(tensor: torch.Tensor, rows: torch.Tensor | None, quantization: str) -> np.ndarray:
+def _converted(tensor: torch.Tensor, rows: torch.Tensor | None, quantization: str,
+               scratch: list) -> np.ndarray:
     """``tensor`` (on any device; ``rows``: its row order, or None) as written to GGUF, made a
-    chunk of rows at a time: one float32 chunk on the host beside the result."""
+    chunk of rows at a time: one float32 chunk on the host beside the result. The result lives
+    in ``scratch[0]``, one buffer reused tensor after tensor (grown to the largest): the host
+    holds the largest converted tensor once, and the pages are not faulted in again for each."""
     from gguf.quants import quant_shape_to_byte_shape, quantize
 
     dtype, raw = _stored_as(tuple(tensor.shape), quantization)
     shape = tuple(tensor.shape) if raw is None else quant_shape_to_byte_shape(tuple(tensor.shape), raw)
-    out = np.empty(shape, dtype)
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if scratch[0] is None or scratch[0].nbytes < nbytes:
+        scratch[0] = None  # the old one goes first: never two at once
+        scratch[0] = np.empty(nbytes, np.uint8)
+    out = scratch[0][:nbytes].view(dtype).reshape(shape)
     step = max(1, CONVERT_CHUNK_BYTES // (4 * max(1, tensor[0].numel()))) if tensor.ndim > 1 else len(tensor)
     for start in range(0, len(tensor), step):
         part = tensor[start:start + step] if rows is None else tensor.index_select(
@@ -615,13 +622,14 @@ def write_gguf(path: str | os.PathLike, weights, config: ModelConfig,
     writer.write_ti_data_to_file()
     for values in extra.values():
         writer.write_tensor_data(values)
+    scratch = [None]
     for key in keys:  # then each made, converted, written and freed in turn
         tensor = weights.make(key)
         rows = None
         if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in key else config.num_kv_heads
             rows = torch.from_numpy(_permute(np.arange(tensor.shape[0]), heads))
-        data = _converted(tensor, rows, quantization)
+        data = _converted(tensor, rows, quantization, scratch)
         del tensor
         writer.write_tensor_data(data)
         del data

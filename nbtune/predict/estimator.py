@@ -43,7 +43,7 @@ from ..memory.tracker import CpuStepMemory, Segment, breakdown_of
 from ..models.config import ModelConfig
 from ..models.hf import PART_BYTES
 from ..models.decoder import CausalLM
-from ..models.gguf import CONVERT_CHUNK_BYTES
+from ..models import gguf as _gguf_writer
 from ..models.filling import CHECK_BYTES, DTYPES
 from ..models.hf import CAST_CHUNK_BYTES
 from ..models.presets import PRESETS, preset_config
@@ -322,7 +322,7 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
         # a tensor at a time (``models.gguf.write_gguf``): the largest converted to f16 (the
         # writer takes it whole), a float32 chunk of its rows and that chunk's transient; on a
         # CPU a LoRA run's merged projection is a new tensor too (made in float32, then cast)
-        gguf=largest // dtype * 2 + 2 * CONVERT_CHUNK_BYTES
+        gguf=largest // dtype * 2 + 2 * _gguf_writer.CONVERT_CHUNK_BYTES
         + (0 if cuda or full else _largest_adapted(config, t) * (4 + 4 + dtype)),
     )
 

@@ -457,6 +457,7 @@ def gguf_is_a_fifo(folder):
 def _tiny_gguf(folder: Path) -> Path:
     """A valid f32 GGUF of a tiny model, written by nbtune."""
     from nbtune.models.gguf import write_gguf
+    from nbtune.models.hf import dense_weights
     from nbtune.models.tiny import byte_tokenizer
 
     tok = byte_tokenizer()
@@ -464,8 +465,7 @@ def _tiny_gguf(folder: Path) -> Path:
     torch.manual_seed(0)
     model = CausalLM(config)
     model.reset_parameters()
-    write_gguf(folder / "model.gguf", {k: v.detach() for k, v in model.state_dict().items()},
-               config, tok, "f32")
+    write_gguf(folder / "model.gguf", dense_weights(model), config, tok, "f32")
     return folder / "model.gguf"
 
 

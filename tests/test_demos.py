@@ -146,7 +146,7 @@ def test_export_refuses_a_tokenizer_it_cannot_describe(tmp_path):
     from tokenizers import models
 
     from helpers import small_session
-    from nbtune.models.hf import plain_state_dict
+    from nbtune.models.hf import dense_weights
     from nbtune.models.tokenizer import Tokenizer
 
     session = small_session()
@@ -154,7 +154,7 @@ def test_export_refuses_a_tokenizer_it_cannot_describe(tmp_path):
     word_level = Tokenizer(HFTokenizer(models.WordLevel(vocab, unk_token=next(iter(vocab)))),
                            None, session.tokenizer.eos_id)
     with pytest.raises(GGUFError, match="byte-level BPE.*convert_hf_to_gguf"):
-        write_gguf(tmp_path / "x.gguf", plain_state_dict(session.model), session.model.config,
+        write_gguf(tmp_path / "x.gguf", dense_weights(session.model), session.model.config,
                    word_level)
     assert not (tmp_path / "x.gguf").exists()
 

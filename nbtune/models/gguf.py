@@ -573,14 +573,12 @@ def _converted(tensor: torch.Tensor, rows: torch.Tensor | None, quantization: st
 
 def write_gguf(path: str | os.PathLike, weights, config: ModelConfig,
                tokenizer: Tokenizer, quantization: str = "f16", name: str = "nbtune model") -> Path:
-    """Write ``weights`` (``peft.DenseWeights``, or a dict of dense tensors under Hugging Face
-    names) and ``tokenizer`` as one GGUF file, a tensor at a time: the host holds one tensor's
-    converted form and a chunk of rows, not the model (``CONVERT_CHUNK_BYTES``)."""
+    """Write ``weights`` (``peft.DenseWeights``: Hugging Face names, made when asked) and
+    ``tokenizer`` as one GGUF file, a tensor at a time: the host holds one tensor's converted
+    form and a chunk of rows, not the model (``CONVERT_CHUNK_BYTES``)."""
     from gguf import GGUFWriter
     from gguf.quants import quant_shape_to_byte_shape
 
-    if isinstance(weights, dict):
-        weights = _Given(weights)
     if quantization not in QUANTIZATIONS:
         raise GGUFError(f"quantization={quantization!r} is not one nbtune writes; pass one of "
                         f"{', '.join(map(repr, QUANTIZATIONS))}.")
@@ -679,13 +677,6 @@ def _describe(writer, config: ModelConfig, tokenizer: Tokenizer, quantization: s
     writer.add_add_bos_token(tokenizer.bos_id is not None)
     if tokenizer.chat_template is not None:
         writer.add_chat_template(tokenizer.chat_template)
-
-
-class _Given:
-    """Tensors already made, with ``DenseWeights``' two members."""
-
-    def __init__(self, state: dict[str, torch.Tensor]):
-        self.described, self.make = state, state.__getitem__
 
 
 def _config_id(tokenizer: Tokenizer, name: str) -> int | None:

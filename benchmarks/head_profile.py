@@ -7,10 +7,10 @@ checkpointing and the loss in 8 pieces, nothing else running.
     python benchmarks/head_profile.py nockpt    # the same with the pieces not checkpointed
                                                 # (the head not recomputed in backward)
 
-Measured (2 cores, AVX2, 2026-11-26; results/head-profile/): the head and its loss take 31 %
-of the step's CPU time: its forward (run twice: once more in backward) 0.35 s a step, its
-weight gradient 0.41 s (a [32000, 128] x [128, 768] product per piece: 128 tokens deep, 2.4x
-slower a FLOP than the forward's), its input gradient 0.16 s, adding up the pieces' weight
+Measured (2 cores, AVX2, 2026-11-26, two profiles; results/head-profile/ holds the second):
+the head and its loss take 28-31 % of the step's CPU time: its forward (run twice: once more in
+backward) 0.35-0.36 s a step, its weight gradient 0.32-0.41 s (a [32000, 128] x [128, 768]
+product per piece: 128 tokens deep, 1.8-2.4x slower a FLOP than the forward's), its input gradient 0.16 s, adding up the pieces' weight
 gradients about 0.08 s. Not recomputing the head gains 2-4 % (315-319 -> 326-327 tokens/s in
 two alternating pairs): the recompute alone is not the gap to torchtune (0.83x in issue 38's
 measurement), which keeps each piece's log-probabilities (B x T x V in float32) instead.

@@ -449,13 +449,14 @@ def _said_plainly(target: Path):
         found = _SAFETENSORS_OS_ERROR.search(str(err)) if type(err).__name__ == "SafetensorError" else None
         if found is None:
             raise
-        _refuse_plainly(target, OSError(int(found[1]), found[0], found[2]))
+        code = int(found[1] or found[3])
+        _refuse_plainly(target, OSError(code, os.strerror(code), found[2]))
         raise
 
 
-# safetensors (0.8) says "Error while serializing: I/O error: No space left on device (os error
-# 28) at path "/x/.tmpAbc"" where the file system refuses its write
-_SAFETENSORS_OS_ERROR = re.compile(r'\(os error (\d+)\)(?: at path "(.*)")?')
+# safetensors says "Error while serializing: I/O error: No space left on device (os error 28)
+# at path "/x/.tmpAbc"" (0.8) or "...IoError(Os { code: 28, kind: StorageFull, ..." (older)
+_SAFETENSORS_OS_ERROR = re.compile(r'\(os error (\d+)\)(?: at path "(.*)")?|Os \{ code: (\d+)')
 
 
 def _refuse_plainly(target: Path, err: OSError) -> None:

@@ -153,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"nbtune {args.command}: {err}", file=sys.stderr)  # its own words: what, where, why
         if args.command == "train":
-            print(f"nbtune train: the run stopped there; its last checkpoint (checkpoint_every) "
-                  f"continues with: nbtune train {args.run_file} --resume", file=sys.stderr)
+            out = f" --out {args.out}" if getattr(args, "out", None) else ""
+            print(f"nbtune train: the run stopped there; if a checkpoint was written "
+                  f"(checkpoint_every), continue from the newest with: nbtune train "
+                  f"{args.run_file} --resume{out}", file=sys.stderr)
         return 1
     return 2
 

@@ -54,12 +54,17 @@ class SaveOnExit:
             self.run.thread.join()  # the step under way completes (or is undone if it fails)
             if not self.session.history:
                 return None
-            try:
-                self.saved = self.session.save_checkpoint(self.folder)
-            except Exception as err:  # noqa: BLE001 - the process is ending: say it, do not hide the exit
-                _say(f"nbtune: {why}: the checkpoint to {self.folder} failed: "
-                     f"{type(err).__name__}: {err}")
-                return None
+            point = getattr(getattr(self.session, "trainer", None), "checkpoint", None)
+            if point is not None and point.step == len(self.session.history) \
+                    and point.folder is not None and Path(point.folder) == self.folder:
+                self.saved = self.folder  # the periodic save has just written this very step
+            else:
+                try:
+                    self.saved = self.session.save_checkpoint(self.folder)
+                except Exception as err:  # noqa: BLE001 - the process is ending: say it, do not hide the exit
+                    _say(f"nbtune: {why}: the checkpoint to {self.folder} failed: "
+                         f"{type(err).__name__}: {err}")
+                    return None
         _say(f"nbtune: {why}: the background run stopped after step {len(self.session.history)}; "
              f"saved {self.saved} (continue with session.load_checkpoint({str(self.saved)!r}))")
         return self.saved
@@ -125,6 +130,11 @@ def periodic_checkpoint(name: str, checkpoint, minutes, parts, say) -> PeriodicC
     nothing written to disk)."""
     if checkpoint is None:
         return None
+    from .distributed import Parallel
+
+    if isinstance(getattr(parts, "parallel", None), Parallel):  # each rank's clock would differ
+        raise ValueError(f"{name}: checkpoint= is not taken under torchrun, where every rank must "
+                         "save at the same step: set the run file's checkpoint_every instead.")
     if Path(checkpoint).exists() and not Path(checkpoint).is_dir():
         raise ValueError(f"{name}: checkpoint={str(checkpoint)!r} is a file; name a folder "
                          "for the run's checkpoints.")

@@ -24,6 +24,7 @@ import functools
 import gc
 import os
 import signal
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -1336,6 +1337,34 @@ def test_a_background_run_checkpoints_every_so_many_minutes_too(tmp_path):
     with pytest.raises(ValueError, match="checkpoint_minutes"):
         session.run(1, checkpoint=tmp_path / "bg", checkpoint_minutes=0)
     assert len(session.history) == 2  # refused before any step
+
+
+def test_periodic_checkpoints_are_refused_under_torchrun_and_not_written_twice_on_exit(tmp_path):
+    """Under torchrun every rank must save at the same step, which each rank's own clock cannot
+    promise: refused, pointing at checkpoint_every. A stop signal right after a periodic save
+    of the same step to the same folder does not write it again (the grace period is short)."""
+    import types
+
+    from nbtune.distributed import Parallel
+    from nbtune.on_exit import SaveOnExit, periodic_checkpoint
+    from nbtune.trainer import RestorePoint
+
+    ranked = types.SimpleNamespace(parallel=object.__new__(Parallel), save_checkpoint=None)
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        periodic_checkpoint("run", tmp_path, 30, ranked, print)
+    saves = []
+    session = types.SimpleNamespace(
+        history=[1, 2], save_checkpoint=lambda folder: saves.append(folder) or folder,
+        trainer=types.SimpleNamespace(checkpoint=RestorePoint(2, "the checkpoint", str(tmp_path / "c"))))
+    run = types.SimpleNamespace(running=True, stop_event=threading.Event(),
+                                thread=types.SimpleNamespace(join=lambda: None))
+    exiting = SaveOnExit.__new__(SaveOnExit)
+    exiting.session, exiting.run, exiting.folder, exiting.saved = session, run, tmp_path / "c", None
+    exiting._lock = threading.Lock()
+    assert exiting.save("SIGTERM") == tmp_path / "c" and saves == []
+    session.history.append(3)  # a step since: saved again
+    exiting.saved = None
+    assert exiting.save("SIGTERM") == tmp_path / "c" and saves == [tmp_path / "c"]
 
 
 def test_the_periodic_checkpoint_waits_its_minutes_and_a_failed_save_does_not_end_the_run(tmp_path):

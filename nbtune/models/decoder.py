@@ -7,6 +7,7 @@ names. Family differences are config fields, never subclasses.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -50,6 +51,11 @@ def rope_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, blended, scaled)
     return inv_freq
+
+
+def rope_divisors(config: ModelConfig) -> torch.Tensor:
+    """What the rope scaling divides each unscaled frequency by (llama.cpp's ``rope_freqs``)."""
+    return rope_frequencies(dataclasses.replace(config, rope_scaling=None)) / rope_frequencies(config)
 
 
 def rope_tables(config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):

@@ -13,7 +13,6 @@ else is refused with the way out.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import mmap
 import os
@@ -28,7 +27,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from .. import files
 from .config import ModelConfig
-from .decoder import CausalLM
+from .decoder import CausalLM, rope_divisors
 from .filling import check_finite, empty_model, fill_model, release_freed_heap
 from .tokenizer import Tokenizer
 
@@ -577,7 +576,6 @@ def write_gguf(path: str | os.PathLike, weights, config: ModelConfig,
     ``tokenizer`` as one GGUF file, a tensor at a time: the host holds one tensor's converted
     form and a chunk of rows, not the model (``CONVERT_CHUNK_BYTES``)."""
     from gguf import GGUFWriter
-    from gguf.quants import quant_shape_to_byte_shape
 
     if quantization not in QUANTIZATIONS:
         raise GGUFError(f"quantization={quantization!r} is not one nbtune writes; pass one of "
@@ -599,13 +597,20 @@ def write_gguf(path: str | os.PathLike, weights, config: ModelConfig,
     if missing:
         raise GGUFError(f"{missing[0]} has no GGUF name: merge LoRA adapters before exporting.")
     writer = GGUFWriter(str(path), arch)
-    _describe(writer, config, tokenizer, quantization, name)
-    extra = {}
-    if kind == "llama3":  # Llama 3.1+: llama.cpp divides each frequency by its factor
-        from .decoder import rope_frequencies
+    try:
+        _write_tensors(writer, weights, keys, back, config, tokenizer, quantization, name, kind, arch)
+    finally:  # a failed export must not hold the deleted partial file open (gigabytes at 8B)
+        writer.close()
+    return Path(path)
 
-        plain = rope_frequencies(dataclasses.replace(config, rope_scaling=None))
-        extra["rope_freqs.weight"] = _numpy(plain / rope_frequencies(config)).astype(np.float32)
+
+def _write_tensors(writer, weights, keys, back, config, tokenizer, quantization, name, kind, arch):
+    """``write_gguf``'s file: metadata, every tensor's info, then each tensor's data in turn."""
+    from gguf.quants import quant_shape_to_byte_shape
+
+    _describe(writer, config, tokenizer, quantization, name)
+    # Llama 3.1+: llama.cpp divides each rotary frequency by its factor in this tensor
+    extra = {"rope_freqs.weight": _numpy(rope_divisors(config)).astype(np.float32)} if kind == "llama3" else {}
     for gguf_name, values in extra.items():
         writer.add_tensor_info(gguf_name, values.shape, values.dtype, values.nbytes)
     for key in keys:  # every tensor's name, shape and type first: the header precedes the data
@@ -631,8 +636,6 @@ def write_gguf(path: str | os.PathLike, weights, config: ModelConfig,
         del tensor
         writer.write_tensor_data(data)
         del data
-    writer.close()
-    return Path(path)
 
 
 def _describe(writer, config: ModelConfig, tokenizer: Tokenizer, quantization: str, name: str) -> None:
@@ -651,8 +654,7 @@ def _describe(writer, config: ModelConfig, tokenizer: Tokenizer, quantization: s
     writer.add_block_count(config.num_layers)
     writer.add_head_count(config.num_heads)
     writer.add_head_count_kv(config.num_kv_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    writer.add_key_length(config.head_dim), writer.add_value_length(config.head_dim)
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_rope_freq_base(float(config.rope_theta))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))

@@ -183,9 +183,12 @@ def write_weights(tmp: Path, weights: DenseWeights) -> None:
     huggingface_hub cuts them (one ``model.safetensors`` for a small model; else
     ``model-0000k-of-0000n.safetensors`` and the index transformers reads), each file's
     weights made, moved to the host, written and freed before the next."""
-    from huggingface_hub import split_torch_state_dict_into_shards
+    from huggingface_hub import split_state_dict_into_shards_factory
 
-    split = split_torch_state_dict_into_shards(weights.described, max_shard_size=PART_BYTES)
+    # the descriptions are meta tensors: sized by shape and dtype, none sharing storage
+    split = split_state_dict_into_shards_factory(
+        weights.described, filename_pattern="model{suffix}.safetensors", max_shard_size=PART_BYTES,
+        get_storage_size=lambda t: t.numel() * t.element_size(), get_storage_id=lambda t: None)
     for name, keys in split.filename_to_tensors.items():
         part = {key: weights.make(key).to("cpu") for key in keys}
         save_file(part, str(tmp / name), metadata={"format": "pt"})

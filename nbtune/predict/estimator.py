@@ -283,8 +283,9 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
                        # rank 0 gathers every weight to its host, then writes them a
                        # file (or a tensor) at a time, merged as it goes
                        merged=_gathered(config, t) + (0 if t.method == "full" else min(
-                           _adapted_weights(config, t) * _BYTES[t.dtype], one.merged)),
-                       gguf=one.gguf + _gathered(config, t))
+                           _adapted_weights(config, t) * _BYTES[t.dtype], one.merged)
+                           + _merging(config, t)),
+                       gguf=one.gguf + _gathered(config, t) + _merging(config, t))
     cuda = target == "cuda"
     dtype = _BYTES[t.dtype]
     trainable, state = step.trainable, step.optimizer_state
@@ -318,12 +319,13 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
         # of its weights is moved to the host (``models.hf.write_weights``); on a CPU only the
         # adapted projections are new tensors (base + adapter folded in)
         merged=_part(dense, largest) if cuda
-        else (0 if full else min(_adapted_weights(config, t) * dtype, _part(dense, largest))),
+        else (0 if full else min(_adapted_weights(config, t) * dtype, _part(dense, largest))
+              + _merging(config, t)),
         # a tensor at a time (``models.gguf.write_gguf``): the largest converted to f16 (the
         # writer takes it whole), a float32 chunk of its rows and that chunk's transient; on a
-        # CPU a LoRA run's merged projection is a new tensor too (made in float32, then cast)
+        # CPU a LoRA run's merged projection is a new tensor too (``_merging``)
         gguf=largest // dtype * 2 + 2 * _gguf_writer.CONVERT_CHUNK_BYTES
-        + (0 if cuda or full else _largest_adapted(config, t) * (4 + 4 + dtype)),
+        + (0 if cuda or full else _merging(config, t)),
     )
 
 
@@ -355,6 +357,12 @@ def _adapted_weights(config: ModelConfig, t: Techniques) -> int:
     """Weights in the projections LoRA adapts (``lora_targets``), all layers."""
     sizes = _projections(config)
     return config.num_layers * sum(sizes.get(name, 0) for name in t.lora_targets)
+
+
+def _merging(config: ModelConfig, t: Techniques) -> int:
+    """Host bytes while one adapted projection is merged on the host (``DenseWeights.make``):
+    base and update in float32 and their sum (12 bytes a weight), then the cast result."""
+    return 0 if t.method == "full" else _largest_adapted(config, t) * (12 + _BYTES[t.dtype])
 
 
 def _largest_adapted(config: ModelConfig, t: Techniques) -> int:

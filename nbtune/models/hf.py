@@ -172,12 +172,6 @@ def dense_weights(model: CausalLM) -> DenseWeights:
     return weights
 
 
-def plain_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
-    """``dense_weights`` made all at once (for tests and small models)."""
-    weights = dense_weights(model)
-    return {key: weights.make(key) for key in weights.described}
-
-
 def write_weights(tmp: Path, weights: DenseWeights) -> None:
     """``weights`` into ``tmp`` as safetensors files of at most ``PART_BYTES``, cut and named as
     huggingface_hub cuts them (one ``model.safetensors`` for a small model; else

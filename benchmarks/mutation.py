@@ -528,6 +528,21 @@ MUTANTS: list[Mutant] = [
            "        finally:\n            self.since = self.clock()",
            "        finally:\n            pass",
            (T + "test_faults.py::test_the_periodic_checkpoint_waits_its_minutes_and_a_failed_save_does_not_end_the_run",)),
+    Mutant("wrong condition", "a chunked loss keeps its pieces even where that raises the predicted peak",
+           "nbtune/predict/predictor.py",
+           "recompute_loss=False).peak <= self.estimate(t).peak",
+           "recompute_loss=False).peak >= 0",
+           (T + "test_techniques.py::test_the_pieces_are_recomputed_only_where_keeping_them_raises_the_predicted_peak",)),
+    Mutant("dropped argument", "the step recomputes the loss pieces whatever the trainer chose",
+           "nbtune/step.py",
+           "recompute=options.recompute_loss or bool(options.tile_tokens)",
+           "recompute=True",
+           (T + "test_techniques.py::test_the_pieces_are_recomputed_only_where_keeping_them_raises_the_predicted_peak",)),
+    Mutant("dropped argument", "the estimate of kept pieces estimates recomputed ones",
+           "nbtune/predict/estimator.py",
+           "                                 recompute_loss=recompute_loss)",
+           "                                 recompute_loss=True)",
+           (T + "test_techniques.py::test_the_pieces_are_recomputed_only_where_keeping_them_raises_the_predicted_peak",)),
 ]
 
 

@@ -4,9 +4,12 @@ Summing (rather than averaging per micro-batch) lets gradient accumulation divid
 number of trained tokens across all micro-batches, so k micro-batches equal one batch
 k times larger.
 
-Chunked: the vocabulary projection and the loss run one slice of the sequence at a time,
-each under activation checkpointing, so only one chunk's logits ever exist: forward keeps
-just the hidden states, backward recomputes each chunk's logits when it needs them.
+Chunked: the vocabulary projection and the loss run one slice of the sequence at a time, so
+no whole-batch logits (or their float32 upcast) are ever made. Each piece keeps its float32
+log-probabilities for backward, as torchtune's chunked loss does, or (``recompute``) runs under
+activation checkpointing: forward keeps just the hidden states, backward recomputes each
+piece's logits when it needs them. The trainer recomputes only where keeping them would raise
+the step's predicted peak (``Predictor.keeps_loss_pieces``), and sequence tiling always does.
 """
 
 from __future__ import annotations
@@ -45,16 +48,18 @@ def loss_pieces(tokens: int, chunks: int = 0, tile_tokens: int = 0) -> int:
 
 def cross_entropy_sum(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
                       chunks: int = 0, compiled: bool = False, *, norm: nn.Module | None = None,
-                      tile_tokens: int = 0) -> torch.Tensor:
+                      tile_tokens: int = 0, recompute: bool = True) -> torch.Tensor:
     """Sum of token losses; ``hidden`` [B, T, D] is projected by ``lm_head`` in
-    ``loss_pieces`` parts. ``norm`` (the final norm, when ``hidden`` is taken before it)
-    runs inside each part: in pieces, it keeps only its slice of ``hidden`` for backward
-    too, rather than a float32 copy of the whole sequence."""
+    ``loss_pieces`` parts, each recomputed in backward (``recompute``) or keeping its
+    log-probabilities. ``norm`` (the final norm, when ``hidden`` is taken before it) runs
+    inside each part: in pieces, it keeps only its slice of ``hidden`` for backward too,
+    rather than a float32 copy of the whole sequence."""
     loss = _compiled_chunk_loss() if compiled else _chunk_loss
     pieces = loss_pieces(hidden.shape[1], chunks, tile_tokens)
     if pieces <= 1:
         return loss(lm_head, hidden, labels, norm)
     total = hidden.new_zeros((), dtype=torch.float32)
     for h, y in zip(hidden.chunk(pieces, dim=1), labels.chunk(pieces, dim=1)):
-        total = total + checkpoint(loss, lm_head, h, y, norm, use_reentrant=False)
+        total = total + (checkpoint(loss, lm_head, h, y, norm, use_reentrant=False) if recompute
+                         else loss(lm_head, h, y, norm))
     return total

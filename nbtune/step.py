@@ -23,9 +23,11 @@ class StepOptions:
     """What a step reads of ``Techniques``, by the same names, built once per configuration
     (``StepOptions.of(t)``): a new toggle the step uses is one field here, picked up by name.
     ``offload_to`` is the estimator's: where offloaded activations go ("meta" leaves the
-    device it counts)."""
+    device it counts). ``recompute_loss`` is the trainer's (``Predictor.keeps_loss_pieces``);
+    tiles are always recomputed."""
 
     chunked_loss: int = 0  # loss in this many pieces (0 or 1: whole)
+    recompute_loss: bool = True  # the pieces recomputed in backward (else their log-probs kept)
     tile_tokens: int = 0  # each layer's norm + MLP, and the loss, this many tokens at a time
     activation_offloading: bool = False
     max_grad_norm: float = 0.0
@@ -275,12 +277,14 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
                 loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"], 0,
                                          options.compile) / trained
         if pieces > 1:
-            # Pieces are checkpointed: they save only their slice of ``hidden`` (taken before
-            # the final norm, which each piece applies), already held. (Under the offload
-            # hooks, recomputing a chunk on a LoRA model failed torch's checkpoint metadata
-            # check.)
+            # Recomputed (checkpointed), pieces save only their slice of ``hidden`` (taken
+            # before the final norm, which each piece applies), already held; kept, their
+            # float32 log-probabilities too. (Under the offload hooks, recomputing a chunk on
+            # a LoRA model failed torch's checkpoint metadata check: they run outside.)
             loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"], pieces,
-                                     options.compile, norm=model.model.norm) / trained
+                                     options.compile, norm=model.model.norm,
+                                     recompute=options.recompute_loss or bool(options.tile_tokens)
+                                     ) / trained
         memory.after_forward()
         if undo is not None:
             undo.stage()

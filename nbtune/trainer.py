@@ -210,6 +210,7 @@ class Trainer:
         (``memory.usage``: it resets the process's peak resident memory on a CPU)."""
         self.check_usable()
         t = self.techniques
+        options = self._step_options(t)
         mark = self._mark()
         undo = self._undo_for(t)
         if isinstance(self.optimizer, OptimizerInBackward):
@@ -226,7 +227,7 @@ class Trainer:
                 group["lr"] = t.lr_at(number)
             context = StepContext(phase=phase, critical=self._critical if undo is None else None,
                                   undo=undo, parallel=self.parallel)
-            report = train_step(self.model, self.optimizer, batches, StepOptions.of(t), context,
+            report = train_step(self.model, self.optimizer, batches, options, context,
                                 pad_id=self.data.pad_id, step=number, track=track, usage=usage)
         except BaseException as err:
             oom = isinstance(err, torch.OutOfMemoryError) and not isinstance(err, OutOfMemory)
@@ -582,6 +583,19 @@ class Trainer:
                  "for it. Ctrl-C waits until the update is written; if the update itself fails "
                  f"half-way the session is marked damaged and {back}.")
 
+    def _step_options(self, t: Techniques) -> StepOptions:
+        """What the step reads of ``t``. A chunked loss keeps its pieces' log-probabilities
+        where the estimate says that raises no peak (``Predictor.keeps_loss_pieces``, asked
+        once per configuration), else recomputes them. Across processes they are recomputed:
+        every rank must choose alike, and the estimate is one process's."""
+        keep = self.parallel is None and t.chunked_loss > 1 and self._predicted().keeps_loss_pieces(t)
+        return StepOptions.of(t, recompute_loss=not keep)
+
+    def _predicted(self) -> Predictor:
+        if self._predictor is None:
+            self._predictor = Predictor.of(self.model.config, self.device.type)
+        return self._predictor
+
     def _host_reserve(self, t: Techniques) -> int:
         """Host bytes a step of ``t`` takes by itself (CUDA): activations offloaded to pinned
         memory (estimated once per configuration) and paged optimizer state, which the driver
@@ -592,9 +606,7 @@ class Trainer:
 
         reserve = paged_state_bytes(self.optimizer)
         if t.activation_offloading:  # estimated once per configuration
-            if self._predictor is None:
-                self._predictor = Predictor.of(self.model.config, "cuda")
-            reserve += self._predictor.estimate(t).host.offloaded
+            reserve += self._predicted().estimate(t).host.offloaded
         return reserve
 
     @contextlib.contextmanager

@@ -78,6 +78,130 @@ def test_chunked_loss_equals_plain_loss_and_gradient():
     torch.testing.assert_close(grads[1][1], grads[0][1], atol=1e-6, rtol=0)
 
 
+def test_kept_pieces_equal_recomputed_pieces_and_an_independent_whole_loss():
+    """A chunked loss that keeps its pieces' log-probabilities gives bit for bit the loss and
+    gradients of one that recomputes them, and both equal the loss and gradients of the whole
+    logits computed here from the head's weight."""
+    session = small_session()
+    batch = session.trainer.stream.next()
+    head = session.model.lm_head
+    hidden = session.model.hidden_states(batch["input_ids"]).detach()
+    runs = []
+    for recompute in (True, False, None):
+        h = hidden.clone().requires_grad_()
+        head.weight.grad = None
+        if recompute is None:  # the reference: whole logits, torch's own cross-entropy
+            loss = torch.nn.functional.cross_entropy((h @ head.weight.T).flatten(0, 1),
+                                                     batch["labels"].flatten(), reduction="sum")
+        else:
+            loss = cross_entropy_sum(head, h, batch["labels"], 5, recompute=recompute)
+        loss.backward()
+        runs.append((loss.detach(), h.grad, head.weight.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+    for ours, whole in zip(runs[0], runs[2]):
+        torch.testing.assert_close(ours, whole, atol=1e-4, rtol=1e-5)
+
+
+def _head_calls(trainer) -> tuple[int, int]:
+    """(times the head ran, measured peak) of a step after a first (the optimizer's state is
+    made by the first, as the estimate assumes)."""
+    trainer.step(track=False)
+    calls = []
+    handle = trainer.model.lm_head.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        peak = trainer.step(track=True).memory.peak
+    finally:
+        handle.remove()
+    return len(calls), peak
+
+
+def _wide_vocabulary(**changes):
+    """A trainer whose step peaks at the loss: a 4096-token vocabulary on a 32-wide layer."""
+    import nbtune as nt
+    from nbtune.data import BatchStream, Sample
+    from nbtune.models import CausalLM, ModelConfig
+    from nbtune.trainer import Trainer
+
+    config = ModelConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_layers=1,
+                         num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = CausalLM(config)
+    model.reset_parameters()
+    ids = torch.randint(0, 4096, (16, 64), generator=torch.Generator().manual_seed(1))
+    samples = [Sample(input_ids=row, labels=row.roll(-1)) for row in ids]
+
+    class Rows:
+        pad_id = 0
+
+        def stream(self, t):
+            return BatchStream(samples, t.batch_size, pad_id=0, seed=0), []
+
+        def problems(self, t):
+            return []
+
+        def eval_batches(self, t):
+            return []
+
+    t = nt.Techniques(**{**dict(batch_size=8, seq_len=64, chunked_loss=4,
+                                activation_checkpointing=True), **changes})
+    return Trainer(model, Rows(), t, torch.device("cpu"))
+
+
+def test_the_pieces_are_recomputed_only_where_keeping_them_raises_the_predicted_peak(monkeypatch):
+    """Where the step peaks elsewhere (the demo model: a 259-token vocabulary) the pieces'
+    log-probabilities are kept and the head runs once a piece; where it peaks at the loss (a
+    wide vocabulary) kept they would raise it, so each piece is recomputed in backward (the
+    head runs twice a piece), and forced to keep them, the measured peak rises by them. Both
+    steps' peaks are their estimates'."""
+    from nbtune.predict import Predictor
+
+    demo = small_session(batch_size=16, chunked_loss=4, seq_len=160).trainer
+    predictor = Predictor.of(demo.model.config, "cpu")
+    assert predictor.keeps_loss_pieces(demo.techniques)
+    assert _head_calls(demo)[0] == 4
+
+    for method in ("full", "lora"):
+        wide = _wide_vocabulary(method=method)
+        predictor, t = Predictor.of(wide.model.config, "cpu"), wide.techniques
+        assert not predictor.keeps_loss_pieces(t)
+        calls, recomputed = _head_calls(wide)
+        assert calls == 8
+        with monkeypatch.context() as forced:
+            forced.setattr(Predictor, "keeps_loss_pieces", lambda self, t: True)
+            calls, kept = _head_calls(_wide_vocabulary(method=method))
+        assert calls == 4
+        log_probs = 8 * 64 * 4096 * 4
+        assert kept > recomputed + log_probs // 2, method
+        for measured, recompute in ((recomputed, True), (kept, False)):  # both estimated
+            predicted = predictor.estimate(t, recompute_loss=recompute).peak
+            assert abs(measured - predicted) <= 0.02 * predicted, (method, recompute)
+
+
+def test_keeping_the_pieces_follows_the_two_estimates_and_never_tiles():
+    from nbtune.predict import Predictor
+
+    peaks = {True: 100, False: 100}
+
+    def stand_in(config, t, *, recompute_loss=True, **_):
+        if peaks[recompute_loss] is None:
+            raise ValueError("cannot run it")
+        from nbtune.memory import MemoryBreakdown
+        return MemoryBreakdown(peak=peaks[recompute_loss])
+
+    def keeps(**t):
+        predictor = Predictor("qwen2.5-0.5b", "cpu", estimator=stand_in)
+        return predictor.keeps_loss_pieces({"chunked_loss": 8, **t})
+
+    assert keeps()
+    peaks[False] = 101
+    assert not keeps()
+    peaks[False] = 100
+    assert not keeps(tile_tokens=64)  # tiling recomputes by design
+    assert not keeps(chunked_loss=0) and not keeps(chunked_loss=1)
+    peaks[False] = None
+    assert not keeps()  # an estimate that fails keeps the recompute
+
+
 def test_compiled_layers_and_loss_match_eager():
     session = small_session()
     batch = session.trainer.stream.next()

@@ -179,7 +179,7 @@ def _fake_batch(config: ModelConfig, t: Techniques, batch_size: int, seq_len: in
 def estimate(model, techniques: Techniques | None = None, *, batch_size: int | None = None,
              seq_len: int | None = None, device: str | torch.device = "cpu",
              extrapolate: bool = True, traces: TraceCache | None = None, ranks: int = 1,
-             sharding: Sharding | dict | None = None) -> MemoryBreakdown:
+             sharding: Sharding | dict | None = None, recompute_loss: bool = True) -> MemoryBreakdown:
     """Predict one training step's memory without allocating the model.
 
     ``model``: a preset name (``nbtune.models.presets.PRESETS``), a Hub repo id (only its
@@ -197,6 +197,9 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     settings, the run file's ``distributed:`` section), predicted by running the real
     sharding over a fake process group (``ranks.py``); ``batch_size`` stays the global batch.
     The host memory is the whole machine's (every rank's).
+
+    ``recompute_loss=False``: a chunked loss's pieces keep their log-probabilities for
+    backward instead of being recomputed (what ``Predictor.keeps_loss_pieces`` weighs).
     """
     config = resolve_config(model)
     t = as_techniques(techniques)  # a dict of fields too, as Session takes
@@ -221,12 +224,12 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     if period is not None:
         shallow, deeper, front, back = shallow_units(t, spread is not None)
         step = _extrapolated(*(_traced(config.replace(num_layers=units * period), t, target,
-                                       shape, True, tiles, traces, spread)
+                                       shape, True, tiles, traces, spread, recompute_loss)
                                for units in (shallow, deeper)),
                              shallow * period, deeper * period, config.num_layers, period,
                              (front, back))
     if step is None:
-        step = _traced(config, t, target, shape, False, tiles, traces, spread)
+        step = _traced(config, t, target, shape, False, tiles, traces, spread, recompute_loss)
     offloaded = {}
     if spread is not None and spread.sharding.cpu_offload:
         step, offloaded = _offloaded(step)
@@ -411,11 +414,13 @@ class _FakeStep:
 
 def _traced(config: ModelConfig, t: Techniques, target: str, shape: tuple[int, int],
             by_layer: bool, tiles: tuple[int, bool] | None, traces: TraceCache | None,
-            spread: Ranks | None = None) -> _FakeStep:
+            spread: Ranks | None = None, recompute_loss: bool = True) -> _FakeStep:
     """The fake step of ``shape``: traced, or where ``tiles`` says so (``carried_tiles``)
-    carried from recordings at ``BASE`` and ``BASE + 1`` tiles (kept in ``traces``)."""
+    carried from recordings at ``BASE`` and ``BASE + 1`` tiles (kept in ``traces``; tiles
+    are always recomputed)."""
     if tiles is None:
-        return _fake_step(config, t, target, shape, by_layer, spread=spread)
+        return _fake_step(config, t, target, shape, by_layer, spread=spread,
+                          recompute_loss=recompute_loss)
     n, loss_per_tile = tiles
     key = (config.num_layers, t.replace(seq_len=t.tile_tokens), target, shape[0], by_layer,
            loss_per_tile, spread)
@@ -439,7 +444,7 @@ def _traced(config: ModelConfig, t: Techniques, target: str, shape: tuple[int, i
 
 def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int, int],
                by_layer: bool, tiles: tuple[bool, bool] = (False, False),
-               spread: Ranks | None = None) -> _FakeStep:
+               spread: Ranks | None = None, recompute_loss: bool = True) -> _FakeStep:
     """Build ``config`` of fake tensors the way a session would and track a steady step;
     ``tiles``: record every moment, apart per tile of the layers (and per loss piece);
     ``spread``: rank 0's step of several, sharded over a fake process group."""
@@ -464,7 +469,8 @@ def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int
         inputs = [v for b in batches for v in b.values()]
         # the step's own options, the loss eager (compile is estimated eager); on CUDA what
         # is offloaded leaves the device counted
-        options = StepOptions.of(t, compile=False, offload_to="meta" if target == "cuda" else None)
+        options = StepOptions.of(t, compile=False, offload_to="meta" if target == "cuda" else None,
+                                 recompute_loss=recompute_loss)
         _make_state(optimizer)  # as after a first step, without running one
         marks = [layer.post_attention_layernorm for layer in built.model.layers] if tiles[0] else []
         marks += [built.model.norm] if tiles[1] else []

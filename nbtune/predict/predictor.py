@@ -81,11 +81,13 @@ class Predictor:
             return self._key(as_techniques(techniques), batch_size, seq_len) in self._cache
 
     def estimate(self, techniques, *, batch_size: int | None = None,
-                 seq_len: int | None = None) -> MemoryBreakdown:
+                 seq_len: int | None = None, recompute_loss: bool = True) -> MemoryBreakdown:
         """The step's predicted memory; raises the estimator's error (``ESTIMATE_ERRORS``)
-        for a combination it cannot run, every time it is asked."""
+        for a combination it cannot run, every time it is asked. ``recompute_loss=False``:
+        with a chunked loss's pieces kept (``keeps_loss_pieces``)."""
         t = as_techniques(techniques)
-        key = self._key(t, batch_size, seq_len)
+        key = self._key(t, batch_size, seq_len) + (() if recompute_loss else ("kept",))
+        kept = {} if recompute_loss else {"recompute_loss": False}
         while True:
             with self._lock:
                 if key in self._cache:
@@ -100,10 +102,12 @@ class Predictor:
             try:
                 if self._estimator is not None:
                     result = self._estimator(self.config, key[0], batch_size=key[1],
-                                             seq_len=key[2], device=self.device, **self._spread)
+                                             seq_len=key[2], device=self.device, **self._spread,
+                                             **kept)
                 else:
                     result = estimate(self.config, key[0], batch_size=key[1], seq_len=key[2],
-                                      device=self.device, traces=self._traces, **self._spread)
+                                      device=self.device, traces=self._traces, **self._spread,
+                                      **kept)
             except ESTIMATE_ERRORS as err:
                 result = _Failed(type(err), " ".join(str(err).split()))
             with self._lock:
@@ -115,6 +119,20 @@ class Predictor:
             with self._lock:
                 self._running.pop(key).set()
         return _answer(result)
+
+    def keeps_loss_pieces(self, techniques) -> bool:
+        """Whether a chunked loss's pieces may keep their float32 log-probabilities for
+        backward rather than be recomputed in it (the recompute costs a forward of the head:
+        7-9 % of a 125M model's step on a CPU, ``benchmarks/head_profile.py``): where that
+        does not raise the step's predicted peak, which is then the same either way. Not with
+        sequence tiling (it recomputes every tile by design), not where either estimate fails."""
+        t = as_techniques(techniques)
+        if t.chunked_loss <= 1 or t.loss_always_recomputed:
+            return False
+        try:
+            return self.estimate(t, recompute_loss=False).peak <= self.estimate(t).peak
+        except ESTIMATE_ERRORS:
+            return False
 
     @property
     def _spread(self) -> dict:

@@ -9,7 +9,8 @@ no whole-batch logits (or their float32 upcast) are ever made. Each piece keeps 
 log-probabilities for backward, as torchtune's chunked loss does, or (``recompute``) runs under
 activation checkpointing: forward keeps just the hidden states, backward recomputes each
 piece's logits when it needs them. The trainer recomputes only where keeping them would raise
-the step's predicted peak (``Predictor.keeps_loss_pieces``), and sequence tiling always does.
+the step's predicted peak (``Predictor.keeps_loss_pieces``) or the estimate fails; sequence
+tiling and several processes always do.
 """
 
 from __future__ import annotations

@@ -48,8 +48,9 @@ HELP = {
     "chunked_loss": "Project to the vocabulary and take the loss N chunks at a time: the full "
                     "logits and their float32 copy are never made at once (0 = off). Each chunk "
                     "keeps its log-probabilities for backward unless the estimate says that "
-                    "raises the peak; then it is recomputed in backward (a forward of the head "
-                    "again: 7-9 % of a 125M model's CPU step).",
+                    "raises the peak (or cannot say; tiling and several processes always "
+                    "recompute): then it is recomputed in backward, a forward of the head again "
+                    "(7-9 % of a 125M model's CPU step).",
     "tile_tokens": "Sequence tiling: run each layer's norm + MLP, and the final norm, head and "
                    "loss, N tokens at a time, recomputing each tile in backward: no "
                    "[tokens, intermediate] tensor is ever whole, for long contexts (0 = off).",

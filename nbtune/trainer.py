@@ -139,6 +139,7 @@ class Trainer:
         # the model's Predictor, held: its estimates outlive the registry's few shapes, so a
         # step never re-estimates because the notebook asked about other models meanwhile
         self._predictor: Predictor | None = None
+        self._kept_loss: tuple = (None, False)  # (configuration, whether its loss pieces are kept)
         self._undo_said: tuple | None = None  # the last "no copy kept" said, not to repeat it
         self._new_optimizer = True  # no update made by this optimizer yet
         self._interrupted = False
@@ -585,11 +586,20 @@ class Trainer:
 
     def _step_options(self, t: Techniques) -> StepOptions:
         """What the step reads of ``t``. A chunked loss keeps its pieces' log-probabilities
-        where the estimate says that raises no peak (``Predictor.keeps_loss_pieces``, asked
-        once per configuration), else recomputes them. Across processes they are recomputed:
-        every rank must choose alike, and the estimate is one process's."""
-        keep = self.parallel is None and t.chunked_loss > 1 and self._predicted().keeps_loss_pieces(t)
-        return StepOptions.of(t, recompute_loss=not keep)
+        where the estimate says that raises no peak (``Predictor.keeps_loss_pieces``, decided
+        once per configuration), else recomputes them, as where the estimator cannot say.
+        Across processes they are recomputed: every rank must choose alike, and the estimate
+        is one process's."""
+        if self._kept_loss[0] != t:
+            keep = False
+            if self.parallel is None and t.chunked_loss > 1:
+                try:
+                    keep = self._predicted().keeps_loss_pieces(t)
+                except Exception as err:  # noqa: BLE001 -- the estimator's own bug: recompute
+                    self.notes.append(f"the loss pieces are recomputed in backward: the memory "
+                                      f"estimate failed ({type(err).__name__}: {err}).")
+            self._kept_loss = (t, keep)
+        return StepOptions.of(t, recompute_loss=not self._kept_loss[1])
 
     def _predicted(self) -> Predictor:
         if self._predictor is None:

@@ -30,6 +30,16 @@ def test_technique_does_not_change_the_maths(changes):
     assert_equal_runs(small_session(**changes), small_session())
 
 
+def test_recomputed_loss_pieces_do_not_change_the_maths(monkeypatch):
+    """The demo's full finetuning keeps its pieces; recomputed (as LoRA's are), with gradient
+    accumulation too, the run is the plain one's."""
+    from nbtune.predict import Predictor
+
+    monkeypatch.setattr(Predictor, "keeps_loss_pieces", lambda self, t: False)
+    assert_equal_runs(small_session(chunked_loss=3, grad_accum=2),
+                      small_session(grad_accum=2))
+
+
 def test_offloading_really_moves_saved_tensors(monkeypatch):
     from nbtune import activations
 
@@ -175,6 +185,18 @@ def test_the_pieces_are_recomputed_only_where_keeping_them_raises_the_predicted_
         for measured, recompute in ((recomputed, True), (kept, False)):  # both estimated
             predicted = predictor.estimate(t, recompute_loss=recompute).peak
             assert abs(measured - predicted) <= 0.02 * predicted, (method, recompute)
+
+
+def test_an_estimate_that_breaks_leaves_the_pieces_recomputed_and_says_so(monkeypatch):
+    from nbtune.predict import Predictor
+
+    def broken(self, t):
+        raise TypeError("a bug in the estimator")
+
+    monkeypatch.setattr(Predictor, "keeps_loss_pieces", broken)
+    wide = _wide_vocabulary()
+    assert _head_calls(wide)[0] == 8
+    assert any("TypeError: a bug in the estimator" in note for note in wide.notes)
 
 
 def test_keeping_the_pieces_follows_the_two_estimates_and_never_tiles():

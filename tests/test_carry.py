@@ -63,9 +63,9 @@ def test_a_tiled_step_carried_to_more_tiles_equals_every_tile_traced(monkeypatch
     made = []
     real = est._fake_step
 
-    def spy(config, t, target, shape, by_layer, tiles=(False, False), spread=None):
+    def spy(config, t, target, shape, by_layer, tiles=(False, False), spread=None, **loss):
         made.append((config.num_layers, shape, tiles))
-        return real(config, t, target, shape, by_layer, tiles, spread)
+        return real(config, t, target, shape, by_layer, tiles, spread, **loss)
 
     monkeypatch.setattr(est, "_fake_step", spy)
     family, changes, device = COMBOS[0]

@@ -1,10 +1,10 @@
 """What driving the ranks from the kernel costs per step: ``session.run(N)`` of a session on two
-processes (``Session.from_config(path, processes=2)``: each step one command to every engine
-and the answers back, through the session's own runner), against the same run file's steps
+processes (``Session.from_config(path, processes=2)``: commands of as many steps as take about
+a second sent to every engine and the answers back, through the session's own runner), against the same run file's steps
 under ``torchrun -m nbtune train``. Both sides are one run of N steps in one loop: a torchrun
 step's wall time is the difference of two jobs' training time (summary.json's ``seconds``:
 1 step and N + 1 steps) over N; the kernel's is ``run(N)``'s wall time over N, on ranks that
-already took one step. Memory tracking is off on both sides (the run file's
+already took three steps. Memory tracking is off on both sides (the run file's
 ``memory_tracking``), so neither measures a step the other does not. On 2 cores the two ranks
 fill the machine, so the rounds alternate the two sides and the median round is reported.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 STEPS = 30
-ROUNDS = 3
+ROUNDS = 5
 RUN = ("demo: tiny\nmemory_tracking: 'off'\n"
        "techniques: {{batch_size: {batch}, seq_len: 96, lr: 1e-3}}\n"
        "run: {{steps: 1, checkpoint_every: 0, save: []}}\n")
@@ -59,7 +59,7 @@ def rounds(path: Path, out: Path) -> tuple[list[float], list[float], float]:
     started = time.perf_counter() - began
     torchrun, kernel = [], []
     try:
-        ranks.step()  # warm-up: the first step (its imports, the optimizer's state)
+        ranks.run(3, progress=False, live=False)  # warm-up: imports, the optimizer's state, pace
         for i in range(ROUNDS):
             torchrun.append(under_torchrun(path, out / str(i)))
             before = time.perf_counter()

@@ -109,11 +109,17 @@ class Processes:
     def alive(self) -> bool:
         return bool(self._engines)
 
-    def each(self, function, args_of=lambda rank: ()) -> list:
+    @property
+    def stop_flag(self) -> Path:
+        """A file the kernel makes to end ``rank_steps`` at the next step boundary (in the
+        cluster's private folder: engines read it, nothing else does)."""
+        return Path(self._profile.name) / "stop"
+
+    def each(self, function, args_of=lambda rank: (), poll=None) -> list:
         """``function(*args_of(rank))`` on every rank at once; each rank's answer, in rank
         order. Every rank is waited on together: the first that fails ends them all. Ctrl-C
         meanwhile lets the command finish on every rank (a step stops at its boundary) and
-        sets ``interrupted``."""
+        sets ``interrupted``. ``poll()``: called every 50 ms while the ranks work."""
         if not self._engines:
             raise RankFailed("These ranks were ended; recover() starts them again from the last "
                              "checkpoint, or make a new session.", None)
@@ -121,13 +127,16 @@ class Processes:
         pending = [engine.apply_async(function, *args_of(rank))
                    for rank, engine in enumerate(self._engines)]
         deadline = time.monotonic() + self.timeout
+        tick = 1.0 if poll is None else 0.05
         while True:
-            left = min(1.0, max(0.0, deadline - time.monotonic()))
+            left = min(tick, max(0.0, deadline - time.monotonic()))
             try:  # (each AsyncResult is a Future: wait for them without polling the cores)
                 done, waiting = futures.wait(pending, left, return_when=futures.FIRST_EXCEPTION)
             except KeyboardInterrupt:
                 self.interrupted = True  # the command finishes on every rank first
-                continue
+                done, waiting = set(), pending
+            if poll is not None:
+                poll()
             failed = next((rank for rank, p in enumerate(pending) if p in done and not p.successful()), None)
             if failed is not None:
                 self._fail(failed, _reason(pending[failed]))
@@ -291,11 +300,21 @@ def rank_settle(commit: bool) -> list[str]:
     return trainer.take_notes()
 
 
-def rank_step(track: bool, usage: bool) -> tuple:
-    """One step of this rank's trainer; its report and what it noted."""
-    trainer = ENGINE_STATE["run"].trainer
-    report = trainer.step(track, usage)
-    return report, trainer.take_notes()
+def rank_steps(track: bool, track_rest: bool, most: int, flag: str) -> list[tuple]:
+    """Up to ``most`` steps of this rank's trainer (``track``: measure the first's memory,
+    ``track_rest``: the others'), each step's report and what it noted. They end early at
+    the first step boundary where any rank sees the file ``flag`` (the kernel's Stop): one
+    all-reduce of a number per boundary, so that every rank ends at the same step."""
+    import torch
+
+    trainer, parallel = ENGINE_STATE["run"].trainer, ENGINE_STATE["parallel"]
+    taken: list[tuple] = []
+    while len(taken) < most:
+        if taken and parallel.sum_(torch.tensor([float(os.path.exists(flag))])).item():
+            break
+        report = trainer.step(track_rest if taken else track, True)
+        taken.append((report, trainer.take_notes()))
+    return taken
 
 
 def _watch(parent: int, controller: int | None) -> None:

@@ -367,11 +367,24 @@ class Runner:
             return self._step(sampled=False)
 
     def _step(self, sampled: bool) -> StepReport:
+        return self._steps(sampled)[0]
+
+    def _steps(self, sampled: bool, most: int = 1,
+               until: Callable[[], bool] | None = None) -> list[StepReport]:
+        """One step; or, where the trainer takes several to a command (the ranks'
+        ``RanksTrainer.steps``: one round trip for many short steps), up to ``most``, ended
+        at the first step boundary where ``until()`` (Stop, a queued change) is true. Right
+        after a change one at a time: the sampler decides each step's measurement."""
         self._note_slow_dtype()
         device = self.trainer.device.type
         track = self.sampler.should_track(device, sampled)
+        several = getattr(self.trainer, "steps", None)
         try:
-            report = self.trainer.step(track, usage=True)
+            if several is not None and most > 1 and not (self.sampler.stale and self.sampler.mode != "off"):
+                rest = self.sampler.tracks_every_step(device)
+                reports = several(track, rest, most, until)
+            else:
+                reports, rest = [self.trainer.step(track, usage=True)], track
         except BaseException as err:
             self.relay()
             report = getattr(err, "nbtune_report", None)  # the step stood, its evaluation failed
@@ -380,9 +393,10 @@ class Runner:
                 self.emit(StepDone(report))
             raise
         self.relay()
-        self.sampler.record(report.seconds, track, device)
-        self.emit(StepDone(report))
-        return report
+        for done, report in enumerate(reports):
+            self.sampler.record(report.seconds, track if done == 0 else rest, device)
+            self.emit(StepDone(report))
+        return reports
 
     def _note_slow_dtype(self) -> None:
         """At the first step in a new dtype: say so if this CPU runs it far slower than fp32."""
@@ -402,9 +416,11 @@ class Runner:
              shown: Callable[[StepReport], None] | None = None,
              after_step: Callable[[], None] | None = None) -> list[StepReport]:
         """The one training loop: until ``steps`` steps completed (or the background run is
-        stopped), apply what was queued, take a step, record it, show it and (``after_step``)
-        checkpoint it when due."""
+        stopped), apply what was queued, take a step (several, on ranks), record it, show it
+        and (``after_step``) checkpoint it when due."""
         adapted = 0
+        until = None if run is None else (  # what ends the ranks' several steps at a boundary
+            lambda: run.stop_event.is_set() or bool(self._pending or self._between))
         while len(reports) < steps:
             if run is not None:
                 self.apply_pending()
@@ -412,7 +428,7 @@ class Runner:
                 if run.stop_event.is_set():
                     break
             try:
-                reports.append(self._step(sampled=True))
+                taken = self._steps(True, steps - len(reports), until)
             except BaseException as err:
                 stood = getattr(err, "nbtune_report", None)
                 if stood is not None:
@@ -428,8 +444,10 @@ class Runner:
                          f"{format_bytes(best.peak)}) and retried the step.")
                 self.apply(best.changes)
                 continue
-            if shown is not None:
-                shown(reports[-1])
+            for report in taken:
+                reports.append(report)
+                if shown is not None:
+                    shown(report)
             if after_step is not None:
                 after_step()
         return reports

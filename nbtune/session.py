@@ -398,7 +398,8 @@ class Session:
         if self.parallel is not None:
             raise NotImplementedError("compare runs trial copies of the model in this process; "
                                       "with the model sharded over ranks, measure rows with "
-                                      "`torchrun -m nbtune ladder run.yaml`.")
+                                      "`nbtune.headless.ladder(run_file, rows, processes=N)` from "
+                                      "a cell, or `torchrun -m nbtune ladder run.yaml`.")
         return compare(self.trainer, configs, steps, estimate=estimate, progress=progress)
 
     @_command()

@@ -40,17 +40,8 @@ CELLS = [
     "s.memory_tracking = 'sampled'\nprint('memory tracking', s.memory_tracking)",
     "s.run(60, progress=False, live=False)\nprint('trained to step', len(s.history))",
 ]
-# A session on two processes (ipyparallel engines, one gloo rank each) driven by the same panel.
-RANKS_CELLS = [
-    "import pathlib\nimport nbtune as nt\n"
-    "pathlib.Path('run.yaml').write_text('demo: tiny\\ntechniques: {batch_size: 4, seq_len: 96}\\n')\n"
-    "s = nt.Session.from_config('run.yaml', processes=2)\nprint('ranks ready')",
-    "p = s.panel()\np",
-    "print('kernel free while training:', s.current_run is not None)",
-    "steps = s.parts.ranks.rank_steps\n"
-    "print('every rank at the last step:', steps == [len(s.history)] * 2, steps[0] > 0)\n"
-    "s.close()\nprint('ranks closed')",
-]
+# Notebook 07 (two ranks driven from cells) as a user opens it, its panel clicked.
+NOTEBOOK_07 = Path(__file__).parents[1] / "notebooks" / "07_scale_out.ipynb"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
          "--disable-component-update", "--no-first-run"]
 
@@ -75,7 +66,7 @@ def _free_port() -> int:
 @pytest.fixture
 def lab(tmp_path):
     _notebook(tmp_path)
-    _notebook(tmp_path, RANKS_CELLS, "ranks.ipynb")
+    shutil.copy(NOTEBOOK_07, tmp_path)
     port, token = _free_port(), "nbtune-browser-test"
     # no "get notified about Jupyter news?" pop-up over the panel (it would cover the chart)
     news = tmp_path / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
@@ -89,7 +80,7 @@ def lab(tmp_path):
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}",
-         "--ServerApp.open_browser=False", "--LabApp.news_url=", "--LabApp.check_for_updates_class="
+         "--ServerApp.open_browser=False", "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=", "--LabApp.check_for_updates_class="
          "jupyterlab.NeverCheckForUpdate"] + (["--allow-root"] if os.geteuid() == 0 else []),
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -206,21 +197,28 @@ def test_run_in_the_background_stop_and_a_live_toggle_in_jupyterlab(lab):
     assert latency < 15, latency
 
 
-def test_the_panel_runs_and_stops_two_processes_in_jupyterlab(lab):
-    """The same panel over a session on two ranks: Run leaves the kernel free, Stop ends the
-    run at one step on both ranks, and close() ends them."""
+def test_notebook_07_runs_in_jupyterlab_and_its_panel_stops_two_processes(lab):
+    """Notebook 07 as a user runs it: its cells up to the panel (two ranks started from a
+    cell); the panel's Run on the ranks leaves the kernel free, Stop ends the run at one step
+    on both ranks; then the rest of the notebook (a rank killed, recover, the ladder), whose
+    checked outcomes must read as committed. No traceback; no rank left."""
     import psutil
 
+    nb = json.loads(NOTEBOOK_07.read_text())
+    sources = ["".join(cell["source"]) for cell in nb["cells"]]
+    at_panel = next(i for i, s in enumerate(sources) if "panel = ranks.panel()" in s)
+    checked = next(i for i, s in enumerate(sources) if s.startswith("# NBVAL_CHECK_OUTPUT"))
+    promised = "".join("".join(o.get("text", "")) for o in nb["cells"][checked]["outputs"])
     with playwright.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1400})
-        page.set_default_timeout(120_000)
-        page.goto(lab.replace("panel.ipynb", "ranks.ipynb"))
-        page.locator(".jp-Notebook .jp-Cell").first.wait_for()
+        page.set_default_timeout(240_000)
+        page.goto(lab.replace("panel.ipynb", NOTEBOOK_07.name))
+        cells = page.locator(".jp-Notebook .jp-Cell")
+        cells.first.wait_for()
         page.get_by_text("Python 3 (ipykernel) | Idle").wait_for()
-        _run_cell(page, 0, "ranks ready")
-        _run_cell(page, 1)
-        panel = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".jp-OutputArea-output").first
+        _lab_command(page, at_panel + 1, "notebook:run-all-above")  # up to the panel's cell
+        panel = cells.nth(at_panel).locator(".jp-OutputArea-output").first
 
         def button(text):
             return panel.locator("button.jupyter-button").filter(
@@ -228,6 +226,7 @@ def test_the_panel_runs_and_stops_two_processes_in_jupyterlab(lab):
 
         run_button = button("Run")
         run_button.wait_for()
+        page.get_by_text("Python 3 (ipykernel) | Idle").wait_for()
         steps = panel.locator(".widget-inline-hbox").filter(
             has=page.locator("label", has_text=re.compile(r"^steps$"))).locator("input")
         steps.fill("3000")
@@ -235,21 +234,35 @@ def test_the_panel_runs_and_stops_two_processes_in_jupyterlab(lab):
         run_button.click()
         stop = button("Stop")
         stop.wait_for(state="visible")
-        _run_cell(page, 2, "kernel free while training: True")
-        _shot(page, "ranks-running")
+        page.wait_for_timeout(3000)  # a few commands of several steps each
+        _shot(page, "notebook-07-running")
         stop.click()
         panel.locator(".widget-html").filter(has_text="stopped after").first.wait_for(timeout=60_000)
         assert stop.is_hidden() and run_button.is_enabled()
-        _run_cell(page, 3, "ranks closed")
-        said = page.locator(".jp-Notebook .jp-Cell").nth(3).locator(".jp-OutputArea").inner_text()
-        assert "every rank at the last step: True True" in said
-        _shot(page, "ranks-stopped")
+        progress = panel.locator(".widget-html").filter(has_text="stopped ·").first.inner_text()
+        assert 0 < int(re.search(r"step (\d+) of 3000", progress).group(1)) < 3000
+        _lab_command(page, at_panel + 1, "notebook:run-all-below")  # the rest, from the next cell
+        output = cells.nth(checked).locator(".jp-OutputArea")
+        output.get_by_text("8B full finetuning needs more cards").wait_for(timeout=420_000)
+        _shot(page, "notebook-07-done")
+        shown = " ".join(output.locator(".jp-OutputArea-output").all_inner_texts())
+        assert shown.split() == promised.split()
         assert page.locator(".jp-OutputArea-output").filter(has_text="Traceback").count() == 0
         browser.close()
     engines = [p for p in psutil.process_iter(["cmdline"])
                if "ipyparallel.engine" in " ".join(p.info["cmdline"] or [])]
     gone, left = psutil.wait_procs(engines, timeout=30)
     assert not left
+
+
+def _lab_command(page, cell: int, command: str) -> None:
+    """Select cell ``cell`` of the open notebook and run JupyterLab's ``command`` (the Run
+    menu's "Run All Above/Below Selected Cell"), as the menu would."""
+    page.evaluate("""([cell, command]) => {
+      const notebook = window.jupyterapp.shell.currentWidget.content;
+      notebook.activeCellIndex = cell;
+      return window.jupyterapp.commands.execute(command);
+    }""", [cell, command])
 
 
 # Each control shown in the open tab, with the hover text on it or inside it (a slider's sits

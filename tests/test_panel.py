@@ -42,6 +42,24 @@ def test_widget_changes_reach_the_session(session_and_panel):
     assert "applied: +packing" in panel.status.value
 
 
+def test_a_slider_drawn_on_its_grid_changes_nothing_a_move_does(session_and_panel):
+    """The browser's slider puts a value between its steps on the nearest step and sends that
+    back as soon as it is drawn (seen in JupyterLab: lr=3e-4 became 10**-3.5): the session
+    keeps its value; a move of one step, or any other value, is applied."""
+    session, panel = session_and_panel
+    session.set(lr=3e-4, lora_dropout=0.07, max_grad_norm=0.93)
+    panel.controls["lr"].value = 10 ** -3.5  # as the browser sends it back
+    panel.controls["lora_dropout"].value = 0.05
+    panel.controls["max_grad_norm"].value = 0.9
+    t = session.techniques
+    assert (t.lr, t.lora_dropout, t.max_grad_norm) == (3e-4, 0.07, 0.93)
+    panel.controls["lr"].value = 10 ** -3.6  # one step down: a move
+    panel.controls["max_grad_norm"].value = 1.0
+    assert session.techniques.lr == 10 ** -3.6 and session.techniques.max_grad_norm == 1.0
+    panel.controls["lr"].value = 2e-4  # set from code, between steps: taken as it is
+    assert session.techniques.lr == 2e-4
+
+
 def test_session_changes_reach_the_widgets(session_and_panel):
     session, panel = session_and_panel
     session.set(batch_size=5, dtype="bf16", activation_checkpointing=True)

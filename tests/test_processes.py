@@ -2,6 +2,7 @@
 process on the same run file, and no process left behind."""
 
 import threading
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 import nbtune as nt
 from nbtune import Session
-from nbtune.processes import Processes
+from nbtune.processes import Processes, _where
 from nbtune.ranked import RanksTrainer
 
 RUN = ("demo: tiny\ntechniques: {{{techniques}}}\nrun: {{steps: 5, checkpoint_every: 0, save: []}}\n")
@@ -55,6 +56,7 @@ def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behin
         ranks.load_checkpoint(tmp_path / "at-5")  # each rank its own shard, back to step 5
         assert len(ranks.history) == 5 and ranks.step().loss == sixth.loss
         if techniques.startswith("method: lora"):
+            _set_then_stop_in_the_background(ranks)
             _ctrl_c_then_a_hung_rank(ranks, capsys)
         else:
             _a_killed_rank(ranks, tmp_path / "at-5")
@@ -115,6 +117,30 @@ def test_a_killed_kernel_leaves_no_rank_and_no_controller_behind(tmp_path):
                 pass
 
 
+def _set_then_stop_in_the_background(session) -> None:
+    """Short steps go many to a command (here: as many as asked, 10,000); a change queued
+    mid-run ends the command at a boundary, where every rank makes it; Stop ends the next.
+    Without the stop file both would wait out 10,000 steps."""
+    import time
+
+    ranks = session.parts.ranks
+    session.parts.trainer.SECONDS_PER_COMMAND = 1e9
+    before = len(session.history)
+    run = session.start(10_000)
+    time.sleep(1.5)
+    session.set(lr=1e-4)
+    time.sleep(1.5)
+    run.stop(timeout=60)
+    session.parts.trainer.SECONDS_PER_COMMAND = type(session.parts.trainer).SECONDS_PER_COMMAND
+    assert not run.running and run.error is None and 2 < len(run.reports) < 10_000
+    at = len(session.history)
+    assert ranks.rank_steps == [at, at] and session.history[before:] == run.reports
+    assert [t.lr for _, t in ranks.each(_where)] == [1e-4, 1e-4]  # made on every rank
+    lrs = [r.lr for r in session.history]  # (rank 0's; the ranks step in lockstep)
+    changed = lrs.index(1e-4)
+    assert before < changed < at and set(lrs[changed:]) == {1e-4} and 1e-4 not in lrs[:changed]
+
+
 def _ctrl_c_then_a_hung_rank(session, capsys) -> None:
     """Ctrl-C in the kernel lets the step under way end on every rank, then stops; a rank
     that does not answer within its timeout is named as hung and the ranks are ended."""
@@ -169,8 +195,6 @@ def test_a_prepared_change_dropped_leaves_the_next_step_as_a_twin_never_asked_gi
 def test_while_sharded_only_what_fsdp2_did_not_wrap_may_change():
     """A sharded trainer (``parallel`` set) refuses the fields FSDP2 wrapped the model with and
     a batch that does not split over the ranks, naming them; the rest is prepared."""
-    from types import SimpleNamespace
-
     session = Session.demo("tiny", batch_size=4, seq_len=96)
     trainer = session.trainer
     trainer.parallel = SimpleNamespace(world=2)  # only its size is read here
@@ -194,7 +218,9 @@ class _InOneProcess(Processes):
         self.about = {"config": runs[0].model.config, "trainable": 0}
         self.states = [{"rank": rank, "run": run} for rank, run in enumerate(runs)]
 
-    def each(self, function, args_of=lambda rank: ()):
+    stop_flag = None  # (set by a test that stops steps several to a command)
+
+    def each(self, function, args_of=lambda rank: (), poll=None):
         from nbtune.processes import ENGINE_STATE
 
         answers = []
@@ -210,8 +236,6 @@ class _InOneProcess(Processes):
 def test_a_change_one_rank_refuses_is_made_by_no_rank():
     """Rank 1 refuses (here: its model is sharded, rank 0's not), so rank 0, which had built
     the change, drops it: its next step is the step of a twin never asked."""
-    from types import SimpleNamespace
-
     rank0, rank1, twin = (Session.demo("tiny", batch_size=4, seq_len=96) for _ in range(3))
     rank1.trainer.parallel = SimpleNamespace(world=2)
     trainer = RanksTrainer(_InOneProcess([rank0.parts, rank1.parts]))  # the kernel's side
@@ -223,3 +247,53 @@ def test_a_change_one_rank_refuses_is_made_by_no_rank():
     assert rank0.step().loss == twin.step().loss
     assert trainer.set(t.replace(lr=3e-3)) == {"lr"}
     assert trainer.techniques.lr == rank0.techniques.lr == rank1.techniques.lr == 3e-3
+
+
+def test_several_steps_to_a_command_end_at_the_first_boundary_any_rank_saw_stop(tmp_path):
+    """``rank_steps``: the first step is always taken (the kernel asked for it); before each
+    later one, one all-reduce of who saw the stop file, and they end where any rank did."""
+    from nbtune.processes import ENGINE_STATE, rank_steps
+
+    flag = tmp_path / "stop"
+
+    class OtherRank:  # the all-reduce, with the other rank seeing the file at its 3rd boundary
+        seen: list = []
+
+        def sum_(self, tensor):
+            self.seen.append(tensor.item())
+            return tensor + (1.0 if len(self.seen) == 3 else 0.0)
+
+    session, twin = _twins()
+    ENGINE_STATE.update(run=session.parts, parallel=OtherRank())
+    try:
+        taken = rank_steps(True, False, 10, str(flag))  # stopped by the other rank
+        assert [r.step for r, _ in taken] == [1, 2, 3] and OtherRank.seen == [0.0, 0.0, 0.0]
+        assert [r.memory.measured for r, _ in taken] == [True, False, False]
+        flag.touch()  # this rank sees it: only the step asked for
+        assert [r.step for r, _ in rank_steps(False, True, 10, str(flag))] == [4]
+        assert OtherRank.seen[-1] == 1.0
+        flag.unlink()
+        assert [r.step for r, _ in rank_steps(True, True, 2, str(flag))] == [5, 6]  # most
+    finally:
+        ENGINE_STATE.clear()
+    assert [r.loss for r in session.history] == [r.loss for r in twin.run(6, progress=False)]
+
+
+def test_the_kernel_sends_as_many_steps_as_fill_its_seconds_per_command(tmp_path):
+    """``RanksTrainer.steps``: one step while the pace is unknown, then as many as take about
+    ``SECONDS_PER_COMMAND`` (never more than asked); each rank's memory kept per step."""
+    rank0, rank1 = _twins()
+    ranks = _InOneProcess([rank0.parts, rank1.parts])
+    ranks.stop_flag = tmp_path / "stop"
+    for state in ranks.states:  # (in turn, not together: each rank's all-reduce is its own)
+        state["parallel"] = SimpleNamespace(sum_=lambda tensor: tensor)
+    trainer = RanksTrainer(ranks)
+    assert len(trainer.steps(True, False, 50)) == 1  # no step yet: its pace unknown
+    pace = trainer.history[-1].seconds
+    trainer.SECONDS_PER_COMMAND = 3.5 * pace
+    reports = trainer.steps(True, False, 50)
+    assert [r.step for r in reports] == [2, 3, 4] and trainer.history[1:] == reports
+    assert len(trainer.steps(True, False, 2)) == 2 and ranks.step_number == 6
+    assert sorted(trainer.rank_memory) == [1, 2, 3, 4, 5, 6]
+    assert all(len(memory) == 2 for memory in trainer.rank_memory.values())
+    assert [r.loss for r in rank0.history] == [r.loss for r in rank1.history]

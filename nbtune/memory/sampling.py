@@ -52,6 +52,12 @@ class MemorySampler:
             return True
         return self.budget.allows(self._extra_cost())
 
+    def tracks_every_step(self, device_type: str) -> bool:
+        """Whether every step is tracked now, whatever the budget (steps taken several to a
+        command, ``RanksTrainer.steps``, track their first as ``should_track`` says, the
+        rest as this says)."""
+        return self.mode != "off" and (self.mode == "every_step" or device_type == "cuda")
+
     def _extra_cost(self) -> float:
         if self._tracked_s is None:
             return 0.0

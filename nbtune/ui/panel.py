@@ -16,6 +16,7 @@ that thread (no display handles), which JupyterLab, Notebook 7, VS Code and Cola
 from __future__ import annotations
 
 import html
+import math
 import threading
 import time
 
@@ -127,6 +128,22 @@ PROBES = {"optimizer_in_backward": True, "cpu_offload_optimizer": True, "compile
 def _widget_value(name: str, value):
     # activation_checkpointing is True/False/N in Techniques and 0..N on the slider.
     return int(value) if name == "activation_checkpointing" else value
+
+
+def _snapped(control, current, new) -> bool:
+    """Whether ``new`` is only the browser's slider putting ``current`` on its grid, not a
+    move: a log slider of step 0.1 shows lr=3e-4 at 10**-3.5 and sends 3.16e-4 back the
+    moment it is drawn, which would change the user's learning rate unasked."""
+    if not isinstance(control, (w.FloatSlider, w.FloatLogSlider)) or new == current:
+        return False
+    if isinstance(control, w.FloatLogSlider):
+        if not current > 0:
+            return False
+        at = round((math.log(current, control.base) - control.min) / control.step)
+        grid = control.base ** (control.min + at * control.step)
+    else:
+        grid = control.min + round((current - control.min) / control.step) * control.step
+    return math.isclose(new, grid, rel_tol=1e-9, abs_tol=1e-12)
 
 
 def _blocked_reason(techniques, name: str, device: str) -> str | None:
@@ -324,6 +341,8 @@ class Panel(w.VBox):
         if getattr(self._local, "syncing", False):
             return  # this thread is moving the control to match the session
         name = next(n for n, c in self.controls.items() if c is change["owner"])
+        if _snapped(change["owner"], getattr(self.runner.planned, name), change["new"]):
+            return  # the browser put the session's value on the slider's grid: nobody moved it
         try:
             self.runner.set({name: change["new"]})
         except Exception as err:  # noqa: BLE001 - every reply is shown here, never lost

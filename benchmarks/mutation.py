@@ -563,6 +563,16 @@ MUTANTS: list[Mutant] = [
            "        if _snapped(change[\"owner\"], getattr(self.runner.planned, name), change[\"new\"]):",
            "        if False:",
            (T + "test_panel.py::test_a_slider_drawn_on_its_grid_changes_nothing_a_move_does",)),
+    Mutant("dropped argument", "compare on ranks builds every row from the run file alone (its changes dropped)",
+           "nbtune/headless.py",
+           "        names |= t.changed(ranks.config.to_techniques())",
+           "        names = set()",
+           (T + "test_processes.py::test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behind[lora]",)),
+    Mutant("dropped argument", "a run file's processes: is not read by from_config (one process trains)",
+           "nbtune/session.py",
+           "        processes = runfile.load(config, overrides).processes",
+           "        processes = None",
+           (T + "test_runfile.py::test_processes_in_a_run_file_start_ranks_from_a_notebook_and_point_a_terminal_to_torchrun",)),
 ]
 
 

@@ -202,6 +202,11 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
         raise runfile.RunFileError(
             f"{out_dir} already holds a run ({METRICS} or {CHECKPOINTS}/): pass --resume to continue "
             "it, or choose another folder with --out.")
+    if config.processes is not None and int(os.environ.get("WORLD_SIZE", "1") or 1) < 2:
+        raise runfile.RunFileError(
+            f"{path}: processes: {config.processes} starts ranks from a notebook; from a terminal "
+            f"start them with torchrun: torchrun --nproc_per_node {config.processes} -m nbtune "
+            f"train {path}")
     parallel = Parallel.from_env(config.to_sharding())  # under torchrun: FSDP2 over its ranks
     rank = parallel.rank if parallel is not None else 0
     lead = rank == 0  # rank 0 prints and writes the shared files
@@ -418,17 +423,57 @@ def ladder(path: str, *, rows=FSDP_LADDER, steps: int = 2, out: str | None = Non
 def _ladder_on_ranks(path, rows, steps: int, out, overrides, processes: int) -> list[dict]:
     """The ladder on ranks started from this process, which is no rank: it predicts the rows
     (its fake process group is its own), the ranks measure them."""
-    from .processes import Processes
-
-    predicted = _predicted_rows(path, rows, overrides, None, processes)
-    ranks = Processes(path, processes, overrides=overrides, build=False)
-    try:
-        results = ranks.each(_measure_on_rank, lambda rank: (str(Path(path).resolve()), rows, steps,
-                                                              overrides, predicted))[0]
-    finally:
-        ranks.close()
+    results = rows_on_ranks(path, rows, steps, overrides, processes)
     _ladder_table(path, results, processes, steps, out)
     return results
+
+
+def rows_on_ranks(path, rows, steps: int, overrides, processes: int, predict: bool = True) -> list[dict]:
+    """``measure_rows`` on ``processes`` ranks of their own, started and ended here (beside
+    any session's ranks: each row's peak is its own processes'), each row predicted first."""
+    from .processes import Processes
+
+    predicted = _predicted_rows(path, rows, overrides, None, processes) if predict else {}
+    ranks = Processes(path, processes, overrides=overrides, build=False)
+    try:
+        return ranks.each(_measure_on_rank, lambda rank: (str(Path(path).resolve()), rows, steps,
+                                                           overrides, predicted))[0]
+    finally:
+        ranks.close()
+
+
+def compare_on_ranks(ranks, techniques, configs, steps: int, estimate: bool = True):
+    """``Session.compare`` of a session on ranks (``ranks``: its ``Processes``): each row (the
+    session's ``techniques`` with that row's changes, carried on) built from the run file on
+    as many ranks of its own, started for the rows and ended after them, as ``ladder`` builds
+    its rows; the session's ranks are left as they were. A row's peak is its highest rank's."""
+    import torch
+
+    from .ladder import Ladder, LadderRow, ladder_techniques
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"compare: steps must be a positive int, got {steps!r}.")
+    rows = ladder_techniques(techniques, configs)
+    path, overrides = ranks.run_file, ranks.overrides
+    names, dotted = set(), []
+    for label, t in rows:  # each row's differences from the run file, carried on
+        names |= t.changed(ranks.config.to_techniques())
+        dotted.append((label, {f"techniques.{name}": list(value) if isinstance(value, tuple) else value
+                               for name in names for value in [getattr(t, name)]}))
+    measured = rows_on_ranks(path, dotted, steps, overrides, ranks.world, predict=estimate)
+    out, previous = [], None
+    for (label, t), row in zip(rows, measured):
+        if "refused" in row:
+            out.append(LadderRow(label, t, error=row["refused"]))
+            continue
+        top = max(row["per_rank"], key=lambda rank: rank["peak"])
+        change = 100.0 * (row["peak"] - previous) / previous if previous else None
+        out.append(LadderRow(label, t, peak=row["peak"], change=change,
+                             tokens_per_second=row["tokens_per_second"],
+                             estimated_peak=row["predicted_peak"], at_peak=top["at_peak"]))
+        previous = row["peak"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return Ladder(out, f"{ranks.world} ranks ({device})", steps)
 
 
 def _measure_on_rank(path: str, rows, steps: int, overrides, predicted: dict) -> list[dict]:

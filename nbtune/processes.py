@@ -69,7 +69,7 @@ class Processes:
         path = Path(run_file).resolve()
         self.config = runfile.load(path, overrides)  # refused with the line before any process starts
         self.world, self.timeout, self.build = processes, timeout, build
-        self._args = (path, overrides)
+        self.run_file, self.overrides = path, overrides  # what every rank builds its run from
         self.checkpoint: Path | None = Path(resume).resolve() if resume is not None else None
         self.interrupted = False  # Ctrl-C came during the last command (it finished first)
         self._start()
@@ -77,7 +77,7 @@ class Processes:
     def _start(self) -> None:
         import ipyparallel as ipp
 
-        path, overrides = self._args
+        path, overrides = self.run_file, self.overrides
         if self.checkpoint is not None and hasattr(self, "_file_techniques"):
             overrides = {**(overrides or {}), **self._changed_since_file()}
         processes = self.world

@@ -111,6 +111,9 @@ class RunConfig(_Strict):
     techniques: TechniquesFields = TechniquesFields()
     run: RunSettings = RunSettings()
     distributed: ShardingFields = ShardingFields()  # FSDP2, under torchrun only
+    # Ranks a notebook's ``Session.from_config(file)`` starts and drives (``processes=N``);
+    # ``nbtune train`` takes them from torchrun (--nproc_per_node N) instead.
+    processes: int | None = Field(default=None, ge=2)
 
     # Set by ``load`` (not in the file): the file's folder, which relative paths start from.
     base: str = Field(default=".", exclude=True)

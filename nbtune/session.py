@@ -175,7 +175,8 @@ class Session:
         random generator is seeded with ``techniques.seed`` first, so two runs of a file agree.
         ``processes=N``: the run on N ranks (FSDP2, as under torchrun), each a process started
         and driven from here: every command reaches every rank (``nbtune.ranked``);
-        ``close()`` ends them."""
+        ``close()`` ends them; a run file's ``processes:`` is the default."""
+        processes = _processes_of(config, overrides, processes)
         if processes is not None:
             from .ranked import RankedRun
 
@@ -392,15 +393,9 @@ class Session:
         """Run each configuration ``steps`` steps on a trial copy of the model (this session
         is left as it was) and tabulate peak memory and speed: a ``Ladder``, shown as a table
         with a bar chart. ``configs``: dicts of toggle changes, each on top of the row before
-        (start with ``{}``), or whole ``Techniques``; see ``nbtune.ladder.compare``."""
-        from .ladder import compare
-
-        if self.parallel is not None:
-            raise NotImplementedError("compare runs trial copies of the model in this process; "
-                                      "with the model sharded over ranks, measure rows with "
-                                      "`nbtune.headless.ladder(run_file, rows, processes=N)` from "
-                                      "a cell, or `torchrun -m nbtune ladder run.yaml`.")
-        return compare(self.trainer, configs, steps, estimate=estimate, progress=progress)
+        (start with ``{}``), or whole ``Techniques``; see ``nbtune.ladder.compare``. On ranks
+        (``processes=N``) the rows run on N ranks of their own (``headless.compare_on_ranks``)."""
+        return _compare(self, configs, steps, estimate, progress)
 
     @_command()
     def snapshot(self, path: str | os.PathLike, steps: int = 1) -> Path:
@@ -545,3 +540,28 @@ class Session:
         return (f"Session({self.model.config.model_type}, {n / 1e6:.2f}M params, "
                 f"{trainable / 1e6:.2f}M trainable, {where}, steps={len(self.history)})\n"
                 f"  techniques (besides the defaults): {fields or 'none'}")
+
+
+def _processes_of(config, overrides, processes):
+    """``from_config``'s ``processes``: as given, else the run file's ``processes:``."""
+    if processes is None and isinstance(config, (str, os.PathLike)):
+        from . import runfile
+
+        processes = runfile.load(config, overrides).processes
+    return processes
+
+
+def _compare(session, configs, steps, estimate, progress):
+    """``Session.compare``: on a trial trainer here, or on ranks of its own for ranks."""
+    from .ladder import compare
+
+    ranks = getattr(session.parts, "ranks", None)
+    if ranks is not None:
+        from .headless import compare_on_ranks
+
+        return compare_on_ranks(ranks, session.techniques, configs, steps, estimate)
+    if session.parallel is not None:
+        raise NotImplementedError("compare runs trial copies of the model in this process; "
+                                  "under torchrun measure rows with `torchrun -m nbtune ladder "
+                                  "run.yaml`.")
+    return compare(session.trainer, configs, steps, estimate=estimate, progress=progress)

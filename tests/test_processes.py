@@ -22,8 +22,9 @@ RUN = ("demo: tiny\ntechniques: {{{techniques}}}\nrun: {{steps: 5, checkpoint_ev
     "method: qlora, batch_size: 4, seq_len: 96, lr: 1e-3, lora_rank: 4"], ids=["lora", "qlora"])
 def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behind(tmp_path, techniques,
                                                                                   capsys):
-    """Steps, a change mid-run (all ranks at one boundary), a sampled reply and a checkpoint
-    loaded back: as one process gives them on the same batches; the refused change changed
+    """Steps, a compare (its rows on ranks of their own), a change mid-run (all ranks at one
+    boundary), a sampled reply and a checkpoint loaded back: as one process gives them on the
+    same batches; the refused change changed
     nothing on any rank. Then a fault (Ctrl-C and a hung rank; a killed rank), and no process
     is left."""
     path = tmp_path / "run.yaml"
@@ -41,6 +42,10 @@ def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behin
         started = {p.pid for p in psutil.Process().children(recursive=True)} - before
         assert len(started) >= 3 and set(ranks.parts.ranks.pids) <= started  # a controller, two engines
         reports = [ranks.step(), ranks.step()]
+        ladder = ranks.compare([{}, {"batch_size": 8}], steps=2)  # on two ranks of its own
+        assert [row.techniques.batch_size for row in ladder] == [4, 8] and not ladder[0].error
+        assert ladder[1].peak > ladder[0].peak > 0 and ladder[1].change > 0
+        assert all(row.tokens_per_second > 0 and row.estimated_peak > 0 for row in ladder)
         with pytest.raises(ValueError, match="refused the change, so no rank made it"):
             ranks.set(lr=3e-4, activation_checkpointing=True)  # fixed while the model is sharded
         assert ranks.techniques.lr == 1e-3

@@ -458,3 +458,34 @@ def test_a_missing_data_file_is_named_as_resolved_from_the_run_files_folder(tmp_
     err = capsys.readouterr().err
     assert f"{folder / 'data' / 'missing.jsonl'}: no such data file. Check the path." in err
     assert "current folder" not in err
+
+
+def test_processes_in_a_run_file_start_ranks_from_a_notebook_and_point_a_terminal_to_torchrun(
+        tmp_path, monkeypatch, capsys):
+    """``processes: 2`` is what ``Session.from_config(file)`` passes on as ``processes=2`` (the
+    ranks themselves are started in tests/test_processes.py); ``nbtune train`` outside torchrun
+    refuses it with the torchrun line, having written nothing; fewer than 2 is refused."""
+    import nbtune.ranked
+
+    path = tmp_path / "run.yaml"
+    path.write_text("demo: tiny\nprocesses: 2\ntechniques: {batch_size: 4}\n")
+    started = []
+
+    class Started(Exception):
+        pass
+
+    def ranked_run(run_file, processes, overrides=None):
+        started.append((run_file, processes))
+        raise Started
+
+    monkeypatch.setattr(nbtune.ranked, "RankedRun", ranked_run)
+    with pytest.raises(Started):
+        nt.Session.from_config(path)
+    assert started == [(path, 2)]
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert _train(path, tmp_path / "out") != 0
+    assert "torchrun --nproc_per_node 2 -m nbtune train" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    path.write_text("demo: tiny\nprocesses: 1\n")
+    with pytest.raises(runfile.RunFileError, match="line 2, processes:"):
+        nt.Session.from_config(path)

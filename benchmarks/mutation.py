@@ -573,6 +573,11 @@ MUTANTS: list[Mutant] = [
            "        processes = runfile.load(config, overrides).processes",
            "        processes = None",
            (T + "test_runfile.py::test_processes_in_a_run_file_start_ranks_from_a_notebook_and_point_a_terminal_to_torchrun",)),
+    Mutant("wrong condition", "kept loss pieces run piece by piece (head, loss, head, loss...), not every head first",
+           "nbtune/loss.py",
+           "    if recompute or compiled:",
+           "    if True:",
+           (T + "test_techniques.py::test_kept_pieces_run_every_head_first_so_backward_frees_the_log_probabilities_first",)),
 ]
 
 

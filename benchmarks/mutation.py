@@ -570,13 +570,15 @@ MUTANTS: list[Mutant] = [
            (T + "test_processes.py::test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behind[lora]",)),
     Mutant("dropped argument", "a run file's processes: is not read by from_config (one process trains)",
            "nbtune/session.py",
-           "        processes = runfile.load(config, overrides).processes",
-           "        processes = None",
+           "        return runfile.load(config, overrides).processes",
+           "        return None",
            (T + "test_runfile.py::test_processes_in_a_run_file_start_ranks_from_a_notebook_and_point_a_terminal_to_torchrun",)),
     Mutant("wrong condition", "kept loss pieces run piece by piece (head, loss, head, loss...), not every head first",
            "nbtune/loss.py",
-           "    if recompute or compiled:",
-           "    if True:",
+           "    logits = [lm_head(norm(h) if norm is not None else h) for h in hidden.chunk(pieces, dim=1)]\n"
+           "    for y in labels.chunk(pieces, dim=1):\n        total = total + piece_loss(logits.pop(0), y)",
+           "    for h, y in zip(hidden.chunk(pieces, dim=1), labels.chunk(pieces, dim=1)):\n"
+           "        total = total + piece_loss(lm_head(norm(h) if norm is not None else h), y)",
            (T + "test_techniques.py::test_kept_pieces_run_every_head_first_so_backward_frees_the_log_probabilities_first",)),
 ]
 

@@ -454,6 +454,11 @@ def compare_on_ranks(ranks, techniques, configs, steps: int, estimate: bool = Tr
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"compare: steps must be a positive int, got {steps!r}.")
     rows = ladder_techniques(techniques, configs)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for label, t in rows:  # every row checked before anything starts, as compare does
+        broken = t.conflicts(device)
+        if broken:
+            raise ValueError(f"compare: row {label!r}: " + " ".join(r.reason for r in broken))
     path, overrides = ranks.run_file, ranks.overrides
     names, dotted = set(), []
     for label, t in rows:  # each row's differences from the run file, carried on
@@ -465,6 +470,7 @@ def compare_on_ranks(ranks, techniques, configs, steps: int, estimate: bool = Tr
     for (label, t), row in zip(rows, measured):
         if "refused" in row:
             out.append(LadderRow(label, t, error=row["refused"]))
+            previous = None  # the next row's change has nothing to go by, as in compare
             continue
         top = max(row["per_rank"], key=lambda rank: rank["peak"])
         change = 100.0 * (row["peak"] - previous) / previous if previous else None
@@ -472,7 +478,6 @@ def compare_on_ranks(ranks, techniques, configs, steps: int, estimate: bool = Tr
                              tokens_per_second=row["tokens_per_second"],
                              estimated_peak=row["predicted_peak"], at_peak=top["at_peak"]))
         previous = row["peak"]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     return Ladder(out, f"{ranks.world} ranks ({device})", steps)
 
 

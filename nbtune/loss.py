@@ -29,7 +29,11 @@ def _chunk_loss(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
                 norm: nn.Module | None = None) -> torch.Tensor:
     if norm is not None:
         hidden = norm(hidden)
-    logits = lm_head(hidden).float()  # [B, t, V], upcast for a stable softmax
+    return _piece_loss(lm_head(hidden), labels)
+
+
+def _piece_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()  # [B, t, V], upcast for a stable softmax
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE,
                            reduction="sum")
 
@@ -38,6 +42,12 @@ def _chunk_loss(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
 def _compiled_chunk_loss():
     """torch.compile'd ``_chunk_loss``, made once on first use (compiling is slow)."""
     return torch.compile(_chunk_loss)
+
+
+@functools.cache
+def _compiled_piece_loss():
+    """torch.compile'd ``_piece_loss`` (kept pieces: their heads run first, uncompiled)."""
+    return torch.compile(_piece_loss)
 
 
 def loss_pieces(tokens: int, chunks: int = 0, tile_tokens: int = 0) -> int:
@@ -60,17 +70,16 @@ def cross_entropy_sum(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Te
     if pieces <= 1:
         return loss(lm_head, hidden, labels, norm)
     total = hidden.new_zeros((), dtype=torch.float32)
-    if recompute or compiled:
+    if recompute:
         for h, y in zip(hidden.chunk(pieces, dim=1), labels.chunk(pieces, dim=1)):
-            total = total + (checkpoint(loss, lm_head, h, y, norm, use_reentrant=False) if recompute
-                             else loss(lm_head, h, y, norm))
+            total = total + checkpoint(loss, lm_head, h, y, norm, use_reentrant=False)
         return total
     # Kept: every piece's logits first, then each piece's loss, as torchtune orders them. The
     # backward (latest first) then frees every piece's float32 log-probabilities before the
     # head's gradient is summed over the pieces, rather than beside it (benchmarks/peers.py's
     # bf16 chunked-loss rung at 125M: 1,020.1 MB piece by piece, 1,000.5 MB so).
+    piece_loss = _compiled_piece_loss() if compiled else _piece_loss
     logits = [lm_head(norm(h) if norm is not None else h) for h in hidden.chunk(pieces, dim=1)]
     for y in labels.chunk(pieces, dim=1):
-        total = total + F.cross_entropy(logits.pop(0).float().flatten(0, 1), y.flatten(),
-                                        ignore_index=IGNORE, reduction="sum")
+        total = total + piece_loss(logits.pop(0), y)
     return total

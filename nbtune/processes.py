@@ -115,18 +115,19 @@ class Processes:
         cluster's private folder: engines read it, nothing else does)."""
         return Path(self._profile.name) / "stop"
 
-    def each(self, function, args_of=lambda rank: (), poll=None) -> list:
+    def each(self, function, args_of=lambda rank: (), poll=None, extra: float = 0.0) -> list:
         """``function(*args_of(rank))`` on every rank at once; each rank's answer, in rank
         order. Every rank is waited on together: the first that fails ends them all. Ctrl-C
         meanwhile lets the command finish on every rank (a step stops at its boundary) and
-        sets ``interrupted``. ``poll()``: called every 50 ms while the ranks work."""
+        sets ``interrupted``. ``poll()``: called every 50 ms while the ranks work; ``extra``:
+        seconds the command may take beyond ``timeout`` (several steps)."""
         if not self._engines:
             raise RankFailed("These ranks were ended; recover() starts them again from the last "
                              "checkpoint, or make a new session.", None)
         self.interrupted = False
         pending = [engine.apply_async(function, *args_of(rank))
                    for rank, engine in enumerate(self._engines)]
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.timeout + extra
         tick = 1.0 if poll is None else 0.05
         while True:
             left = min(tick, max(0.0, deadline - time.monotonic()))
@@ -136,7 +137,11 @@ class Processes:
                 self.interrupted = True  # the command finishes on every rank first
                 done, waiting = set(), pending
             if poll is not None:
-                poll()
+                try:
+                    poll()
+                except KeyboardInterrupt:
+                    self.interrupted = True
+                    poll()
             failed = next((rank for rank, p in enumerate(pending) if p in done and not p.successful()), None)
             if failed is not None:
                 self._fail(failed, _reason(pending[failed]))

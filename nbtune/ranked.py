@@ -98,7 +98,7 @@ class RanksTrainer:
             if ranks.interrupted or (until is not None and until()):
                 flag.touch()
         answers = ranks.each(rank_steps, lambda rank: (track, track_rest, count, str(flag)),
-                             poll=poll if count > 1 else None)
+                             poll=poll if count > 1 else None, extra=2 * count * last)
         reports = []
         for i, (report, notes) in enumerate(answers[0]):
             self.history.append(report)
@@ -106,8 +106,10 @@ class RanksTrainer:
             self.notes += notes
             reports.append(report)
         ranks.step_number = reports[-1].step
-        if ranks.interrupted:
-            raise KeyboardInterrupt
+        if ranks.interrupted:  # (the steps it took are said, as steps, before it stops)
+            interrupted = KeyboardInterrupt()
+            interrupted.nbtune_reports = reports
+            raise interrupted
         return reports
 
     def set(self, new) -> set[str]:

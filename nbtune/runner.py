@@ -388,7 +388,8 @@ class Runner:
         except BaseException as err:
             self.relay()
             report = getattr(err, "nbtune_report", None)  # the step stood, its evaluation failed
-            if report is not None:
+            stood = [report] if report is not None else getattr(err, "nbtune_reports", [])
+            for report in stood:  # (or Ctrl-C came after the ranks' steps of a command)
                 self.sampler.record(report.seconds, track, device)
                 self.emit(StepDone(report))
             raise

@@ -176,7 +176,7 @@ class Session:
         ``processes=N``: the run on N ranks (FSDP2, as under torchrun), each a process started
         and driven from here: every command reaches every rank (``nbtune.ranked``);
         ``close()`` ends them; a run file's ``processes:`` is the default."""
-        processes = _processes_of(config, overrides, processes)
+        processes = _processes_of(config, overrides, processes, parallel)
         if processes is not None:
             from .ranked import RankedRun
 
@@ -542,13 +542,19 @@ class Session:
                 f"  techniques (besides the defaults): {fields or 'none'}")
 
 
-def _processes_of(config, overrides, processes):
-    """``from_config``'s ``processes``: as given, else the run file's ``processes:``."""
-    if processes is None and isinstance(config, (str, os.PathLike)):
+def _processes_of(config, overrides, processes, parallel):
+    """``from_config``'s ``processes``: as given, else the run file's ``processes:`` where
+    this process is no rank already (no ``parallel``, not under torchrun)."""
+    if processes is not None or parallel is not None or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return processes
+    if isinstance(config, (str, os.PathLike)):
         from . import runfile
 
-        processes = runfile.load(config, overrides).processes
-    return processes
+        return runfile.load(config, overrides).processes
+    if getattr(config, "processes", None) is not None:
+        raise TypeError("This run config sets processes: give from_config the run file's path "
+                        "instead: each rank reads it.")
+    return None
 
 
 def _compare(session, configs, steps, estimate, progress):

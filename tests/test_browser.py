@@ -234,7 +234,9 @@ def test_notebook_07_runs_in_jupyterlab_and_its_panel_stops_two_processes(lab):
         run_button.click()
         stop = button("Stop")
         stop.wait_for(state="visible")
+        page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=15_000)  # kernel free
         page.wait_for_timeout(3000)  # a few commands of several steps each
+        assert stop.is_visible()  # (still training while the kernel was idle)
         _shot(page, "notebook-07-running")
         stop.click()
         panel.locator(".widget-html").filter(has_text="stopped after").first.wait_for(timeout=60_000)

@@ -58,6 +58,14 @@ def test_a_slider_drawn_on_its_grid_changes_nothing_a_move_does(session_and_pane
     assert session.techniques.lr == 10 ** -3.6 and session.techniques.max_grad_norm == 1.0
     panel.controls["lr"].value = 2e-4  # set from code, between steps: taken as it is
     assert session.techniques.lr == 2e-4
+    session.set(seq_len=104)  # half-way between 96 and 112 on a step of 16: either is a redraw
+    for redrawn in (96, 112):
+        panel.controls["seq_len"].value = redrawn
+        assert session.techniques.seq_len == 104
+    panel.controls["seq_len"].value = 128
+    assert session.techniques.seq_len == 128
+    panel.controls["batch_size"].value = session.techniques.batch_size + 1  # a step of 1: a move
+    assert session.techniques.batch_size == 5
 
 
 def test_session_changes_reach_the_widgets(session_and_panel):

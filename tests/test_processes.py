@@ -225,7 +225,7 @@ class _InOneProcess(Processes):
 
     stop_flag = None  # (set by a test that stops steps several to a command)
 
-    def each(self, function, args_of=lambda rank: (), poll=None):
+    def each(self, function, args_of=lambda rank: (), poll=None, extra=0.0):
         from nbtune.processes import ENGINE_STATE
 
         answers = []

@@ -464,7 +464,8 @@ def test_processes_in_a_run_file_start_ranks_from_a_notebook_and_point_a_termina
         tmp_path, monkeypatch, capsys):
     """``processes: 2`` is what ``Session.from_config(file)`` passes on as ``processes=2`` (the
     ranks themselves are started in tests/test_processes.py); ``nbtune train`` outside torchrun
-    refuses it with the torchrun line, having written nothing; fewer than 2 is refused."""
+    refuses it with the torchrun line, having written nothing; fewer than 2 is refused. (Under
+    torchrun each process is a rank already: the field is not read there.)"""
     import nbtune.ranked
 
     path = tmp_path / "run.yaml"
@@ -479,10 +480,12 @@ def test_processes_in_a_run_file_start_ranks_from_a_notebook_and_point_a_termina
         raise Started
 
     monkeypatch.setattr(nbtune.ranked, "RankedRun", ranked_run)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(Started):
         nt.Session.from_config(path)
     assert started == [(path, 2)]
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(TypeError, match="run file's path"):  # a loaded config: ranks read files
+        nt.Session.from_config(runfile.load(path))
     assert _train(path, tmp_path / "out") != 0
     assert "torchrun --nproc_per_node 2 -m nbtune train" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

@@ -292,9 +292,12 @@ def test_compiled_layers_and_loss_match_eager():
         set_compiled(model, True)
         compiled = cross_entropy_sum(model.lm_head, model.hidden_states(batch["input_ids"]),
                                      batch["labels"], compiled=True)
+        kept = cross_entropy_sum(model.lm_head, model.hidden_states(batch["input_ids"]),  # in
+                                 batch["labels"], 4, compiled=True, recompute=False)  # pieces
         set_compiled(model, False)
     assert all(layer._compiled_call_impl is None for layer in model.model.layers)
     torch.testing.assert_close(compiled, eager, atol=1e-3, rtol=1e-5)
+    torch.testing.assert_close(kept, eager, atol=1e-3, rtol=1e-5)
 
 
 @pytest.mark.slow

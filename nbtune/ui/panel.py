@@ -133,17 +133,18 @@ def _widget_value(name: str, value):
 def _snapped(control, current, new) -> bool:
     """Whether ``new`` is only the browser's slider putting ``current`` on its grid, not a
     move: a log slider of step 0.1 shows lr=3e-4 at 10**-3.5 and sends 3.16e-4 back the
-    moment it is drawn, which would change the user's learning rate unasked."""
-    if not isinstance(control, (w.FloatSlider, w.FloatLogSlider)) or new == current:
+    moment it is drawn (and seq_len=200 on a step of 16 comes back as 192 or 208), which
+    would change the user's setting unasked. A grid point within half a step of ``current``
+    (either one, half-way) is such a redraw; a hand that moves to that very point looks the
+    same, and is taken for one too."""
+    if not isinstance(control, (w.IntSlider, w.FloatSlider, w.FloatLogSlider)) or new == current:
         return False
     if isinstance(control, w.FloatLogSlider):
-        if not current > 0:
+        if not (current > 0 and new > 0):
             return False
-        at = round((math.log(current, control.base) - control.min) / control.step)
-        grid = control.base ** (control.min + at * control.step)
-    else:
-        grid = control.min + round((current - control.min) / control.step) * control.step
-    return math.isclose(new, grid, rel_tol=1e-9, abs_tol=1e-12)
+        current, new = math.log(current, control.base), math.log(new, control.base)
+    at, to = (current - control.min) / control.step, (new - control.min) / control.step
+    return math.isclose(to, round(to), abs_tol=1e-6) and abs(to - at) <= 0.5 + 1e-6
 
 
 def _blocked_reason(techniques, name: str, device: str) -> str | None:

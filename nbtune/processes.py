@@ -54,7 +54,8 @@ class Processes:
 
     ``run_file``: a run file path (what ``nbtune train`` takes); ``overrides``: dotted fields
     that win over it, as ``nbtune train`` takes them. ``timeout``: seconds a command (one
-    step, a save) may take on any rank before the ranks are taken as hung and ended.
+    step, a save; several steps get their expected time on top) may take on any rank before
+    the ranks are taken as hung and ended.
     ``resume``: a checkpoint folder to start from. ``build=False``: the ranks join their
     process group and build nothing (the ladder builds its own rows on them).
     """

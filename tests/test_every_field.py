@@ -196,18 +196,18 @@ def check_activation_offloading(session, ctx):
 
 def check_chunked_loss(session, ctx):
     widths = []
-    original = nbtune.loss._chunk_loss
+    original = nbtune.loss._piece_loss
 
-    def counting(lm_head, hidden, labels, *rest):
-        widths.append(hidden.shape[1])
-        return original(lm_head, hidden, labels, *rest)
+    def counting(logits, labels):  # each piece's loss, kept or recomputed
+        widths.append(logits.shape[1])
+        return original(logits, labels)
 
-    ctx.monkeypatch.setattr(nbtune.loss, "_chunk_loss", counting)
+    ctx.monkeypatch.setattr(nbtune.loss, "_piece_loss", counting)
     report = session.step()
     T = report.shape[1]
     assert len(widths) >= ctx.value
     assert max(widths) == math.ceil(T / ctx.value)  # no call ever saw the whole sequence
-    # The forward chunks (the first ones; backward recomputes them) tile the sequence.
+    # The forward pieces (the first ones; where recomputed, backward's follow) tile the sequence.
     assert sum(widths[: ctx.value]) == T
 
 

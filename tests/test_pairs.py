@@ -100,14 +100,14 @@ def test_clipped_accumulation_equals_one_clipped_batch(clip_norms):
 @pytest.mark.parametrize("chunks", [3, 4])
 def test_chunked_accumulated_loss_equals_one_plain_batch(chunks, monkeypatch):
     widths = []
-    real = nbtune.loss._chunk_loss
+    real = nbtune.loss._piece_loss
 
-    def spy(lm_head, hidden, labels, *rest):
-        widths.append(hidden.shape[1])
-        return real(lm_head, hidden, labels, *rest)
+    def spy(logits, labels):  # each piece's loss, kept or recomputed
+        widths.append(logits.shape[1])
+        return real(logits, labels)
 
     big = run(batch_size=8, **SGD)
-    monkeypatch.setattr(nbtune.loss, "_chunk_loss", spy)
+    monkeypatch.setattr(nbtune.loss, "_piece_loss", spy)
     chunked = run(batch_size=4, grad_accum=2, chunked_loss=chunks, **SGD)
     assert len(set(widths)) > 1  # some sequence did not divide evenly: a shorter last chunk
     assert_same_run(chunked, big)

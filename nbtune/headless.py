@@ -453,12 +453,8 @@ def compare_on_ranks(ranks, techniques, configs, steps: int, estimate: bool = Tr
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"compare: steps must be a positive int, got {steps!r}.")
-    rows = ladder_techniques(techniques, configs)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for label, t in rows:  # every row checked before anything starts, as compare does
-        broken = t.conflicts(device)
-        if broken:
-            raise ValueError(f"compare: row {label!r}: " + " ".join(r.reason for r in broken))
+    rows = ladder_techniques(techniques, configs, device)  # every row checked before anything starts
     path, overrides = ranks.run_file, ranks.overrides
     names, dotted = set(), []
     for label, t in rows:  # each row's differences from the run file, carried on

@@ -41,9 +41,10 @@ class LadderRow:
         return self.busy is not None and self.busy >= BUSY_CORES
 
 
-def ladder_techniques(start: Techniques, configs) -> list[tuple[str, Techniques]]:
+def ladder_techniques(start: Techniques, configs, device: str) -> list[tuple[str, Techniques]]:
     """(label, techniques) per row, each row's changes on top of the last; all validated
-    before anything runs. A row may also be a whole ``Techniques``."""
+    (against ``device``'s rules too) before anything runs. A row may also be a whole
+    ``Techniques``."""
     rows, current = [], start
     for i, config in enumerate(configs):
         if isinstance(config, Techniques):
@@ -61,6 +62,10 @@ def ladder_techniques(start: Techniques, configs) -> list[tuple[str, Techniques]
         rows.append((label, current))
     if not rows:
         raise ValueError("compare: give at least one configuration, e.g. [{}, {'dtype': 'bf16'}].")
+    for label, t in rows:
+        broken = t.conflicts(device)
+        if broken:
+            raise ValueError(f"compare: row {label!r}: " + " ".join(r.reason for r in broken))
     return rows
 
 
@@ -174,11 +179,7 @@ def compare(trainer, configs, steps: int = 4, *, estimate: bool = True,
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"compare: steps must be a positive int, got {steps!r}.")
     device = trainer.device
-    rows = ladder_techniques(trainer.techniques, configs)
-    for label, t in rows:  # every row checked before anything runs
-        broken = t.conflicts(device.type)
-        if broken:
-            raise ValueError(f"compare: row {label!r}: " + " ".join(r.reason for r in broken))
+    rows = ladder_techniques(trainer.techniques, configs, device.type)
     cuda = device.type == "cuda"
     baseline = torch.cuda.memory_allocated(device) if cuda else 0
     trial = _trial(trainer, rows[0][1])

@@ -27,7 +27,7 @@ class StepOptions:
     tiles are always recomputed."""
 
     chunked_loss: int = 0  # loss in this many pieces (0 or 1: whole)
-    recompute_loss: bool = True  # the pieces recomputed in backward (else their log-probs kept)
+    recompute_loss: bool = True  # the pieces recomputed in backward (else gradients in forward)
     tile_tokens: int = 0  # each layer's norm + MLP, and the loss, this many tokens at a time
     activation_offloading: bool = False
     max_grad_norm: float = 0.0
@@ -278,13 +278,14 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
                                          options.compile) / trained
         if pieces > 1:
             # Recomputed (checkpointed), pieces save only their slice of ``hidden`` (taken
-            # before the final norm, which each piece applies), already held; kept, their
-            # float32 log-probabilities too. (Under the offload hooks, recomputing a chunk on
-            # a LoRA model failed torch's checkpoint metadata check: they run outside.)
+            # before the final norm, which each piece applies), already held; otherwise each
+            # piece's gradients are made in forward and only they are kept. (Under the offload
+            # hooks, recomputing a chunk on a LoRA model failed torch's checkpoint metadata
+            # check: they run outside.)
             loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"], pieces,
                                      options.compile, norm=model.model.norm,
-                                     recompute=options.recompute_loss or bool(options.tile_tokens)
-                                     ) / trained
+                                     recompute=options.recompute_loss or bool(options.tile_tokens),
+                                     divisor=trained)
         memory.after_forward()
         if undo is not None:
             undo.stage()
@@ -344,8 +345,10 @@ def _finite_gradients(model: nn.Module, guard, parallel, loss: torch.Tensor):
     def check(param: nn.Parameter) -> None:
         grad = param.grad
         local = grad.to_local() if hasattr(grad, "to_local") else grad
-        # max |g| as one reduction: no gradient-sized temporary (memory is what is measured)
-        largest = (torch.linalg.vector_norm(local.detach(), float("inf")).float().reshape(1).cpu()
+        # max |g| from one min-and-max pass: no gradient-sized temporary (memory is what is
+        # measured), NaN and infinities carried through, and vectorised, where the inf-norm is
+        # not: 25x faster on a bf16 head, 7 % of a 125M CPU step (benchmarks/peers.py)
+        largest = (torch.stack(torch.aminmax(local.detach())).float().cpu().abs().max().reshape(1)
                    if local.numel() else torch.zeros(1))
         if parallel is not None:  # NaN + anything is NaN: every rank sees the same verdict
             parallel.sum_(largest)

@@ -47,10 +47,11 @@ HELP = {
                              "memory, pays off with checkpointing on.",
     "chunked_loss": "Project to the vocabulary and take the loss N chunks at a time: the full "
                     "logits and their float32 copy are never made at once (0 = off). Each chunk "
-                    "keeps its log-probabilities for backward unless the estimate says that "
-                    "raises the peak (or cannot say; tiling and several processes always "
-                    "recompute): then it is recomputed in backward, a forward of the head again "
-                    "(7-9 % of a 125M model's CPU step).",
+                    "makes its gradients in forward and frees its logits before the next, so "
+                    "it holds no log-probabilities for backward; where the estimate says that "
+                    "raises the peak, or cannot say (tiling and several processes always), it "
+                    "is recomputed in backward instead: a forward of the head again (7-9 % of "
+                    "a 125M model's CPU step).",
     "tile_tokens": "Sequence tiling: run each layer's norm + MLP, and the final norm, head and "
                    "loss, N tokens at a time, recomputing each tile in backward: no "
                    "[tokens, intermediate] tensor is ever whole, for long contexts (0 = off).",
@@ -234,7 +235,7 @@ class Techniques:
     def loss_always_recomputed(self) -> bool:
         """Whether the loss's pieces are recomputed in backward whatever the memory: sequence
         tiling's are (each tile's, by design); a chunked loss's only where the estimate says
-        keeping them raises the peak (``Predictor.keeps_loss_pieces``)."""
+        making their gradients in forward raises the peak (``Predictor.keeps_loss_pieces``)."""
         return bool(self.tile_tokens)
 
     def lr_at(self, step: int) -> float:

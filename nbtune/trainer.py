@@ -139,7 +139,7 @@ class Trainer:
         # the model's Predictor, held: its estimates outlive the registry's few shapes, so a
         # step never re-estimates because the notebook asked about other models meanwhile
         self._predictor: Predictor | None = None
-        self._kept_loss: tuple = (None, False)  # (configuration, whether its loss pieces are kept)
+        self._kept_loss: tuple = (None, False)  # (configuration, gradients in forward?)
         self._undo_said: tuple | None = None  # the last "no copy kept" said, not to repeat it
         self._new_optimizer = True  # no update made by this optimizer yet
         self._interrupted = False
@@ -585,9 +585,9 @@ class Trainer:
                  f"half-way the session is marked damaged and {back}.")
 
     def _step_options(self, t: Techniques) -> StepOptions:
-        """What the step reads of ``t``. A chunked loss keeps its pieces' log-probabilities
-        where the estimate says that raises no peak (``Predictor.keeps_loss_pieces``, decided
-        once per configuration), else recomputes them, as where the estimator cannot say.
+        """What the step reads of ``t``. A chunked loss's pieces make their gradients in
+        forward where the estimate says that raises no peak (``Predictor.keeps_loss_pieces``,
+        decided once per configuration), else are recomputed, as where it cannot say.
         Across processes they are recomputed: every rank must choose alike, and the estimate
         is one process's."""
         if self._kept_loss[0] != t:

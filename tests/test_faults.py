@@ -677,13 +677,13 @@ def test_non_finite_step_equals_twin(twins, case):
     assert_like_twin(session, twin, rng_before, f"non-finite {what}")
 
 
-def _nan_grad_arriving(m, session, fault, handles):
-    """A gradient made NaN as it arrives, before the optimizer in backward writes its weight
-    (by then the weights whose gradients came first were written)."""
+def _nan_grad_arriving(m, session, fault, handles, value=float("nan")):
+    """A gradient made NaN (or ``value``) as it arrives, before the optimizer in backward
+    writes its weight (by then the weights whose gradients came first were written)."""
     def poison(grad):
         fault.fired += 1
         grad = grad.clone()
-        grad.view(-1)[0] = float("nan")
+        grad.view(-1)[0] = value
         return grad
 
     handles.append(_up_proj_param(session).register_hook(poison))
@@ -693,17 +693,19 @@ def _up_proj_name(session) -> str:
     return next(n for n, p in session.model.named_parameters() if p is _up_proj_param(session))
 
 
-def test_a_nan_gradient_with_the_optimizer_in_backward_is_refused_not_applied(twins):
+@pytest.mark.parametrize("value,shown", [(float("nan"), "nan"), (-float("inf"), "inf")])
+def test_a_nan_gradient_with_the_optimizer_in_backward_is_refused_not_applied(twins, value, shown):
     """The loss is finite, so only the gradient can tell: with an undo copy the weights
-    written before it arrived are put back, and the step is refused naming the tensor."""
+    written before it arrived are put back, and the step is refused naming the tensor. A
+    negative infinity too (the check reads the smallest entry as well as the largest)."""
     twin = twins.get(2, optimizer_in_backward=True)
     session = prepared(2, optimizer_in_backward=True)
     session.rollback = "copy"
     fault = Fault("runtime")
     rng_before = torch.get_rng_state()
-    with injected(_nan_grad_arriving, session, fault):
+    with injected(functools.partial(_nan_grad_arriving, value=value), session, fault):
         with pytest.raises(NonFiniteError, match=rf"Step 3 was not applied: its gradient of "
-                                                 rf"{_up_proj_name(session)} .* is nan"):
+                                                 rf"{_up_proj_name(session)} .* is {shown}"):
             session.step()
     assert fault.fired and session.optimizer.stepped > 0  # weights had been written, then undone
     assert_like_twin(session, twin, rng_before, "NaN gradient in backward")

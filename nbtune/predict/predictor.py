@@ -44,6 +44,9 @@ def config_key(config) -> tuple:
 
 _PREDICTORS: "OrderedDict[tuple, Predictor]" = OrderedDict()  # Predictor.of's, by model and device
 _REGISTRY_LOCK = threading.Lock()
+# Gradients made in forward hold what a recomputing backward holds at the same point, and
+# the pieces' loss scalars and their gradient's scale a moment longer: 12 bytes measured.
+LOSS_PIECES_SLACK = 1024
 MAX_PREDICTORS = 8  # model shapes kept (an 8B's cache is a few MiB of breakdowns at most)
 
 
@@ -84,7 +87,7 @@ class Predictor:
                  seq_len: int | None = None, recompute_loss: bool = True) -> MemoryBreakdown:
         """The step's predicted memory; raises the estimator's error (``ESTIMATE_ERRORS``)
         for a combination it cannot run, every time it is asked. ``recompute_loss=False``:
-        with a chunked loss's pieces kept (``keeps_loss_pieces``)."""
+        with a chunked loss's gradients made in forward (``keeps_loss_pieces``)."""
         t = as_techniques(techniques)
         key = self._key(t, batch_size, seq_len) + (() if recompute_loss else ("kept",))
         kept = {} if recompute_loss else {"recompute_loss": False}
@@ -121,16 +124,17 @@ class Predictor:
         return _answer(result)
 
     def keeps_loss_pieces(self, techniques) -> bool:
-        """Whether a chunked loss's pieces may keep their float32 log-probabilities for
-        backward rather than be recomputed in it (the recompute costs a forward of the head:
-        7-9 % of a 125M model's step on a CPU, ``benchmarks/head_profile.py``): where that
-        does not raise the step's predicted peak, which is then the same either way. Not with
-        sequence tiling (it recomputes every tile by design), not where either estimate fails."""
+        """Whether a chunked loss's pieces make their gradients in forward rather than be
+        recomputed in backward (the recompute costs a forward of the head: 7-9 % of a 125M
+        model's step on a CPU, ``benchmarks/head_profile.py``): where that does not raise the
+        step's predicted peak by more than ``LOSS_PIECES_SLACK``. Not with sequence tiling (it
+        recomputes every tile by design), not where either estimate fails."""
         t = as_techniques(techniques)
         if t.chunked_loss <= 1 or t.loss_always_recomputed:
             return False
         try:
-            return self.estimate(t, recompute_loss=False).peak <= self.estimate(t).peak
+            return (self.estimate(t, recompute_loss=False).peak
+                    <= self.estimate(t).peak + LOSS_PIECES_SLACK)
         except ESTIMATE_ERRORS:
             return False
 

@@ -5,7 +5,9 @@ checkpointing and the loss in 8 pieces, nothing else running.
     python benchmarks/head_profile.py profile   # torch.profiler table, by op and input shape
     python benchmarks/head_profile.py current   # seconds a step, 6 steps after 2 untimed
     python benchmarks/head_profile.py nockpt    # the same with the pieces not checkpointed
-                                                # (the head not recomputed in backward)
+                                                # (the head not recomputed in backward; since
+                                                # the pieces make their gradients in forward,
+                                                # ``current`` does not recompute it either)
     .venv-torchtune/bin/python benchmarks/head_profile.py torchtune-profile   # or torchtune:
                                                 # torchtune 0.6.1's own step, the same shape
 

@@ -588,6 +588,11 @@ MUTANTS: list[Mutant] = [
            "torch.stack(torch.aminmax(local.detach()))",
            "torch.amax(local.detach()).reshape(1)",
            (T + "test_faults.py::test_a_nan_gradient_with_the_optimizer_in_backward_is_refused_not_applied",)),
+    Mutant("dropped argument", "session.estimate predicts recomputed loss pieces where the step makes their gradients in forward",
+           "nbtune/session.py",
+           "return predictor.estimate(t, **shape, recompute_loss=not in_forward)",
+           "return predictor.estimate(t, **shape)",
+           (T + "test_techniques.py::test_the_sessions_estimate_takes_the_loss_pieces_as_its_step_does",)),
 ]
 
 

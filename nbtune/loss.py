@@ -22,6 +22,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from .data import IGNORE
@@ -93,7 +94,9 @@ class _GradientInForward(torch.autograd.Function):
     log-probabilities are held for backward and no head is recomputed in it. The gradients are
     those of ``sum / divisor``: the caller's division, made before the casts as autograd would,
     so the result is bit for bit the recomputed pieces' (the last pieces' gradients are summed
-    first, in backward's order)."""
+    first, in backward's order). Hooks on the head's and norm's weights (the memory tracker
+    files what they see as gradients) see each piece's gradient in forward, then the sum in
+    backward."""
 
     @staticmethod
     def forward(ctx, labels, run, divisor, pieces, *inputs):
@@ -123,6 +126,10 @@ class _GradientInForward(torch.autograd.Function):
         return total / divisor
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
+        if ctx.kept is None:
+            raise RuntimeError("A chunked loss whose gradients were made in forward hands them on "
+                               "once: its backward cannot run twice (retain_graph=True).")
         grads, ctx.kept = ctx.kept, None  # handed on, scaled in place (exact where grad is 1)
         return (None, None, None, None, *[g.mul_(grad) if g is not None else None for g in grads])

@@ -356,15 +356,20 @@ class Session:
         session's shape (or ``batch_size`` x ``seq_len``): seconds, no memory used.
         ``ranks``: each rank's step of this session's run file under torchrun (FSDP2,
         ``sharding`` its settings; default: this session's ranks and sharding, one process
-        when it has none); ``device``: "cuda" to ask about cards from a CPU."""
+        when it has none); ``device``: "cuda" to ask about cards from a CPU. A chunked loss is
+        predicted as the step takes it (``Predictor.keeps_loss_pieces``)."""
         from .predict import Predictor
 
         if ranks is None:
             ranks = self.parallel.world if self.parallel is not None else 1
             sharding = sharding if sharding is not None or self.parallel is None else self.parallel.sharding
 
-        return Predictor.of(self.model.config, device or self.device.type, ranks, sharding).estimate(
-            self.techniques, batch_size=batch_size, seq_len=seq_len)
+        predictor = Predictor.of(self.model.config, device or self.device.type, ranks, sharding)
+        t, shape = self.techniques, {"batch_size": batch_size, "seq_len": seq_len}
+        # the loss pieces as one process's step takes them (several always recompute)
+        in_forward = ranks == 1 and predictor.keeps_loss_pieces(
+            t.replace(**{k: v for k, v in shape.items() if v is not None}))
+        return predictor.estimate(t, **shape, recompute_loss=not in_forward)
 
     def fit(self, budget="24GiB", **options):
         """The fastest toggle combination predicted to fit ``budget`` (bytes, "24GiB", a card

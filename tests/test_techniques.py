@@ -270,6 +270,32 @@ def test_the_pieces_make_their_gradients_in_forward_where_that_raises_no_peak(mo
     assert counted[True] == 2 * counted[False] > 0, counted
 
 
+def test_the_sessions_estimate_takes_the_loss_pieces_as_its_step_does(monkeypatch):
+    """``session.estimate()`` predicts the pieces the way the next step takes them: with
+    gradients in forward where the trainer's rule says so, recomputed where it does not, and
+    recomputed for several processes (they always recompute)."""
+    from nbtune.predict import Predictor
+
+    asked = []
+    real = Predictor.estimate
+
+    def spy(self, t, **kw):
+        asked.append(kw.get("recompute_loss", True))
+        return real(self, t, **kw)
+
+    session = small_session(chunked_loss=4)
+    for keeps in (True, False):
+        monkeypatch.setattr(Predictor, "keeps_loss_pieces", lambda self, t, keeps=keeps: keeps)
+        monkeypatch.setattr(Predictor, "estimate", spy)
+        asked.clear()
+        session.estimate(seq_len=64)
+        assert asked == [not keeps]
+    monkeypatch.setattr(Predictor, "keeps_loss_pieces", lambda self, t: True)
+    asked.clear()
+    session.estimate(ranks=2)
+    assert asked == [True]
+
+
 def test_an_estimate_that_breaks_leaves_the_pieces_recomputed_and_says_so(monkeypatch):
     from nbtune.predict import Predictor
 
@@ -312,7 +338,10 @@ def test_keeping_the_pieces_follows_the_two_estimates_and_never_tiles():
 
 
 def test_compiled_layers_and_loss_match_eager():
-    session = small_session()
+    """Compiled layers and loss give eager's loss; the compiled pieces that make their
+    gradients in forward (the loss compiled inside ``_GradientInForward``) give eager
+    recomputed pieces' loss and gradients too."""
+    session = small_session(method="full")
     batch = session.trainer.stream.next()
     model = session.model
     with torch.no_grad():
@@ -320,12 +349,24 @@ def test_compiled_layers_and_loss_match_eager():
         set_compiled(model, True)
         compiled = cross_entropy_sum(model.lm_head, model.hidden_states(batch["input_ids"]),
                                      batch["labels"], compiled=True)
-        kept = cross_entropy_sum(model.lm_head, model.hidden_states(batch["input_ids"]),  # in
-                                 batch["labels"], 4, compiled=True, recompute=False)  # pieces
+        pieces = cross_entropy_sum(model.lm_head, model.hidden_states(batch["input_ids"]),
+                                   batch["labels"], 4, compiled=True, recompute=False)
         set_compiled(model, False)
     assert all(layer._compiled_call_impl is None for layer in model.model.layers)
     torch.testing.assert_close(compiled, eager, atol=1e-3, rtol=1e-5)
-    torch.testing.assert_close(kept, eager, atol=1e-3, rtol=1e-5)
+    torch.testing.assert_close(pieces, eager, atol=1e-3, rtol=1e-5)
+    hidden = model.hidden_states(batch["input_ids"], normed=False).detach()
+    runs = []
+    for compiled, recompute in ((False, True), (True, False)):
+        h = hidden.clone().requires_grad_()
+        model.lm_head.weight.grad = model.model.norm.weight.grad = None
+        loss = cross_entropy_sum(model.lm_head, h, batch["labels"], 4, compiled, norm=model.model.norm,
+                                 recompute=recompute, divisor=100)
+        loss.backward()
+        runs.append((loss.detach(), h.grad, model.lm_head.weight.grad.clone(),
+                     model.model.norm.weight.grad.clone()))
+    for recomputed, compiled in zip(*runs):
+        torch.testing.assert_close(compiled, recomputed, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.slow

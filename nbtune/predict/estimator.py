@@ -198,8 +198,8 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     sharding over a fake process group (``ranks.py``); ``batch_size`` stays the global batch.
     The host memory is the whole machine's (every rank's).
 
-    ``recompute_loss=False``: a chunked loss's pieces keep their log-probabilities for
-    backward instead of being recomputed (what ``Predictor.keeps_loss_pieces`` weighs).
+    ``recompute_loss=False``: a chunked loss's pieces make their gradients in forward
+    instead of being recomputed in backward (what ``Predictor.keeps_loss_pieces`` weighs).
     """
     config = resolve_config(model)
     t = as_techniques(techniques)  # a dict of fields too, as Session takes

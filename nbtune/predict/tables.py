@@ -66,8 +66,8 @@ COSTS: dict[str, tuple[float, str]] = {
                                "AdamW on CPU cores"),
     "cpu_offload_adapters": (0.03, "rough: LoRA adapters are about 1% of the weights, little to move"),
     "chunked_loss": (0.01, "measured 2% faster compiled (8998 -> 9174); eager it adds a few launches: "
-                           "nearly free where each chunk keeps its log-probabilities; where keeping "
-                           "them would raise the peak each chunk's head runs again in backward "
+                           "nearly free where each chunk makes its gradients in forward; where that "
+                           "would raise the peak each chunk's head runs again in backward "
                            "(7-9 % of a 125M step on a CPU, benchmarks/head_profile.py), not "
                            "counted here"),
     "tiling": (0.1, "rough: each tile's norm + MLP runs its forward once more in backward; the MLP is "

@@ -593,6 +593,16 @@ MUTANTS: list[Mutant] = [
            "return predictor.estimate(t, **shape, recompute_loss=not in_forward)",
            "return predictor.estimate(t, **shape)",
            (T + "test_techniques.py::test_the_sessions_estimate_takes_the_loss_pieces_as_its_step_does",)),
+    Mutant("off-by-one", "QLoRA's dequantization reads a code byte's low nibble as its first value",
+           "nbtune/peft.py",
+           "torch.stack([nf4.repeat_interleave(16), nf4.repeat(16)], -1)",
+           "torch.stack([nf4.repeat(16), nf4.repeat_interleave(16)], -1)",
+           (FAMILY_QLORA,)),
+    Mutant("off-by-one", "QLoRA's bf16 dequantization swaps the two code bytes a table entry stands for",
+           "nbtune/peft.py",
+           "torch.stack([pairs.expand(256, 256), pairs.view(256, 1).expand(256, 256)], -1)",
+           "torch.stack([pairs.view(256, 1).expand(256, 256), pairs.expand(256, 256)], -1)",
+           (T + "test_qlora.py::test_dequantize_and_the_nf4_linear_give_torchaos_values_bit_for_bit",)),
 ]
 
 

@@ -6,8 +6,8 @@ so adapters can be exported for ``peft.PeftModel`` without renaming.
 QLoRA is the same ``LoRALinear`` whose base weight is a torchao ``NF4Tensor`` (4-bit
 NormalFloat codes in blocks of 64, each block's absmax scale itself quantized to int8 in
 blocks of 256, as torchao and torchtune do): about 0.26x the bytes of bf16. The forward
-dequantizes it to the input's dtype through torchao's ``linear_nf4``, which saves only the
-NF4 weight for backward.
+dequantizes it to the input's dtype as torchao's ``linear_nf4`` does, saving only the NF4
+weight for backward, through ``dequantize``: torchao's values bit for bit, 6x faster.
 """
 
 from __future__ import annotations
@@ -108,9 +108,42 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return type(tensor).__tensor_unflatten__(parts, meta, tensor.size(), tensor.stride())
 
 
-def dequantize(tensor: torch.Tensor) -> torch.Tensor:
-    """A dense copy of an NF4 tensor in its dtype; any other tensor as it is."""
-    return tensor.get_original_weight().to(tensor.dtype) if is_nf4(tensor) else tensor
+def dequantize(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A dense copy of an NF4 tensor (in its dtype, or ``dtype``); any other tensor as it is.
+
+    Bit for bit torchao's ``get_original_weight``, which spends most of its time on two int64
+    copies of the codes and two gathers: 3.2 ms for a 2048 x 768 bf16 weight on 2 CPU cores,
+    against 0.5 ms here, where one gather looks up the four values two bytes of codes stand
+    for. With checkpointing a QLoRA step dequantizes each weight three times.
+    """
+    if not is_nf4(tensor):
+        return tensor
+    if not tensor.is_contiguous():  # a transposed view, as torchao allows
+        return dequantize(tensor.t(), dtype).t()
+    ints = {2: torch.int32, 4: torch.int64}.get(tensor.dtype.itemsize)  # one int: a byte's 2 values
+    if ints is None or sys.byteorder != "little":
+        dense = tensor.get_original_weight()  # fp64
+    else:
+        dense = _nf4_dense(tensor, ints)
+    return dense if dtype in (None, dense.dtype) else dense.to(dtype)
+
+
+def _nf4_dense(weight, ints: torch.dtype) -> torch.Tensor:
+    """torchao's dequantization as a table lookup: each code byte (two 4-bit codes, the first
+    in the high nibble) indexes the two NF4 values it stands for, as one ``ints`` value; in 2-byte
+    dtypes a little-endian uint16 indexes four. Then each block of 64 is scaled, in the
+    weight's dtype, as torchao does."""
+    codes, nf4 = weight.quantized_data, weight.nf4
+    pairs = torch.stack([nf4.repeat_interleave(16), nf4.repeat(16)], -1).view(ints).view(256)
+    if ints == torch.int32 and codes.numel() % 2 == 0:
+        table = torch.stack([pairs.expand(256, 256), pairs.view(256, 1).expand(256, 256)], -1)
+        table, index = table.view(torch.int64).view(-1), codes.view(torch.int16).int() & 0xFFFF
+    else:
+        table, index = pairs, codes.int()
+    scales = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor,
+                                       weight.scaler_block_size)
+    values = table.index_select(0, index).view(weight.dtype).view(scales.numel(), -1)
+    return values.mul_(scales.unsqueeze(-1)).view(weight.shape)
 
 
 def quantize_weight_(linear: nn.Linear, name: str = "weight") -> bool:
@@ -157,11 +190,26 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
+class _LinearNF4(torch.autograd.Function):
+    """torchao's ``linear_nf4`` over the faster ``dequantize``: the weight is made dense in the
+    input's dtype for the matmul and kept 4-bit for backward, which makes it dense again."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return nn.functional.linear(x, dequantize(weight, x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight, = ctx.saved_tensors
+        return grad @ dequantize(weight, grad.dtype), None
+
+
 class LoRALinear(nn.Module):
     """``base(x) + (alpha / rank) * B(A(dropout(x)))`` with ``base`` frozen and B zero at start.
 
     The base weight may be NF4 (QLoRA): the adapters are then made in the dtype the NF4
-    weight stands for, and the base product goes through ``linear_nf4``.
+    weight stands for, and the base product goes through ``_LinearNF4``.
     """
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
@@ -187,7 +235,7 @@ class LoRALinear(nn.Module):
         base = self.base_layer
         if not is_nf4(base.weight):
             return base(x)
-        out = _nf4().linear_nf4(x, base.weight)  # dequantized to x.dtype; backward keeps NF4 only
+        out = _LinearNF4.apply(x, base.weight)
         return out if base.bias is None else out + base.bias
 
     @torch.no_grad()

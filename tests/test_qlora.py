@@ -216,6 +216,28 @@ def test_cast_model_keeps_nf4_codes_and_adds_no_dense_copy():
     assert all(map(holds_dense_data, nf4_weights(model).values()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_and_the_nf4_linear_give_torchaos_values_bit_for_bit(dtype):
+    # nbtune looks two code bytes up in one table (one byte in fp32); torchao decodes each
+    # nibble on its own: the same values, the same products with the block scales.
+    generator = torch.Generator().manual_seed(3)
+    for shape, scaler_block in (((96, 64), 96), ((4, 320), 20), ((1, 64), 1)):
+        weight = torch.randn(shape, generator=generator).to(dtype) * 3
+        weight[0, :64] = 0  # a block of zeros: its scale is 0
+        nf4 = nt_peft._nf4().to_nf4(weight, 64, scaler_block)
+        expected = nf4.get_original_weight()
+        assert torch.equal(dequantize(nf4), expected) and dequantize(nf4).dtype == dtype
+        assert torch.equal(dequantize(nf4, torch.float32), expected.float())
+        x = torch.randn(5, shape[1], generator=generator).to(dtype).requires_grad_()
+        x_ref = x.detach().clone().requires_grad_()
+        out, out_ref = nt_peft._LinearNF4.apply(x, nf4), nt_peft._nf4().linear_nf4(x_ref, nf4)
+        grad = torch.randn(out.shape, generator=generator).to(dtype)
+        out.backward(grad)
+        out_ref.backward(grad)
+        assert torch.equal(out, out_ref) and torch.equal(x.grad, x_ref.grad)
+        assert torch.equal(dequantize(nf4.t()), expected.t())  # a transposed view, as torchao's
+
+
 def holds_dense_data(weight) -> bool:
     """Whether an NF4 wrapper also carries dense data of its own (it should only hold parts)."""
     try:

@@ -286,6 +286,7 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
                                      options.compile, norm=model.model.norm,
                                      recompute=options.recompute_loss or bool(options.tile_tokens),
                                      divisor=trained)
+        del hidden  # what backward needs of it, the loss holds (pieces with gradients made: nothing)
         memory.after_forward()
         if undo is not None:
             undo.stage()
@@ -301,7 +302,7 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
             (loss if parallel is None else loss * parallel.world).backward()
         memory.after_backward()
         total += loss.detach().cpu()
-        del hidden, loss
+        del loss
     if parallel is not None:  # every rank checks and reports the global loss
         parallel.sum_(total)
     grads = [p for p in model.parameters() if p.grad is not None]

@@ -603,6 +603,11 @@ MUTANTS: list[Mutant] = [
            "torch.stack([pairs.expand(256, 256), pairs.view(256, 1).expand(256, 256)], -1)",
            "torch.stack([pairs.view(256, 1).expand(256, 256), pairs.expand(256, 256)], -1)",
            (T + "test_qlora.py::test_dequantize_and_the_nf4_linear_give_torchaos_values_bit_for_bit",)),
+    Mutant("dropped statement", "the step holds the hidden states through backward though the loss pieces need none of them",
+           "nbtune/step.py",
+           "        del hidden  # what backward needs of it, the loss holds (pieces with gradients made: nothing)\n",
+           "",
+           (T + "test_techniques.py::test_with_gradients_made_in_forward_backward_runs_without_the_hidden_states",)),
 ]
 
 

@@ -270,6 +270,35 @@ def test_the_pieces_make_their_gradients_in_forward_where_that_raises_no_peak(mo
     assert counted[True] == 2 * counted[False] > 0, counted
 
 
+def test_with_gradients_made_in_forward_backward_runs_without_the_hidden_states(monkeypatch):
+    """Pieces that made their gradients in forward need nothing of the hidden states in
+    backward, so the step lets them go before it: one [B, T, D] tensor less where a full
+    finetune peaks, at the embedding's gradient (the 125M peers' chunked rung: 1.5 MB).
+    (Recomputed pieces hold their slices only until their own backward, at its start.)"""
+    import weakref
+
+    from nbtune.predict import Predictor
+
+    trainer = _wide_vocabulary()
+    assert Predictor.of(trainer.model.config, "cpu").keeps_loss_pieces(trainer.techniques)
+    model, seen, alive = trainer.model, [], []
+    made = model.hidden_states
+
+    def hidden_states(*args, **kwargs):
+        hidden = made(*args, **kwargs)
+        seen.append(weakref.ref(hidden))
+        return hidden
+
+    monkeypatch.setattr(model, "hidden_states", hidden_states)
+    handle = model.model.embed_tokens.weight.register_hook(
+        lambda grad: alive.append(seen[-1]() is not None))
+    try:
+        trainer.step(track=False)
+    finally:
+        handle.remove()
+    assert len(seen) == 1 and alive == [False]
+
+
 def test_the_sessions_estimate_takes_the_loss_pieces_as_its_step_does(monkeypatch):
     """``session.estimate()`` predicts the pieces the way the next step takes them: with
     gradients in forward where the trainer's rule says so, recomputed where it does not, and

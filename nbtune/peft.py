@@ -118,11 +118,11 @@ def dequantize(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.
     """
     if not is_nf4(tensor):
         return tensor
-    if not tensor.is_contiguous():  # a transposed view, as torchao allows
+    if not tensor.is_contiguous() and tensor.t().is_contiguous():  # a transposed view
         return dequantize(tensor.t(), dtype).t()
     ints = {2: torch.int32, 4: torch.int64}.get(tensor.dtype.itemsize)  # one int: a byte's 2 values
-    if ints is None or sys.byteorder != "little":
-        dense = tensor.get_original_weight()  # fp64
+    if ints is None or not tensor.is_contiguous() or sys.byteorder != "little":
+        dense = tensor.get_original_weight()  # torchao's own: fp64, other layouts and hosts
     else:
         dense = _nf4_dense(tensor, ints)
     return dense if dtype in (None, dense.dtype) else dense.to(dtype)
@@ -131,13 +131,15 @@ def dequantize(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.
 def _nf4_dense(weight, ints: torch.dtype) -> torch.Tensor:
     """torchao's dequantization as a table lookup: each code byte (two 4-bit codes, the first
     in the high nibble) indexes the two NF4 values it stands for, as one ``ints`` value; in 2-byte
-    dtypes a little-endian uint16 indexes four. Then each block of 64 is scaled, in the
+    dtypes, from 64 Ki code bytes on (the table's own 512 KiB is then at most its output's
+    half), a little-endian uint16 indexes four. Then each block of 64 is scaled, in the
     weight's dtype, as torchao does."""
     codes, nf4 = weight.quantized_data, weight.nf4
     pairs = torch.stack([nf4.repeat_interleave(16), nf4.repeat(16)], -1).view(ints).view(256)
-    if ints == torch.int32 and codes.numel() % 2 == 0:
+    if ints == torch.int32 and codes.numel() >= 1 << 16 and codes.numel() % 2 == 0:
         table = torch.stack([pairs.expand(256, 256), pairs.view(256, 1).expand(256, 256)], -1)
-        table, index = table.view(torch.int64).view(-1), codes.view(torch.int16).int() & 0xFFFF
+        table = table.view(torch.int64).view(-1)
+        index = codes.view(torch.int16).int().bitwise_and_(0xFFFF)
     else:
         table, index = pairs, codes.int()
     scales = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor,

@@ -216,12 +216,13 @@ def test_cast_model_keeps_nf4_codes_and_adds_no_dense_copy():
     assert all(map(holds_dense_data, nf4_weights(model).values()))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_dequantize_and_the_nf4_linear_give_torchaos_values_bit_for_bit(dtype):
-    # nbtune looks two code bytes up in one table (one byte in fp32); torchao decodes each
-    # nibble on its own: the same values, the same products with the block scales.
+    # nbtune looks a code byte up in one table, and in 2-byte dtypes from 64 Ki code bytes on
+    # (512 x 256 here) two; torchao decodes each nibble on its own: the same values, the same
+    # products with the block scales. fp64 is left to torchao.
     generator = torch.Generator().manual_seed(3)
-    for shape, scaler_block in (((96, 64), 96), ((4, 320), 20), ((1, 64), 1)):
+    for shape, scaler_block in (((512, 256), 256), ((96, 64), 96), ((4, 320), 20), ((1, 64), 1)):
         weight = torch.randn(shape, generator=generator).to(dtype) * 3
         weight[0, :64] = 0  # a block of zeros: its scale is 0
         nf4 = nt_peft._nf4().to_nf4(weight, 64, scaler_block)
@@ -236,6 +237,27 @@ def test_dequantize_and_the_nf4_linear_give_torchaos_values_bit_for_bit(dtype):
         out_ref.backward(grad)
         assert torch.equal(out, out_ref) and torch.equal(x.grad, x_ref.grad)
         assert torch.equal(dequantize(nf4.t()), expected.t())  # a transposed view, as torchao's
+
+
+def test_a_compiled_qlora_layer_equals_the_eager_one():
+    """``compile`` compiles each layer: the NF4 lookup must trace (torch.compile's own graph
+    capture and autograd, without generated kernels), with equal outputs and gradients."""
+    generator = torch.Generator().manual_seed(4)
+    torch.manual_seed(4)
+    layer = LoRALinear(torch.nn.Linear(256, 512, bias=False, dtype=torch.bfloat16), 8, 16.0, 0.0)
+    nt_peft.quantize_weight_(layer.base_layer)
+    with torch.no_grad():
+        layer.lora_B.weight.normal_(0, 0.05, generator=generator)
+    x = torch.randn(3, 256, generator=generator).bfloat16()  # bf16: the two-byte lookup
+    results = []
+    for run in (layer, torch.compile(layer, backend="aot_eager", fullgraph=True)):
+        x_in = x.clone().requires_grad_()
+        layer.zero_grad()
+        out = run(x_in)
+        out.square().sum().backward()
+        results.append((out.detach(), x_in.grad, layer.lora_A.weight.grad.clone()))
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)
 
 
 def holds_dense_data(weight) -> bool:

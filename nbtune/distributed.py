@@ -101,8 +101,14 @@ class Parallel:
         dist.barrier()
 
     def close(self) -> None:
+        """Destroy the group, then collect what still held it (a sharded model's cycles):
+        its C++ side goes now, not while the interpreter is torn down (pytorch#179291 names
+        that as a cause of gloo's SIGABRT at exit)."""
+        import gc
+
         if dist.is_initialized():
             dist.destroy_process_group()
+        gc.collect()
 
 
 def shard_model(model: nn.Module, sharding: Sharding, mesh=None) -> None:

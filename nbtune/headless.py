@@ -234,8 +234,11 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
         with stop_signals() as stopped:
             code = _run(parts, path, out, out_dir, settings, resume, parallel, rank, say, started,
                         progress)
+        if parallel is not None and code == 0:
+            parallel.barrier()  # every rank done with the group before any tears it down
         return 128 + stopped[0] if code == 130 and stopped else code
     finally:
+        parts = None  # (the sharded model holds the group: let it go before the group)
         if parallel is not None:
             parallel.close()
 

@@ -24,7 +24,9 @@ loaded. Ctrl-C in the kernel lets the command under way (a step) finish on every
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import tempfile
 import threading
@@ -73,6 +75,7 @@ class Processes:
         self.run_file, self.overrides = path, overrides  # what every rank builds its run from
         self.checkpoint: Path | None = Path(resume).resolve() if resume is not None else None
         self.interrupted = False  # Ctrl-C came during the last command (it finished first)
+        self._holding = False
         self._start()
 
     def _start(self) -> None:
@@ -116,33 +119,50 @@ class Processes:
         cluster's private folder: engines read it, nothing else does)."""
         return Path(self._profile.name) / "stop"
 
+    @contextlib.contextmanager
+    def holding_ctrl_c(self):
+        """Ctrl-C sets ``interrupted`` instead of raising, until the block ends: a
+        KeyboardInterrupt between a command's end on the ranks and the kernel's record of it
+        would lose steps the ranks took. The caller decides what the Ctrl-C does once its
+        record is whole. Main thread only (no other thread gets Ctrl-C); the outer block of
+        nested ones resets ``interrupted`` and holds."""
+        if self._holding or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        self.interrupted, self._holding = False, True
+
+        def hold(signum, frame) -> None:
+            self.interrupted = True
+        previous = signal.signal(signal.SIGINT, hold)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+            self._holding = False
+
     def each(self, function, args_of=lambda rank: (), poll=None, extra: float = 0.0) -> list:
         """``function(*args_of(rank))`` on every rank at once; each rank's answer, in rank
         order. Every rank is waited on together: the first that fails ends them all. Ctrl-C
         meanwhile lets the command finish on every rank (a step stops at its boundary) and
-        sets ``interrupted``. ``poll()``: called every 50 ms while the ranks work; ``extra``:
-        seconds the command may take beyond ``timeout`` (several steps)."""
+        sets ``interrupted`` (``holding_ctrl_c``). ``poll()``: called every 50 ms while the
+        ranks work; ``extra``: seconds the command may take beyond ``timeout`` (several steps)."""
         if not self._engines:
             raise RankFailed("These ranks were ended; recover() starts them again from the last "
                              "checkpoint, or make a new session.", None)
-        self.interrupted = False
+        with self.holding_ctrl_c():
+            return self._each(function, args_of, poll, extra)
+
+    def _each(self, function, args_of, poll, extra: float) -> list:
         pending = [engine.apply_async(function, *args_of(rank))
                    for rank, engine in enumerate(self._engines)]
         deadline = time.monotonic() + self.timeout + extra
         tick = 1.0 if poll is None else 0.05
         while True:
             left = min(tick, max(0.0, deadline - time.monotonic()))
-            try:  # (each AsyncResult is a Future: wait for them without polling the cores)
-                done, waiting = futures.wait(pending, left, return_when=futures.FIRST_EXCEPTION)
-            except KeyboardInterrupt:
-                self.interrupted = True  # the command finishes on every rank first
-                done, waiting = set(), pending
+            # (each AsyncResult is a Future: wait for them without polling the cores)
+            done, waiting = futures.wait(pending, left, return_when=futures.FIRST_EXCEPTION)
             if poll is not None:
-                try:
-                    poll()
-                except KeyboardInterrupt:
-                    self.interrupted = True
-                    poll()
+                poll()
             failed = next((rank for rank, p in enumerate(pending) if p in done and not p.successful()), None)
             if failed is not None:
                 self._fail(failed, _reason(pending[failed]))

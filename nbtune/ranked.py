@@ -92,20 +92,21 @@ class RanksTrainer:
         ranks, last = self.ranks, self.history[-1].seconds if self.history else 0.0
         count = max(1, min(most, int(self.SECONDS_PER_COMMAND / last) if last > 0 else 1))
         flag = ranks.stop_flag
-        flag.unlink(missing_ok=True)
 
         def poll() -> None:
             if ranks.interrupted or (until is not None and until()):
                 flag.touch()
-        answers = ranks.each(rank_steps, lambda rank: (track, track_rest, count, str(flag)),
-                             poll=poll if count > 1 else None, extra=2 * count * last)
-        reports = []
-        for i, (report, notes) in enumerate(answers[0]):
-            self.history.append(report)
-            self.rank_memory[report.step] = [answer[i][0].memory for answer in answers]
-            self.notes += notes
-            reports.append(report)
-        ranks.step_number = reports[-1].step
+        with ranks.holding_ctrl_c():  # (Ctrl-C is said once every step the ranks took is kept)
+            flag.unlink(missing_ok=True)
+            answers = ranks.each(rank_steps, lambda rank: (track, track_rest, count, str(flag)),
+                                 poll=poll if count > 1 else None, extra=2 * count * last)
+            reports = []
+            for i, (report, notes) in enumerate(answers[0]):
+                self.history.append(report)
+                self.rank_memory[report.step] = [answer[i][0].memory for answer in answers]
+                self.notes += notes
+                reports.append(report)
+            ranks.step_number = reports[-1].step
         if ranks.interrupted:  # (the steps it took are said, as steps, before it stops)
             interrupted = KeyboardInterrupt()
             interrupted.nbtune_reports = reports

@@ -159,6 +159,22 @@ def _ctrl_c_then_a_hung_rank(session, capsys) -> None:
     at = len(session.history)
     assert 0 < len(interrupted) < 10_000 and ranks.rank_steps == [at, at]
     assert f"interrupted: stopped after {len(interrupted)} of 10000 steps" in capsys.readouterr().out
+    purge, calls = ranks.client.purge_local_results, []
+
+    def ctrl_c_once_the_ranks_answered(*args, **kwargs):  # (the command done, not yet recorded)
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)
+        return purge(*args, **kwargs)
+    ranks.client.purge_local_results = ctrl_c_once_the_ranks_answered
+    try:
+        start = len(session.history)
+        interrupted = session.run(10_000, progress=False)
+    finally:
+        ranks.client.purge_local_results = purge
+    at = len(session.history)
+    assert len(calls) == 2 and at > start and ranks.rank_steps == [at, at]
+    assert interrupted == session.history[start:]
     ranks.timeout = 2
     with pytest.raises(nt.RankFailed, match="Rank 1 failed: no answer within 2 s from rank 1"):
         ranks.each(time.sleep, lambda rank: (30 * rank,))

@@ -1,15 +1,18 @@
 """nbtune against transformers (+ PEFT, + bitsandbytes) and torchtune 0.6.1, rung by rung.
 
-    python benchmarks/peers.py                    # CPU rungs on the 125M Llama shape, 2 rounds
+    python benchmarks/peers.py                    # CPU rungs on the 125M Llama shape, 2 rounds of 6 steps
     python benchmarks/peers.py --shape small --rounds 1 --steps 2   # a quick look
     python benchmarks/peers.py --device cuda      # the GPU half (published shapes; unmeasured)
     # writes benchmarks/results/peers/peers-<shape>-<device>.json and a table on stdout
 
 The same random-weight Llama (one safetensors folder written with transformers) and the same
-token batches go to every framework. Each (rung, framework) runs in a fresh process: load,
-one step untimed (first allocations, optimizer state), one step counted, then ``--steps``
-timed steps. Within a round the frameworks alternate order, so a machine that drifts biases
-none of them. Memory is counted one way for all: the peak of live tensor bytes in the counted
+token batches go to every framework. In each round every framework of a rung runs in a fresh
+process of its own: load, one step untimed (first allocations, optimizer state), one step
+counted, each alone on the machine; then ``--steps`` timed steps, interleaved: one step of
+each framework in turn, the order rotating each cycle (and the first to start, each round).
+A machine that drifts (a 2-core VM's neighbours moved whole runs by up to 17 %) slows every
+framework alike, and each step pairs with the others' of its cycle: besides the tokens/s,
+nbtune's speed over each peer's step by step (median and quartiles). Memory is counted one way for all: the peak of live tensor bytes in the counted
 step, from torch's own ``MemTracker`` wrapped around it (each framework's own tracking off).
 Also reported: peak RSS growth over the run, the first step's loss (the work is the same: it
 agrees to rounding) and the ratios nbtune / best peer.
@@ -230,6 +233,8 @@ def live_bytes_mode():
                         tree_map_only(torch.Tensor, self.see, state)
                 elif isinstance(root, (list, tuple)):
                     self.hold(*root)
+                elif isinstance(root, dict):  # a batch
+                    tree_map_only(torch.Tensor, self.see, root)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
@@ -239,8 +244,16 @@ def live_bytes_mode():
     return LiveBytes()
 
 
-def measure(step, model, optimizer, batches: list[dict], steps: int, device: str) -> dict:
-    """``step(batch) -> loss`` once untimed, once counted, then ``steps`` timed."""
+SERVED = False  # --serve: the driver asks for each timed step in turn (one line on stdin each)
+
+
+def measure(step, model, optimizer, batches: list[dict], steps: int, device: str,
+            batch_made_in_step: bool = False) -> dict:
+    """``step(batch) -> loss`` once untimed, once counted, then up to ``steps`` timed. The
+    counted step's batch counts for everyone: held from the start when it is given to the
+    step, made in it when the step draws its own (nbtune's trainer). Served:
+    a line with the loss and peak first, then each timed step when the driver asks for it
+    (a line on stdin), its seconds as a line; the driver interleaves the frameworks' steps."""
     import torch
 
     rss_before = _rss()
@@ -252,19 +265,26 @@ def measure(step, model, optimizer, batches: list[dict], steps: int, device: str
         peak = torch.cuda.max_memory_allocated()
     else:
         counter = live_bytes_mode()
-        counter.hold(model, optimizer)
+        counter.hold(model, optimizer, *([] if batch_made_in_step else [batches[1]]))
         with counter:
             step(batches[1])
         peak = counter.peak
-    started = time.perf_counter()
+    if SERVED:
+        print(json.dumps({"first_loss": first_loss, "peak_bytes": peak}), flush=True)
+    seconds, tokens = [], 0
     for batch in batches[2:2 + steps]:
+        if SERVED and not sys.stdin.readline():  # the driver is done asking
+            break
+        started = time.perf_counter()
         step(batch)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - started
-    tokens = sum(b["input_ids"].numel() for b in batches[2:2 + steps])
-    return {"first_loss": first_loss, "peak_bytes": peak, "tokens_per_second": tokens / seconds,
-            "rss_growth_bytes": _max_rss() - rss_before}
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+        tokens += batch["input_ids"].numel()
+        if SERVED:
+            print(json.dumps({"seconds": seconds[-1]}), flush=True)
+    return {"first_loss": first_loss, "peak_bytes": peak, "tokens_per_second": tokens / sum(seconds),
+            "step_seconds": seconds, "rss_growth_bytes": _max_rss() - rss_before}
 
 
 def _rss() -> int:
@@ -318,7 +338,7 @@ def worker_nbtune(shape, config, folder, steps, device, rollback="auto", track=F
 
     drawn = trainer.stream.copy().next()
     assert torch.equal(drawn["input_ids"], expected[0]["input_ids"]), "batches differ"
-    return measure(step, trainer.model, trainer.optimizer, expected, steps, device)
+    return measure(step, trainer.model, trainer.optimizer, expected, steps, device, batch_made_in_step=True)
 
 
 def worker_transformers(shape, config, folder, steps, device):
@@ -468,17 +488,91 @@ def torchtune_python(path: str | None) -> str:
     return str(python)
 
 
-def run_worker(python: str, framework: str, label: str, config: dict, args, folder: Path) -> dict:
+def _command(python: str, framework: str, config: dict, args, folder: Path) -> list[str]:
     command = [python, __file__, "--worker", framework, "--config", json.dumps(config), "--shape", args.shape,
                "--steps", str(args.steps), "--device", args.device, "--folder", str(folder),
                "--batch", str(args.batch_used), "--seq", str(args.seq_used)]
-    if args.cap_gib:
-        command += ["--cap-gib", str(args.cap_gib)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
+    return command + (["--cap-gib", str(args.cap_gib)] if args.cap_gib else [])
+
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+def run_worker(python: str, framework: str, label: str, config: dict, args, folder: Path) -> dict:
+    """One framework alone in a fresh process, its timed steps back to back."""
+    done = subprocess.run(_command(python, framework, config, args, folder), capture_output=True,
+                          text=True, env=ENV, timeout=args.timeout)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["(no output)"])[-1][:300]}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_interleaved(pythons: dict, frameworks: list[str], config: dict, args, folder: Path) -> dict:
+    """Every framework in a fresh process of its own, started one after another (each loads
+    and counts its peak alone on the machine); then their timed steps interleaved, one step
+    each in turn, the order rotating each cycle: a machine that drifts slows every framework's
+    steps alike, and each step's time pairs with the others' of the same cycle."""
+    import tempfile
+    import threading
+
+    workers, results = {}, {}
+
+    def error(framework: str) -> dict:
+        process, log = workers.pop(framework)
+        process.kill()
+        process.wait()
+        log.seek(0)
+        return {"error": (log.read().strip().splitlines() or ["(no output)"])[-1][:300]}
+
+    def ask(framework: str, text: str | None) -> dict | None:
+        process = workers[framework][0]
+        timer = threading.Timer(args.timeout, process.kill)
+        timer.start()
+        try:
+            if text is not None:
+                process.stdin.write(text)
+                process.stdin.flush()
+            else:
+                process.stdin.close()
+            if text is None:
+                lines = process.stdout.read().splitlines()
+            else:  # (up to its next JSON line: a library may print on stdout too)
+                lines = [process.stdout.readline()]
+                while lines[-1] and not lines[-1].startswith("{"):
+                    lines.append(process.stdout.readline())
+        except (BrokenPipeError, OSError):
+            lines = []
+        finally:
+            timer.cancel()
+        try:
+            return json.loads([line for line in lines if line.startswith("{")][-1])
+        except (IndexError, ValueError):
+            return None
+
+    try:
+        for framework in frameworks:
+            log = tempfile.TemporaryFile("w+")
+            workers[framework] = (subprocess.Popen(
+                _command(pythons[framework], framework, config, args, folder) + ["--serve"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=ENV), log)
+            if ask(framework, "") is None:  # (an empty line asks nothing: its first line)
+                results[framework] = error(framework)
+        for cycle in range(args.steps):
+            for framework in frameworks[cycle % len(frameworks):] + frameworks[:cycle % len(frameworks)]:
+                if framework in workers and ask(framework, "step\n") is None:
+                    results[framework] = error(framework)
+        for framework in list(workers):
+            last = ask(framework, None)
+            if workers[framework][0].wait() != 0 or last is None:
+                results[framework] = error(framework)
+            else:
+                results[framework] = last
+                workers.pop(framework)[1].close()
+    finally:
+        for process, log in workers.values():
+            process.kill()
+            log.close()
+    return results
 
 
 def main() -> None:
@@ -486,8 +580,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=list(SHAPES), default=None,
                         help="model shape (default: 125m on cpu, 3b on cuda)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
+    parser.add_argument("--rounds", type=int, default=2, help="fresh processes per rung")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per framework and round")
     parser.add_argument("--rungs", default=None, help="comma-separated rung labels (default: all)")
     parser.add_argument("--frameworks", default="nbtune,transformers,torchtune")
     parser.add_argument("--torchtune-python", default=None)
@@ -506,6 +600,7 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.shape = args.shape or ("125m" if args.device == "cpu" else "3b")
     shape = {**SHAPES[args.shape], **{k: v for k, v in (("batch", args.batch), ("seq", args.seq))
@@ -513,6 +608,9 @@ def main() -> None:
 
     if args.worker:  # one (framework, rung) in this fresh process; prints one JSON line
         import torch
+
+        global SERVED
+        SERVED = args.serve
 
         torch.manual_seed(0)
         if args.device == "cuda" and args.cap_gib:
@@ -547,9 +645,8 @@ def main() -> None:
         able = [f for f in frameworks if set(config) <= FEATURES[f]]
         row["not_available"] = sorted(set(frameworks) - set(able))
         for r in range(args.rounds):
-            order = able if r % 2 == 0 else able[::-1]
-            for framework in order:
-                result = run_worker(pythons[framework], framework, label, config, args, folder)
+            order = able[r % len(able):] + able[:r % len(able)]  # who starts first rotates too
+            for framework, result in run_interleaved(pythons, order, config, args, folder).items():
                 row["runs"].setdefault(framework, []).append(result)
                 print(f"{label} round {r + 1} {framework}: {result}", flush=True)
         row["summary"] = summarize(row["runs"])
@@ -621,11 +718,32 @@ def summarize(runs: dict) -> dict:
         out["ratios"] = {"peak_vs_best_peer": ours["peak_bytes"] / best_peak,
                          "speed_vs_best_peer": ours["tokens_per_second"] / best_speed,
                          "targets": {"peak": 0.9, "speed": 1.1}}
+    paired = paired_ratios(runs)
+    if paired:
+        out.setdefault("ratios", {})["per_step_vs"] = paired
     tracked = out.get("nbtune-tracked", {})
     if ours and "error" not in ours and tracked and "error" not in tracked:
         # a step's time with memory tracked over without (target: under 1.5x)
         out.setdefault("ratios", {})["every_step_tracking_cost"] = (
             ours["tokens_per_second"] / tracked["tokens_per_second"])
+    return out
+
+
+def paired_ratios(runs: dict) -> dict:
+    """nbtune's speed over each peer's, step by step: a peer's step time over nbtune's step
+    of the same cycle (the same batch, interleaved); per peer the median and the quartiles."""
+    ours = runs.get("nbtune", [])
+    out = {}
+    for framework, results in runs.items():
+        if framework.startswith("nbtune"):
+            continue
+        pairs = [theirs / mine for a, b in zip(ours, results) if "error" not in a and "error" not in b
+                 for mine, theirs in zip(a["step_seconds"], b["step_seconds"])]
+        if len(pairs) >= 4:
+            q1, median, q3 = statistics.quantiles(pairs, n=4)
+            out[framework] = {"median": median, "q1": q1, "q3": q3, "steps": len(pairs)}
+        elif pairs:
+            out[framework] = {"median": statistics.median(pairs), "steps": len(pairs)}
     return out
 
 
@@ -645,6 +763,10 @@ def table(rows: list[dict]) -> str:
                 continue
             extra = (f"{ratios['peak_vs_best_peer']:>12.2f}{ratios['speed_vs_best_peer']:>12.2f}"
                      if framework == "nbtune" and "peak_vs_best_peer" in ratios else "")
+            if framework == "nbtune" and ratios.get("per_step_vs"):
+                extra += "   per step vs " + ", ".join(
+                    f"{peer} {v['median']:.2f}" + (f" [{v['q1']:.2f}-{v['q3']:.2f}]" if "q1" in v else "")
+                    for peer, v in ratios["per_step_vs"].items())
             if framework == "nbtune-tracked" and "every_step_tracking_cost" in ratios:
                 extra = f"{'':>12}{'':>12}   tracking every step: {ratios['every_step_tracking_cost']:.2f}x"
             lines.append(f"{head:<28}{framework:<14}{v['peak_bytes'] / mib:>10,.0f}"

@@ -23,14 +23,24 @@ def peers():
 def test_live_bytes_counts_what_is_held_and_made_and_forgets_what_is_freed():
     counter = peers().live_bytes_mode()
     held = torch.nn.Linear(100, 10, bias=False)  # 4,000 bytes
-    counter.hold(held)
+    batch = {"input_ids": torch.zeros(2, 50, dtype=torch.long)}  # a batch given to the step: 800
+    counter.hold(held, batch)
     with counter:
         a = torch.ones(1000)  # 4,000 bytes
         b = a.view(10, 100)  # a view: no new storage
         del a, b
         c = torch.zeros(500)  # 2,000 bytes, after 4,000 were freed
-    assert counter.peak == 8000
-    assert counter.now == 6000 and c.numel() == 500
+    assert counter.peak == 8800
+    assert counter.now == 6800 and c.numel() == 500
+
+
+def test_each_peer_step_pairs_with_nbtunes_step_of_its_cycle_in_every_round():
+    runs = {"nbtune": [{"step_seconds": [1.0, 2.0]}, {"step_seconds": [4.0, 1.0]}],
+            "torchtune": [{"step_seconds": [2.0, 2.0]}, {"step_seconds": [2.0, 3.0]}],
+            "transformers": [{"error": "out of memory"}, {"step_seconds": [8.0, 1.0]}]}
+    paired = peers().paired_ratios(runs)
+    assert paired["torchtune"] == {"median": 1.5, "q1": 0.625, "q3": 2.75, "steps": 4}  # 2, 1, 0.5, 3
+    assert paired["transformers"] == {"median": 1.5, "steps": 2}  # the failed round pairs nothing
 
 
 def test_a_skipped_rung_is_not_carried_into_the_next():
@@ -46,7 +56,7 @@ def test_a_skipped_rung_is_not_carried_into_the_next():
 def test_nbtune_and_transformers_do_the_same_work_on_a_tiny_shape(tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--shape", "tiny", "--rounds", "1",
-         "--steps", "1", "--frameworks", "nbtune,transformers", "--rungs",
+         "--steps", "2", "--frameworks", "nbtune,transformers", "--rungs",
          "full fp32,+ chunked loss,LoRA", "--out", str(tmp_path), "--inputs", str(tmp_path / "inputs")],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -58,6 +68,11 @@ def test_nbtune_and_transformers_do_the_same_work_on_a_tiny_shape(tmp_path):
         assert ours["peak_bytes"] > 0 and theirs["peak_bytes"] > 0
         ratios = rows[label]["summary"]["ratios"]
         assert ratios["peak_vs_best_peer"] == ours["peak_bytes"] / theirs["peak_bytes"]
+        # each framework's timed steps, interleaved: nbtune's speed over the peer's, step by step
+        mine, peer = (rows[label]["runs"][f][0]["step_seconds"] for f in ("nbtune", "transformers"))
+        assert len(mine) == len(peer) == 2 and ratios["per_step_vs"]["transformers"]["steps"] == 2
+        assert ratios["per_step_vs"]["transformers"]["median"] == pytest.approx(
+            (peer[0] / mine[0] + peer[1] / mine[1]) / 2)
     # full finetuning holds at least weights + gradients + two AdamW states: 16 bytes a weight
     weights = sum(t.numel() for t in load_file(str(Path(result["inputs"]) / "model" / "model.safetensors")).values())
     assert rows["full fp32"]["summary"]["transformers"]["peak_bytes"] >= 16 * weights

@@ -403,8 +403,8 @@ MUTANTS: list[Mutant] = [
            (T + "test_processes.py::test_a_change_one_rank_refuses_is_made_by_no_rank",)),
     Mutant("processes", "Ctrl-C abandons the step under way on the ranks (the kernel stops counting first)",
            "nbtune/processes.py",
-           "        def hold(signum, frame) -> None:\n            self.interrupted = True\n",
-           "        def hold(signum, frame) -> None:\n            raise KeyboardInterrupt\n",
+           "        def came() -> None:\n            self.interrupted = True\n",
+           "        def came() -> None:\n            raise KeyboardInterrupt\n",
            (T + "test_processes.py::test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behind[lora]",)),
     Mutant("processes", "a dropped change keeps the optimizer it built (abort undoes nothing)",
            "nbtune/trainer.py",
@@ -608,6 +608,11 @@ MUTANTS: list[Mutant] = [
            "        del hidden  # what backward needs of it, the loss holds (pieces with gradients made: nothing)\n",
            "",
            (T + "test_techniques.py::test_with_gradients_made_in_forward_backward_runs_without_the_hidden_states",)),
+    Mutant("wrong condition", "a Ctrl-C'd run's mark is cleared on the main thread only: the next run in the background stops at once",
+           "nbtune/processes.py",
+           "        self.interrupted = False\n\n        def came() -> None:",
+           "        if threading.current_thread() is threading.main_thread():\n            self.interrupted = False\n\n        def came() -> None:",
+           (T + "test_processes.py::test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behind[lora]",)),
 ]
 
 

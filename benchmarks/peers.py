@@ -8,14 +8,16 @@
 The same random-weight Llama (one safetensors folder written with transformers) and the same
 token batches go to every framework. In each round every framework of a rung runs in a fresh
 process of its own: load, one step untimed (first allocations, optimizer state), one step
-counted, each alone on the machine; then ``--steps`` timed steps, interleaved: one step of
-each framework in turn, the order rotating each cycle (and the first to start, each round).
-A machine that drifts (a 2-core VM's neighbours moved whole runs by up to 17 %) slows every
-framework alike, and each step pairs with the others' of its cycle: besides the tokens/s,
-nbtune's speed over each peer's step by step (median and quartiles). Memory is counted one way for all: the peak of live tensor bytes in the counted
-step, from torch's own ``MemTracker`` wrapped around it (each framework's own tracking off).
-Also reported: peak RSS growth over the run, the first step's loss (the work is the same: it
-agrees to rounding) and the ratios nbtune / best peer.
+counted, each alone on the machine; then ``--steps`` timed steps, interleaved on a CPU: one
+step of each framework in turn, the order rotating each cycle and reversed every other round;
+every worker ends only after the last cycle. A machine that drifts (a 2-core VM's neighbours
+moved whole runs by up to 17 %) slows every framework alike, and each step pairs with the
+others' of its cycle: besides the tokens/s, nbtune's speed over each peer's step by step
+(median and quartiles). On a GPU, where all frameworks would not fit on the card at once,
+each runs its timed steps alone, one after another. Memory is counted one way for all: the
+peak of live tensor bytes in the counted step, by ``live_bytes_mode`` below (each
+framework's own tracking off). Also reported: peak RSS growth over the run, the first
+step's loss (the work is the same: it agrees to rounding) and the ratios nbtune / best peer.
 
 torchtune 0.6.1 imports ``torchao.quantization.int4_weight_only``, gone from torchao 0.16 on, so
 it runs in its own venv (``--torchtune-python``, default ``.venv-torchtune/bin/python``), made on
@@ -283,6 +285,8 @@ def measure(step, model, optimizer, batches: list[dict], steps: int, device: str
         tokens += batch["input_ids"].numel()
         if SERVED:
             print(json.dumps({"seconds": seconds[-1]}), flush=True)
+    if SERVED:  # ending now would free gigabytes while another framework's last step is timed
+        sys.stdin.read()
     return {"first_loss": first_loss, "peak_bytes": peak, "tokens_per_second": tokens / sum(seconds),
             "step_seconds": seconds, "rss_growth_bytes": _max_rss() - rss_before}
 
@@ -522,7 +526,9 @@ def run_interleaved(pythons: dict, frameworks: list[str], config: dict, args, fo
         process.kill()
         process.wait()
         log.seek(0)
-        return {"error": (log.read().strip().splitlines() or ["(no output)"])[-1][:300]}
+        why = (log.read().strip().splitlines() or ["(no output)"])[-1][:300]
+        log.close()
+        return {"error": why}
 
     def ask(framework: str, text: str | None) -> dict | None:
         process = workers[framework][0]
@@ -540,7 +546,7 @@ def run_interleaved(pythons: dict, frameworks: list[str], config: dict, args, fo
                 lines = [process.stdout.readline()]
                 while lines[-1] and not lines[-1].startswith("{"):
                     lines.append(process.stdout.readline())
-        except (BrokenPipeError, OSError):
+        except OSError:  # (a worker that died: a broken pipe)
             lines = []
         finally:
             timer.cancel()
@@ -555,7 +561,7 @@ def run_interleaved(pythons: dict, frameworks: list[str], config: dict, args, fo
             workers[framework] = (subprocess.Popen(
                 _command(pythons[framework], framework, config, args, folder) + ["--serve"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=ENV), log)
-            if ask(framework, "") is None:  # (an empty line asks nothing: its first line)
+            if ask(framework, "") is None:  # (writing nothing: its first line, the counted step)
                 results[framework] = error(framework)
         for cycle in range(args.steps):
             for framework in frameworks[cycle % len(frameworks):] + frameworks[:cycle % len(frameworks)]:
@@ -585,7 +591,8 @@ def main() -> None:
     parser.add_argument("--rungs", default=None, help="comma-separated rung labels (default: all)")
     parser.add_argument("--frameworks", default="nbtune,transformers,torchtune")
     parser.add_argument("--torchtune-python", default=None)
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    parser.add_argument("--timeout", type=int, default=1800,
+                        help="seconds a worker may take for one answer (a load and two steps, or a step)")
     parser.add_argument("--batch", type=int, default=None, help="rows per step (default: the shape's)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per row (default: the shape's)")
     parser.add_argument("--cap-gib", type=float, default=None,
@@ -606,7 +613,7 @@ def main() -> None:
     shape = {**SHAPES[args.shape], **{k: v for k, v in (("batch", args.batch), ("seq", args.seq))
                                       if v is not None}}
 
-    if args.worker:  # one (framework, rung) in this fresh process; prints one JSON line
+    if args.worker:  # one (framework, rung) in this fresh process; its last line is JSON
         import torch
 
         global SERVED
@@ -645,8 +652,10 @@ def main() -> None:
         able = [f for f in frameworks if set(config) <= FEATURES[f]]
         row["not_available"] = sorted(set(frameworks) - set(able))
         for r in range(args.rounds):
-            order = able[r % len(able):] + able[:r % len(able)]  # who starts first rotates too
-            for framework, result in run_interleaved(pythons, order, config, args, folder).items():
+            order = able if r % 2 == 0 else able[::-1]  # who follows whom, both ways
+            results = (run_interleaved(pythons, order, config, args, folder) if args.device == "cpu"
+                       else {f: run_worker(pythons[f], f, label, config, args, folder) for f in order})
+            for framework, result in results.items():
                 row["runs"].setdefault(framework, []).append(result)
                 print(f"{label} round {r + 1} {framework}: {result}", flush=True)
         row["summary"] = summarize(row["runs"])

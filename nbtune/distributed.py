@@ -102,8 +102,8 @@ class Parallel:
 
     def close(self) -> None:
         """Destroy the group, then collect what still held it (a sharded model's cycles):
-        its C++ side goes now, not while the interpreter is torn down (pytorch#179291 names
-        that as a cause of gloo's SIGABRT at exit)."""
+        its C++ side goes now, not while the interpreter is torn down (the closed
+        pytorch PR #179291 names that as a cause of gloo's SIGABRT at exit)."""
         import gc
 
         if dist.is_initialized():

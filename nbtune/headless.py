@@ -238,7 +238,7 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
             parallel.barrier()  # every rank done with the group before any tears it down
         return 128 + stopped[0] if code == 130 and stopped else code
     finally:
-        parts = None  # (the sharded model holds the group: let it go before the group)
+        parts = None  # (the sharded model holds the group: dropped, so close() frees it)
         if parallel is not None:
             parallel.close()
 

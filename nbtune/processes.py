@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import tempfile
 import threading
 import time
 from concurrent import futures
 from pathlib import Path
+
+from .interrupts import ctrl_c_held
 
 ENGINE_STATE: dict = {}  # on an engine: its run, its rank and its process group
 
@@ -62,6 +63,9 @@ class Processes:
     process group and build nothing (the ladder builds its own rows on them).
     """
 
+    interrupted = False  # Ctrl-C came during the last held command (it finished first)
+    _holding = False  # inside holding_ctrl_c
+
     def __init__(self, run_file, processes: int = 2, *, overrides: dict | None = None,
                  timeout: float = 600.0, resume: str | os.PathLike | None = None,
                  build: bool = True) -> None:
@@ -74,8 +78,6 @@ class Processes:
         self.world, self.timeout, self.build = processes, timeout, build
         self.run_file, self.overrides = path, overrides  # what every rank builds its run from
         self.checkpoint: Path | None = Path(resume).resolve() if resume is not None else None
-        self.interrupted = False  # Ctrl-C came during the last command (it finished first)
-        self._holding = False
         self._start()
 
     def _start(self) -> None:
@@ -124,21 +126,21 @@ class Processes:
         """Ctrl-C sets ``interrupted`` instead of raising, until the block ends: a
         KeyboardInterrupt between a command's end on the ranks and the kernel's record of it
         would lose steps the ranks took. The caller decides what the Ctrl-C does once its
-        record is whole. Main thread only (no other thread gets Ctrl-C); the outer block of
-        nested ones resets ``interrupted`` and holds."""
-        if self._holding or threading.current_thread() is not threading.main_thread():
+        record is whole. The outer block of nested ones resets ``interrupted`` (in any
+        thread: a run in the background starts clean after an interrupted one) and holds."""
+        if self._holding:
             yield
             return
-        self.interrupted, self._holding = False, True
+        self.interrupted = False
 
-        def hold(signum, frame) -> None:
+        def came() -> None:
             self.interrupted = True
-        previous = signal.signal(signal.SIGINT, hold)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
-            self._holding = False
+        with ctrl_c_held(came):
+            self._holding = True
+            try:
+                yield
+            finally:
+                self._holding = False
 
     def each(self, function, args_of=lambda rank: (), poll=None, extra: float = 0.0) -> list:
         """``function(*args_of(rank))`` on every rank at once; each rank's answer, in rank

@@ -23,10 +23,7 @@ either complete or leave the state exactly as it was.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import signal
-import threading
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -37,6 +34,7 @@ import torch
 from torch import nn
 
 from .data import BatchStream
+from .interrupts import ctrl_c_held
 from .memory import MemoryBreakdown
 from .units import format_bytes
 from .oom import OutOfMemory, explain, held_now
@@ -619,21 +617,11 @@ class Trainer:
             reserve += self._predicted().estimate(t).host.offloaded
         return reserve
 
-    @contextlib.contextmanager
     def _critical(self):
-        """Defer Ctrl-C (main thread only) while weights are written in place with no copy."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def later(signum, frame):
+        """Defer Ctrl-C while weights are written in place with no copy."""
+        def later() -> None:
             self._interrupted = True
-
-        previous = signal.signal(signal.SIGINT, later)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        return ctrl_c_held(later)
 
     def _roll_back(self, mark: dict, undo: UndoCopy | None, phase: str | None,
                    t: Techniques) -> None:

@@ -23,7 +23,7 @@ LAYERS = [
     ["units", "files", "template", "techniques", "host", "hardware", "overhead", "atomic", "hub", "scoring",
      "generate", "models", "data", "memory.accounting", "memory.breakdown", "memory.tracker",
      "memory.sampling", "memory.snapshot", "memory.usage", "memory", "peft", "adapters", "optim", "activations", "plan",
-     "step", "loss", "undo", "state", "datasets", "quiet"],
+     "step", "loss", "undo", "state", "datasets", "quiet", "interrupts"],
     # 1. the state's forms on disk and across ranks
     ["distributed", "checkpoint", "sharded_checkpoint"],
     # 2. prediction (one package), and the out-of-memory explanation built on it

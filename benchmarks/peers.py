@@ -16,8 +16,10 @@ others' of its cycle: besides the tokens/s, nbtune's speed over each peer's step
 (median and quartiles). On a GPU, where all frameworks would not fit on the card at once,
 each runs its timed steps alone, one after another. Memory is counted one way for all: the
 peak of live tensor bytes in the counted step, by ``live_bytes_mode`` below (each
-framework's own tracking off). Also reported: peak RSS growth over the run, the first
-step's loss (the work is the same: it agrees to rounding) and the ratios nbtune / best peer.
+framework's own tracking off). Also reported: peak RSS growth over the run, the page faults
+of each timed step, the first step's loss (the work is the same: it agrees to rounding) and
+the ratios nbtune / best peer. On a CPU every worker runs with glibc's mmap off (``--malloc``):
+freed blocks are reused, as on a GPU, instead of faulting in afresh each step.
 
 torchtune 0.6.1 imports ``torchao.quantization.int4_weight_only``, gone from torchao 0.16 on, so
 it runs in its own venv (``--torchtune-python``, default ``.venv-torchtune/bin/python``), made on
@@ -273,22 +275,24 @@ def measure(step, model, optimizer, batches: list[dict], steps: int, device: str
         peak = counter.peak
     if SERVED:
         print(json.dumps({"first_loss": first_loss, "peak_bytes": peak}), flush=True)
-    seconds, tokens = [], 0
+    seconds, faults, tokens = [], [], 0
     for batch in batches[2:2 + steps]:
         if SERVED and not sys.stdin.readline():  # the driver is done asking
             break
+        faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         started = time.perf_counter()
         step(batch)
         if device == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
         tokens += batch["input_ids"].numel()
         if SERVED:
             print(json.dumps({"seconds": seconds[-1]}), flush=True)
     if SERVED:  # ending now would free gigabytes while another framework's last step is timed
         sys.stdin.read()
     return {"first_loss": first_loss, "peak_bytes": peak, "tokens_per_second": tokens / sum(seconds),
-            "step_seconds": seconds, "rss_growth_bytes": _max_rss() - rss_before}
+            "step_seconds": seconds, "page_faults": faults, "rss_growth_bytes": _max_rss() - rss_before}
 
 
 def _rss() -> int:
@@ -500,12 +504,21 @@ def _command(python: str, framework: str, config: dict, args, folder: Path) -> l
 
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+# glibc serves blocks over 32 MB (logits, the vocabulary's gradients) with a fresh mmap each
+# time: ~185k page faults, 0.3 s of kernel time in every framework's ~4.3 s CPU step, varying
+# with the machine's state. With mmap off, freed blocks are reused, as torch's caching
+# allocator reuses them on a GPU (--malloc system: glibc's defaults).
+KEEP_FREED = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+
+
+def worker_env(args) -> dict:
+    return {**ENV, **(KEEP_FREED if args.device == "cpu" and args.malloc == "keep" else {})}
 
 
 def run_worker(python: str, framework: str, label: str, config: dict, args, folder: Path) -> dict:
     """One framework alone in a fresh process, its timed steps back to back."""
     done = subprocess.run(_command(python, framework, config, args, folder), capture_output=True,
-                          text=True, env=ENV, timeout=args.timeout)
+                          text=True, env=worker_env(args), timeout=args.timeout)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["(no output)"])[-1][:300]}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -560,7 +573,7 @@ def run_interleaved(pythons: dict, frameworks: list[str], config: dict, args, fo
             log = tempfile.TemporaryFile("w+")
             workers[framework] = (subprocess.Popen(
                 _command(pythons[framework], framework, config, args, folder) + ["--serve"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=ENV), log)
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=worker_env(args)), log)
             if ask(framework, "") is None:  # (writing nothing: its first line, the counted step)
                 results[framework] = error(framework)
         for cycle in range(args.steps):
@@ -601,6 +614,9 @@ def main() -> None:
     parser.add_argument("--longest-context", action="store_true",
                         help="CUDA: the longest row (batch 1) each framework trains with QLoRA under "
                              "--cap-gib, by bisection (Unsloth's published 8B figure: 78,475 tokens)")
+    parser.add_argument("--malloc", choices=["keep", "system"], default="keep",
+                        help="CPU: 'keep' runs every worker with glibc's mmap off, freed blocks "
+                             "reused (no page faults per step); 'system': glibc's defaults")
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--inputs", default=str(INPUTS),
                         help="where the random-weight model and the batches are written (reused)")
@@ -663,7 +679,8 @@ def main() -> None:
     result = {
         "benchmark": "peers", "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
         "shape": {args.shape: shape}, "device": args.device, "rounds": args.rounds,
-        "timed_steps": args.steps, "bf16_slowdown": slow, "rows": rows, "inputs": str(folder),
+        "timed_steps": args.steps, "bf16_slowdown": slow,
+        "malloc": KEEP_FREED if args.device == "cpu" and args.malloc == "keep" else "system", "rows": rows, "inputs": str(folder),
         "machine": machine(args.device), "versions": versions(pythons),
     }
     out = Path(args.out)

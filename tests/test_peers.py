@@ -2,9 +2,11 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -78,3 +80,14 @@ def test_nbtune_and_transformers_do_the_same_work_on_a_tiny_shape(tmp_path):
     assert rows["full fp32"]["summary"]["transformers"]["peak_bytes"] >= 16 * weights
     assert rows["full fp32"]["summary"]["nbtune"]["peak_bytes"] >= 16 * weights
     assert rows["+ chunked loss"]["not_available"] == ["transformers"]
+    assert result["malloc"] == peers().KEEP_FREED  # every worker's glibc reuses freed blocks
+    assert all(len(run[0]["page_faults"]) == 2 for run in rows["LoRA"]["runs"].values())
+
+
+def test_workers_reuse_freed_memory_on_a_cpu_only_unless_asked_not_to():
+    module = peers()
+    assert module.worker_env(SimpleNamespace(device="cpu", malloc="keep"))["MALLOC_MMAP_MAX_"] == "0"
+    for device, malloc in (("cpu", "system"), ("cuda", "keep")):
+        env = module.worker_env(SimpleNamespace(device=device, malloc=malloc))
+        assert env.get("MALLOC_MMAP_MAX_") == os.environ.get("MALLOC_MMAP_MAX_")
+        assert env["HF_HUB_OFFLINE"] == "1"

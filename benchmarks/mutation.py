@@ -674,7 +674,7 @@ def run_pytest(copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int 
     """(exit status or "timeout", the output, seconds) of pytest on ``tests`` in ``copy``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                NBTUNE_MUTATION_ROOT=str(copy), PYTHONDONTWRITEBYTECODE="1", HF_HUB_OFFLINE="1")
-    command = [sys.executable, "-c", GUARD, "-x", "-q", "-p", "no:cacheprovider", *tests]
+    command = [sys.executable, "-c", GUARD, "-n", "0", "-x", "-q", "-p", "no:cacheprovider", *tests]  # (-n 0: in the guarded process)
     started = time.perf_counter()
     try:
         done = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True,

@@ -146,6 +146,7 @@ def _spinner():
     return spinner
 
 
+@pytest.mark.alone  # another worker's tests would be contention
 def test_contention_counts_other_processes_not_this_one():
     import time
 

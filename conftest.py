@@ -1,55 +1,77 @@
 """Turns between pytest-xdist's workers (``python -m pytest`` runs two, one per core).
 
-Every test and notebook cell holds a shared lock while it runs; a test marked ``alone``
-(it counts what other processes keep busy, so a second worker would be its subject) waits
-for the exclusive one, and no other test starts while it runs.
+Every test and notebook cell a worker runs holds a shared lock; a test marked ``alone`` (it
+counts what other processes keep busy, so a second worker would be its subject) takes the
+exclusive one, and no other test starts while it waits or runs. Processes the other worker
+keeps between its tests (an idle notebook kernel) still exist meanwhile. The locks are
+``flock``s on two files in a folder the controller makes for the run: the kernel drops them
+with a process that ends or dies, so nothing is left to clear. A pytest started by a test (not an
+xdist worker of this run) takes no turns.
 """
 
 import fcntl
 import os
+import shutil
 import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+TURNS = "NBTUNE_TEST_TURNS"  # the run's folder, set by the controller for its workers
 
-def _lock_path() -> Path | None:
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # one process: every test is alone already
-    return Path(tempfile.gettempdir()) / f"nbtune-tests-{run}.lock" if run else None
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per core: one thread each, and in the
+    os.environ["OMP_NUM_THREADS"] = "1"  # processes its tests start (kernels, CLI runs) unless
+    # they choose their own, else the workers' OpenMP threads spin against each other
+
+
+MADE = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
+        config.stash[MADE] = os.environ[TURNS] = tempfile.mkdtemp(prefix="nbtune-test-turns-")
 
 
 def pytest_unconfigure(config):
-    """A worker done: the other, if still running, is alone anyway."""
-    if (lock_path := _lock_path()) is not None:
-        lock_path.unlink(missing_ok=True)
+    if MADE in config.stash:  # (only the folder this controller made)
+        shutil.rmtree(config.stash[MADE], ignore_errors=True)
+
+
+_TO_THE_END = []
+
+
+def pytest_sessionfinish(session):
+    """A worker done with its tests still works as it exits (pytest collects its garbage,
+    seconds of a core with torch loaded): it keeps a shared lock that its exit drops."""
+    folder = os.environ.get(TURNS)
+    if hasattr(session.config, "workerinput") and folder:
+        held = open(Path(folder) / "tests", "a")
+        fcntl.flock(held, fcntl.LOCK_SH)
+        _TO_THE_END.append(held)
 
 
 @contextmanager
-def _turn(alone: bool):
-    lock_path = _lock_path()
-    if lock_path is None:
-        yield
+def _turn(item):
+    folder = os.environ.get(TURNS)
+    if not hasattr(item.config, "workerinput") or not folder:
+        yield  # one process: every test is alone already
         return
-    waiting = lock_path.with_suffix(".waiting")  # an alone test waits: start nothing new
-    with open(lock_path, "a") as lock:
-        if alone:
-            waiting.touch()
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        else:
-            while waiting.exists():
-                time.sleep(0.05)
-            fcntl.flock(lock, fcntl.LOCK_SH)
+    alone = item.get_closest_marker("alone") is not None
+    # the gate: an alone test holds it from its wait to its end, so no test starts meanwhile
+    with open(Path(folder) / "gate", "a") as gate, open(Path(folder) / "tests", "a") as tests:
+        fcntl.flock(gate, fcntl.LOCK_EX)
         try:
-            if alone:
-                waiting.unlink(missing_ok=True)
+            fcntl.flock(tests, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+            if not alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
             yield
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(tests, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    with _turn(item.get_closest_marker("alone") is not None):
+    with _turn(item):
         yield

@@ -65,7 +65,8 @@ def run_peers(args) -> dict:
         folder = Path(args.inputs) / f"125m-1x{tokens}"
         peers.make_inputs(shape, folder, args.steps)
         options = argparse.Namespace(shape="125m", steps=args.steps, device="cpu", cap_gib=None,
-                                     batch_used=1, seq_used=tokens, timeout=args.timeout)
+                                     batch_used=1, seq_used=tokens, timeout=args.timeout,
+                                     malloc="system")  # glibc's defaults, as its results so far
         for label in labels:
             framework, config = RUNS[label]
             if config.get("tile_tokens"):
@@ -77,7 +78,7 @@ def run_peers(args) -> dict:
             print(f"{tokens} tokens, {label}: {result}", flush=True)
     shape.pop("seq")  # one per length: the keys of "results"
     return {"shape": shape, "lengths": args.lengths, "tile_tokens": args.tile, "steps": args.steps, "results": results,
-            "summary": summarize(results)}
+            "malloc": "system", "summary": summarize(results)}
 
 
 def summarize(results: dict) -> dict:

@@ -292,7 +292,8 @@ def measure(step, model, optimizer, batches: list[dict], steps: int, device: str
     if SERVED:  # ending now would free gigabytes while another framework's last step is timed
         sys.stdin.read()
     return {"first_loss": first_loss, "peak_bytes": peak, "tokens_per_second": tokens / sum(seconds),
-            "step_seconds": seconds, "page_faults": faults, "rss_growth_bytes": _max_rss() - rss_before}
+            "step_seconds": seconds, "page_faults": faults, "rss_growth_bytes": _max_rss() - rss_before,
+            "malloc_env": {k: os.environ[k] for k in KEEP_FREED if k in os.environ}}  # as it ran
 
 
 def _rss() -> int:
@@ -505,14 +506,19 @@ def _command(python: str, framework: str, config: dict, args, folder: Path) -> l
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 # glibc serves blocks over 32 MB (logits, the vocabulary's gradients) with a fresh mmap each
-# time: ~185k page faults, 0.3 s of kernel time in every framework's ~4.3 s CPU step, varying
-# with the machine's state. With mmap off, freed blocks are reused, as torch's caching
-# allocator reuses them on a GPU (--malloc system: glibc's defaults).
+# time and unmaps them when freed: every CPU step faulted them in again (~185k pages, 0.3 s of
+# kernel time in the 125M fp32 step, nbtune's and torchtune's alike). With mmap off, freed
+# blocks are reused, as torch's caching allocator reuses them on a GPU. ``--malloc system``:
+# glibc's defaults (and whatever MALLOC_* the caller's environment sets).
 KEEP_FREED = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 
 
+def keeps_freed(args) -> bool:
+    return args.device == "cpu" and args.malloc == "keep"
+
+
 def worker_env(args) -> dict:
-    return {**ENV, **(KEEP_FREED if args.device == "cpu" and args.malloc == "keep" else {})}
+    return {**ENV, **(KEEP_FREED if keeps_freed(args) else {})}
 
 
 def run_worker(python: str, framework: str, label: str, config: dict, args, folder: Path) -> dict:
@@ -573,7 +579,8 @@ def run_interleaved(pythons: dict, frameworks: list[str], config: dict, args, fo
             log = tempfile.TemporaryFile("w+")
             workers[framework] = (subprocess.Popen(
                 _command(pythons[framework], framework, config, args, folder) + ["--serve"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=worker_env(args)), log)
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                env=worker_env(args)), log)
             if ask(framework, "") is None:  # (writing nothing: its first line, the counted step)
                 results[framework] = error(framework)
         for cycle in range(args.steps):
@@ -616,7 +623,7 @@ def main() -> None:
                              "--cap-gib, by bisection (Unsloth's published 8B figure: 78,475 tokens)")
     parser.add_argument("--malloc", choices=["keep", "system"], default="keep",
                         help="CPU: 'keep' runs every worker with glibc's mmap off, freed blocks "
-                             "reused (no page faults per step); 'system': glibc's defaults")
+                             "reused instead of faulted in again; 'system': glibc's defaults")
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--inputs", default=str(INPUTS),
                         help="where the random-weight model and the batches are written (reused)")
@@ -680,7 +687,7 @@ def main() -> None:
         "benchmark": "peers", "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
         "shape": {args.shape: shape}, "device": args.device, "rounds": args.rounds,
         "timed_steps": args.steps, "bf16_slowdown": slow,
-        "malloc": KEEP_FREED if args.device == "cpu" and args.malloc == "keep" else "system", "rows": rows, "inputs": str(folder),
+        "malloc": KEEP_FREED if keeps_freed(args) else "system", "rows": rows, "inputs": str(folder),
         "machine": machine(args.device), "versions": versions(pythons),
     }
     out = Path(args.out)

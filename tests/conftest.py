@@ -4,14 +4,11 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-if os.environ.get("PYTEST_XDIST_WORKER"):  # one of pytest-xdist's workers, one per core:
-    os.environ["OMP_NUM_THREADS"] = "1"  # one thread each, and in what the tests start, else
-    # the workers' OpenMP threads spin against each other (see ``one_thread``)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per core (see ../conftest.py)
     torch.set_num_threads(1)
 
 

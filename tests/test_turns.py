@@ -11,12 +11,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TIMED = '''import time, pytest
 
+def log(name, edge):
+    with open("log", "a") as f:
+        f.write(f"{name} {edge} {time.time()}\\n")
+
 def timed(name):
-    with open("log", "a") as log:
-        log.write(f"{name} start {time.time()}\\n")
+    log(name, "start")
     time.sleep(0.3)
-    with open("log", "a") as log:
-        log.write(f"{name} end {time.time()}\\n")
+    log(name, "end")
 '''
 
 
@@ -24,9 +26,21 @@ def timed(name):
 def test_an_alone_test_overlaps_no_other_workers_test(tmp_path):
     shutil.copy(ROOT / "conftest.py", tmp_path)
     (tmp_path / "test_one.py").write_text(TIMED + '''
+def other_started():
+    try:
+        with open("log") as f:
+            return "other0 start" in f.read()
+    except FileNotFoundError:
+        return False
+
+def test_first():  # not alone: waits until the other worker's tests are under way
+    deadline = time.time() + 120
+    while not other_started():
+        assert time.time() < deadline, "the other worker never started"
+        time.sleep(0.05)
+
 @pytest.mark.alone
 def test_alone():
-    time.sleep(0.5)  # the other worker is under way
     timed("alone")
 ''')
     (tmp_path / "test_other.py").write_text(TIMED + '''
@@ -34,10 +48,12 @@ def test_alone():
 def test_other(i):
     timed(f"other{i}")
 ''')
+    temp = tmp_path / "temp"
+    temp.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not this run's
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                           "--dist", "loadfile", "-o", "markers=alone"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+                           "--dist", "loadfile", "-o", "markers=alone"], cwd=tmp_path,
+                          env={**env, "TMPDIR": str(temp)}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     spans = {}
     for line in (tmp_path / "log").read_text().splitlines():
@@ -46,5 +62,5 @@ def test_other(i):
     assert len(spans) == 9
     alone = spans.pop("alone")
     assert all(s["end"] <= alone["start"] or s["start"] >= alone["end"] for s in spans.values()), spans
-    assert any(s["end"] <= alone["start"] for s in spans.values())  # they did run side by side
-    assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("nbtune-tests-*.lock.waiting"))
+    assert spans["other0"]["start"] < alone["start"]  # the two workers did run side by side
+    assert not [p for p in temp.iterdir() if p.name.startswith("nbtune-test-turns-")]  # cleared

@@ -160,9 +160,9 @@ class SiluMul(torch.autograd.Function):
     Autograd would also keep ``silu(gate)``, one [tokens, intermediate] tensor per layer that
     backward can recompute for the price of an elementwise op (seed 002: an unfused GLU keeps
     a tensor it does not need). The backward calls the kernels autograd calls, so gradients
-    are bit for bit those of ``F.silu(gate) * up``. The recompute costs 0.2-1.0 % of the peers'
-    fp32 step on 2 CPU cores and saves 96 MiB of its 2.4 GiB peak
-    (``benchmarks/results/peers/epyc-avx512/profiles/ab_guard_silumul.txt``).
+    are bit for bit those of ``F.silu(gate) * up``. On the peers' fp32 rung (2 CPU cores) the
+    recompute cost 0.2-1.0 % of the step, roughly (``benchmarks/results/peers/epyc-avx512/
+    profiles/ab_guard_silumul.txt``), and the tensors it does not keep are 96 MiB of a 2.4 GiB peak.
     """
 
     @staticmethod

@@ -53,6 +53,13 @@ RUNS = {  # label -> (framework, peers.py rung config)
 }
 
 
+def worker_options(args, tokens: int) -> argparse.Namespace:
+    """What ``peers.run_worker`` reads of its command line, for one row of ``tokens``."""
+    return argparse.Namespace(shape="125m", steps=args.steps, device="cpu", cap_gib=None,
+                              batch_used=1, seq_used=tokens, timeout=args.timeout,
+                              malloc="system")  # glibc's defaults, as its results so far
+
+
 def run_peers(args) -> dict:
     shape = dict(peers.SHAPES["125m"], batch=1)
     pythons = {"nbtune": sys.executable, "transformers": sys.executable}
@@ -64,9 +71,7 @@ def run_peers(args) -> dict:
         shape["seq"] = tokens
         folder = Path(args.inputs) / f"125m-1x{tokens}"
         peers.make_inputs(shape, folder, args.steps)
-        options = argparse.Namespace(shape="125m", steps=args.steps, device="cpu", cap_gib=None,
-                                     batch_used=1, seq_used=tokens, timeout=args.timeout,
-                                     malloc="system")  # glibc's defaults, as its results so far
+        options = worker_options(args, tokens)
         for label in labels:
             framework, config = RUNS[label]
             if config.get("tile_tokens"):

@@ -92,3 +92,14 @@ def test_workers_reuse_freed_memory_on_a_cpu_only_unless_asked_not_to():
         env = module.worker_env(SimpleNamespace(device=device, malloc=malloc))
         assert env.get("MALLOC_MMAP_MAX_") == os.environ.get("MALLOC_MMAP_MAX_")
         assert env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_long_context_gives_the_workers_every_option_they_read(tmp_path):
+    spec = importlib.util.spec_from_file_location("long_context", ROOT / "benchmarks" / "long_context.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    options = module.worker_options(SimpleNamespace(steps=2, timeout=60), 4096)
+    command = module.peers._command(sys.executable, "nbtune", {}, options, tmp_path)
+    assert command[command.index("--seq") + 1] == "4096" and "--cap-gib" not in command
+    # its results so far were taken with glibc's defaults: it keeps them
+    assert module.peers.worker_env(options).get("MALLOC_MMAP_MAX_") == os.environ.get("MALLOC_MMAP_MAX_")

@@ -3,8 +3,8 @@
     torchrun --standalone --nproc_per_node 2 benchmarks/rank_peaks.py CASES.json OUT.json
 
 CASES.json: {"config": ModelConfig fields, "batch_size": B, "seq_len": T, "cases": [{"name":
-..., "techniques": {...}, "sharding": {...}}, ...]}. For every case each rank builds the model
-(seed 0) the way the trainer does under torchrun (transform, ``shard_model``, optimizer),
+..., "techniques": {...}, "sharding": {...}}, ...]}. For every case each rank builds its share of the model
+(seed 0) the way a run does under torchrun (``shards.build_sharded``, then the optimizer),
 trains six steps on full-length random rows of the global batch (its own share) and keeps
 the lowest of the last five (see ``measure``), measured with the same tracker as any step; rank 0 gathers every rank's breakdown and
 writes them to OUT.json with ``nt.estimate(..., ranks=N)`` for the same case (computed
@@ -36,10 +36,10 @@ def estimates(spec: dict, world: int, device: str) -> dict:
 
 def measure(spec: dict, parallel) -> dict:
     import nbtune as nt
-    from nbtune.distributed import Sharding, shard_model
+    from nbtune.distributed import Parallel, Sharding, prime_units
     from nbtune.models import CausalLM, ModelConfig
     from nbtune.optim import build_optimizer
-    from nbtune.plan import transform_model
+    from nbtune.shards import build_sharded
     from nbtune.step import StepContext, StepOptions, train_step
 
     config = ModelConfig(**spec["config"])
@@ -48,10 +48,13 @@ def measure(spec: dict, parallel) -> dict:
         t = nt.Techniques(batch_size=spec["batch_size"], seq_len=spec["seq_len"], **case["techniques"])
         torch.manual_seed(0)
         with torch.device(parallel.device):
-            model = CausalLM(config)
-        model.reset_parameters()
-        transform_model(model, t, previous=None)
-        shard_model(model, Sharding(**case.get("sharding", {})))
+            whole = CausalLM(config)
+        whole.reset_parameters()
+        sharding = Sharding(**case.get("sharding", {}))
+        model = build_sharded(whole, config, t, Parallel(parallel.rank, parallel.world,
+                                                         parallel.local_rank, sharding))
+        del whole
+        prime_units(model)  # as the trainer does before its first step
         optimizer = build_optimizer(model, t)
         ids = torch.randint(0, config.vocab_size, (spec["batch_size"], spec["seq_len"]),
                             generator=torch.Generator().manual_seed(1)).to(parallel.device)

@@ -111,14 +111,15 @@ class Parallel:
         gc.collect()
 
 
-def shard_model(model: nn.Module, sharding: Sharding, mesh=None) -> None:
+def shard_model(model: nn.Module, sharding: Sharding, mesh=None, prime: bool = True) -> None:
     """``fully_shard`` each decoder layer, optionally the embedding and head, then the root.
 
-    Run after every model transform (dtype cast, LoRA/QLoRA, checkpoint wrappers): FSDP2 shards
-    the parameters the modules hold at this moment.
+    Run after every model transform (dtype cast, LoRA/QLoRA): FSDP2 shards the parameters the
+    modules hold at this moment. ``prime``: gather each unit once now (``prime_units``); a model on
+    the meta device (``shards.build_sharded``) is primed once its shards are filled.
     """
-    from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
-                                        fully_shard, register_fsdp_forward_method)
+    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard,
+                                        register_fsdp_forward_method)
 
     options = {"reshard_after_forward": sharding.reshard_after_forward}
     if mesh is not None:  # the estimator's fake ranks (made before its fake tensors)
@@ -137,8 +138,16 @@ def shard_model(model: nn.Module, sharding: Sharding, mesh=None) -> None:
     # ``hidden_states`` (registered below as a forward) and then the head outside it.
     fully_shard(model, **{**options, "reshard_after_forward": False})
     register_fsdp_forward_method(model, "hidden_states")
-    # Gather and free each unit once, so that its gather buffers exist before the first step:
-    # the memory tracker then files them as gathered weights from step 1 on, not activations.
+    if prime:
+        prime_units(model)
+
+
+def prime_units(model: nn.Module) -> None:
+    """Gather and free each FSDP2 unit once, so that its gather buffers exist before the first
+    step: the memory tracker then files them as gathered weights from step 1 on, not
+    activations."""
+    from torch.distributed.fsdp import FSDPModule
+
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.unshard()

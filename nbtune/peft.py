@@ -56,6 +56,48 @@ def to_nf4(weight: torch.Tensor, name: str = "weight"):
     return _nf4().to_nf4(weight.detach().contiguous(), NF4_BLOCK, scaler_block)
 
 
+def nf4_block_absmax(rows: torch.Tensor) -> torch.Tensor:
+    """Each block of 64 weights' largest magnitude, as torchao takes it (the first level of
+    NF4's scales): what ranks holding parts of one weight gather to share its mean."""
+    return _nf4().get_block_absmax(rows.reshape(-1), NF4_BLOCK)
+
+
+@torch.no_grad()
+def nf4_of_rows(rows: torch.Tensor, whole: tuple[int, int], absmax: torch.Tensor):
+    """The NF4 of some whole rows of a weight of shape ``whole``, byte for byte the rows' part
+    of ``to_nf4`` of the whole weight, given the whole weight's ``nf4_block_absmax``.
+
+    torchao's double quantization subtracts the mean of every block's scale from each before
+    quantizing them to int8 by blocks of ``scaler_block``; the mean is the only value that
+    depends on rows outside these, so it is taken from ``absmax`` with torchao's own ``mean``
+    (the same tensor, the same kernel: the same bits). The rest is torchao's arithmetic on
+    these rows alone, which holds wherever their blocks and scale blocks start on a boundary
+    (``distributed.check_sharding`` sees to it)."""
+    nf4 = _nf4()
+    numel = whole[0] * whole[1]
+    scaler_block = _scaler_block(numel // NF4_BLOCK)
+    mean = absmax.mean()
+    scalers = nf4_block_absmax(rows) - mean  # torchao's double_quantize_scalers from here on
+    count = scalers.numel() // scaler_block
+    blocks = scalers.view(count, scaler_block)
+    scale_max = nf4.get_block_absmax(scalers, scaler_block).unsqueeze(-1).expand(count, scaler_block)
+    factor = 256 / (2 * scale_max)
+    quantized_scalers = (blocks * factor).round().clamp(-128, 127).flatten().to(torch.int8)
+    factor = factor[:, 0].view(count).contiguous()
+    table = _nf4_levels(rows.dtype, rows.device)
+    codes = nf4.NF4Tensor.convert_to_norm_float_weight(rows.contiguous(), rows.numel() // NF4_BLOCK,
+                                                        NF4_BLOCK, table)
+    meta = nf4.SubclassTensorArgs(rows.size(), rows.stride(), 0, rows.dtype, rows.device, False)
+    return nf4.NF4Tensor(meta, NF4_BLOCK, numel // NF4_BLOCK, scaler_block, quantized_scalers,
+                         factor, mean, codes, table)
+
+
+def _nf4_levels(dtype: torch.dtype, device) -> torch.Tensor:
+    """torchao's 16 NF4 levels (defined inside its quantizer only), from two small blocks."""
+    probe = torch.arange(2 * NF4_BLOCK, dtype=dtype, device=device)
+    return _nf4().to_nf4(probe, NF4_BLOCK, 2).nf4
+
+
 def _scaler_block(blocks: int) -> int:
     """The longest scale block (a divisor of 256 and of ``blocks``) that leaves a multiple of
     ``SHARDS`` scale blocks; else the longest that divides ``blocks``."""
@@ -207,6 +249,17 @@ class _LinearNF4(torch.autograd.Function):
         return grad @ dequantize(weight, grad.dtype), None
 
 
+def new_adapters(in_features: int, out_features: int, rank: int, device, dtype) -> tuple[nn.Linear, nn.Linear]:
+    """A LoRA pair as PEFT starts it: A kaiming-uniform, B zeros. The draws (nn.Linear's own
+    initialisation of each, then A's) are the same wherever a pair is made, so ranks that
+    make every pair whole and keep their rows start from one process's adapters."""
+    lora_A = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
+    lora_B = nn.Linear(rank, out_features, bias=False, device=device, dtype=dtype)
+    nn.init.kaiming_uniform_(lora_A.weight, a=math.sqrt(5))  # as PEFT does
+    nn.init.zeros_(lora_B.weight)
+    return lora_A, lora_B
+
+
 class LoRALinear(nn.Module):
     """``base(x) + (alpha / rank) * B(A(dropout(x)))`` with ``base`` frozen and B zero at start.
 
@@ -218,12 +271,9 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base_layer = base
         self.rank, self.alpha = rank, alpha
-        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
-        self.lora_A = nn.Linear(base.in_features, rank, bias=False, **kw)
-        self.lora_B = nn.Linear(rank, base.out_features, bias=False, **kw)
+        self.lora_A, self.lora_B = new_adapters(base.in_features, base.out_features, rank,
+                                                base.weight.device, base.weight.dtype)
         self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # as PEFT does
-        nn.init.zeros_(self.lora_B.weight)
         base.requires_grad_(False)
 
     @property

@@ -23,9 +23,11 @@ from .data import (DataError, Example, TrainingData, check_renderable, examples_
 from .generate import Reply, TextStream, generate_ids
 from .hub import resolve_model_folder
 from .models import Tokenizer, load_model
+from .models.loading import read_config
 from .models.decoder import CausalLM
 from .models.gguf import GGUFFile, gguf_tokenizer, is_gguf
 from .runner import Runner
+from .shards import build_sharded, is_sharded
 from .techniques import Techniques, as_techniques
 from .trainer import Trainer
 
@@ -183,6 +185,8 @@ def assemble(model: CausalLM, tokenizer: Tokenizer, train: Iterable[Example] | s
     device = torch.device(device) if device is not None else default_device()
     data = TrainingData(train, tokenizer, heldout)
     techniques, followed = _fit_context(techniques, model.config.max_position_embeddings)
+    if parallel is not None and not is_sharded(model):  # a whole model: each rank keeps its share
+        model = build_sharded(model, model.config, techniques, parallel)
     trainer = Trainer(model, data, techniques, device, parallel=parallel, base=base, base_name=source)
     if followed:
         trainer.notes.append(followed)
@@ -226,10 +230,13 @@ def from_pretrained(path_or_id: str | os.PathLike, data=None, *, heldout=None,
         tokenizer = Tokenizer.from_folder(base)
     check_renderable((train or []) + (held or []), tokenizer)
     quantize = techniques.lora_targets if techniques.method == "qlora" else ()
-    if parallel is not None:
-        device = parallel.device
-    model = load_model(base, dtype=techniques.dtype, device=device or default_device(),
-                       quantize=quantize)  # NF4 as each weight is read: lean loading
+    if parallel is not None:  # each rank reads its rows of every weight, nothing whole
+        config = read_config(base)
+        fitted, _ = _fit_context(given if adapter is None else techniques, config.max_position_embeddings)
+        model = build_sharded(base, config, fitted, parallel)
+    else:
+        model = load_model(base, dtype=techniques.dtype, device=device or default_device(),
+                           quantize=quantize)  # NF4 as each weight is read: lean loading
     run = assemble(model, tokenizer, train, heldout=held, techniques=given if adapter is None else techniques,
                    device=device, parallel=parallel, source=str(path_or_id), base=base)
     if adapter is not None:

@@ -14,6 +14,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .peft import adapter_state_dict, is_nf4
 
@@ -200,9 +201,15 @@ def base_fingerprint(model: nn.Module) -> str:
     for name, param in model.named_parameters():
         if not (name.endswith("embed_tokens.weight") or "norm" in name) or is_nf4(param):
             continue
-        flat = param.detach().reshape(-1)
-        count = min(256, flat.numel())
-        index = (torch.arange(count) * (flat.numel() - 1) // max(count - 1, 1)).to(flat.device)
-        sample = flat[index].to(torch.bfloat16).float().cpu()
+        numel = param.numel()
+        count = min(256, numel)
+        index = torch.arange(count) * (numel - 1) // max(count - 1, 1)
+        if isinstance(param, DTensor):  # a rank's share: the ranks put it together
+            from .shards import sampled
+
+            sample = sampled(param, index)
+        else:
+            flat = param.detach().reshape(-1)
+            sample = flat[index.to(flat.device)].to(torch.bfloat16).float().cpu()
         digest.update(name.encode() + str(tuple(param.shape)).encode() + sample.numpy().tobytes())
     return digest.hexdigest()[:16]

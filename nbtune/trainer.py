@@ -112,13 +112,14 @@ class Trainer:
         self.notes: list[str] = []  # for the user, until taken
         self._eval_peak: int | None = None  # the last measured evaluation's peak
         self.stream = self._new_stream(techniques)
-        self.model = model.to(device)
-        self.base_fingerprint = base_fingerprint(self.model)  # of the weights as loaded
-        transform_model(self.model, techniques, previous=None)
-        if parallel is not None:  # after every transform: FSDP2 shards what the modules hold now
-            from .distributed import shard_model
-
-            shard_model(self.model, parallel.sharding)
+        if parallel is None:
+            self.model = model.to(device)
+            self.base_fingerprint = base_fingerprint(self.model)  # of the weights as loaded
+            transform_model(self.model, techniques, previous=None)
+        else:  # each rank's share, built transformed and sharded (``shards.build_sharded``)
+            self.model = model
+            self.base_fingerprint = base_fingerprint(self.model)  # (a collective)
+        self._primed = False  # FSDP2's gather buffers made (``step``)
         self.optimizer = build_optimizer(self.model, techniques)
         self.techniques = techniques
         self.history: list[StepReport] = []
@@ -210,6 +211,11 @@ class Trainer:
         self.check_usable()
         t = self.techniques
         options = self._step_options(t)
+        if self.parallel is not None and not self._primed:  # FSDP2's gather buffers made before
+            from .distributed import prime_units              # the first step (not while loading)
+
+            prime_units(self.model)
+            self._primed = True
         mark = self._mark()
         undo = self._undo_for(t)
         if isinstance(self.optimizer, OptimizerInBackward):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
-from typing import Collection
+from typing import Callable, Collection
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -137,9 +138,12 @@ def load_folder(folder: Path, dtype: torch.dtype, device, quantize: Collection[s
 
 
 def folder_weights(folder: Path, config: ModelConfig, expected: dict, dtype: torch.dtype,
-                   device: str | torch.device):
+                   device: str | torch.device, rows: Callable[[str], tuple[int, int] | None] | None = None):
     """(name, tensor in ``dtype`` on ``device``) for each weight of a safetensors folder, one
-    at a time; every file's names and shapes are checked against ``expected`` first."""
+    at a time; every file's names and shapes are checked against ``expected`` first.
+
+    ``rows(name)``: the range of the weight's first dimension to read (a rank's share), or
+    None for all of it. A row-major tensor's rows are one run of bytes, so only they are read."""
     buffer = torch.empty(CAST_CHUNK_BYTES, dtype=torch.uint8, device="cpu")  # pages are touched only by a cast
     for file in _weight_files(folder):
         entries = _entries(file)
@@ -160,7 +164,11 @@ def folder_weights(folder: Path, config: ModelConfig, expected: dict, dtype: tor
                     raise ValueError(f"{key} in {file} is stored as {src_dtype} integers, but model "
                                      "weights are floating point: the file is damaged or not "
                                      "these weights. Download it again.")
-                yield key, _read_tensor(f, begin, src_dtype, shape, dtype, buffer, key).to(device)
+                start, stop = (rows(key) if rows is not None else None) or (0, shape[0])
+                row_bytes = math.prod(shape[1:]) * src_dtype.itemsize
+                part = (stop - start, *shape[1:])
+                yield key, _read_tensor(f, begin + start * row_bytes, src_dtype, part, dtype,
+                                        buffer, key).to(device)
 
 
 def dense_weights(model: CausalLM) -> DenseWeights:

@@ -10,9 +10,10 @@ from typing import Collection
 import torch
 
 from ..hub import resolve_model_folder
+from .config import ModelConfig
 from .decoder import CausalLM
 from .filling import torch_dtype
-from .gguf import GGUFFile, gguf_weights, is_gguf, load_gguf_model
+from .gguf import GGUFFile, config_from_gguf, gguf_weights, is_gguf, load_gguf_model
 from .hf import folder_weights, load_folder
 
 
@@ -48,15 +49,27 @@ def reload_weights_(model: CausalLM, source) -> None:
                if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
     dtype = next(iter(targets.values())).dtype
     device = next(iter(targets.values())).device
-    if isinstance(source, GGUFFile):
-        stream = gguf_weights(source, model.config, targets, dtype, device)
-    else:
-        stream = folder_weights(Path(source), model.config, targets, dtype, device)
     written = set()
-    for key, tensor in stream:
+    for key, tensor in weight_stream(source, model.config, targets, dtype, device):
         targets[key].copy_(tensor)
         written.add(key)
     missing = sorted(set(targets) - written)
     if missing:
         raise ValueError(f"{source} lacks weights for {missing[:4]}: the model cannot be reloaded "
                          "from it.")
+
+
+def weight_stream(source, config, expected: dict, dtype: torch.dtype, device, rows=None):
+    """(name, tensor) for each weight of ``source`` (a resolved folder or parsed GGUF file),
+    one at a time, checked against ``expected``; ``rows(name)``: the part of its first
+    dimension to read, or None for all (see ``hf.folder_weights``)."""
+    if isinstance(source, GGUFFile):
+        return gguf_weights(source, config, expected, dtype, device, rows)
+    return folder_weights(Path(source), config, expected, dtype, device, rows)
+
+
+def read_config(source) -> ModelConfig:
+    """The model config of a resolved folder (its config.json) or a parsed GGUF file."""
+    if isinstance(source, GGUFFile):
+        return config_from_gguf(source)
+    return ModelConfig.from_file(Path(source) / "config.json")

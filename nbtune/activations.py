@@ -6,6 +6,10 @@ import weakref
 
 import torch
 from torch import nn
+# torch internal: tensor subclasses (NF4 weights) are told apart: never parked.
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from .memory.accounting import gather_buffers
 
 
 def set_activation_checkpointing(model: nn.Module, every: int) -> int:
@@ -69,7 +73,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """Within this context, tensors saved for backward are copied to CPU memory and the
     originals released; backward brings each back when it needs it.
 
-    Parameters are never copied (they stay put anyway), nor tensors below ``min_bytes``.
+    Weights are never copied (they stay put anyway, or FSDP2 frees and gathers them again):
+    not the parameters, not views of them, not the weights FSDP2 gathers (their storages are
+    its gather buffers: ``memory.accounting.gather_buffers``), not a tensor subclass such as
+    an NF4 weight; nor tensors below ``min_bytes``. Parked under FSDP2, a rank's gathered
+    layers would each cross to the host and back every step (8B in bf16: 15 GiB a rank).
     With checkpointing on, what is saved is each checkpointed layer's input (torch's
     non-reentrant checkpoint saves its inputs through these hooks), so only those leave
     the card. On CUDA the copies go to pinned memory on a side stream, overlapping with
@@ -89,7 +97,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, model: nn.Module, min_bytes: int = MIN_BYTES, to: str | None = None) -> None:
-        self._keep = {p.untyped_storage()._cdata for p in model.parameters()}
+        weights = list(model.parameters()) + gather_buffers(model)
+        self._keep = {w.untyped_storage()._cdata for w in weights}
         self._device = next(model.parameters()).device
         self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
         self._min_bytes, self._to = min_bytes, to
@@ -102,10 +111,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._copies: dict[int, tuple] = {}
         self.runs: list[tuple[int | None, int]] = []  # (layer, first index) of each run
         self.log: list[tuple[str, int]] = []  # ("fetch" | "unpack", index): for the tests
+        self.parked_bytes = 0  # what the host copies made so far hold
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor):
-        if (t.untyped_storage()._cdata in self._keep
+        if (is_traceable_wrapper_subclass(t) or t.untyped_storage()._cdata in self._keep
                 or t.numel() * t.element_size() < self._min_bytes):
             return t
         index, layer = len(self._parked), self._inside[0]
@@ -139,6 +149,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 done.record(stream)
             t.record_stream(stream)  # the allocator must not reuse t before the copy ends
         self._copies[id(t)] = (weakref.ref(t), t._version, host, done)
+        self.parked_bytes += t.numel() * t.element_size()
         return host, done
 
     def _fetch(self, entry: "_Parked") -> None:

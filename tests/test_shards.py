@@ -107,3 +107,33 @@ def test_each_rank_holds_its_shards_of_the_one_process_model_and_reads_no_more(t
             assert found["compared"] > 10 and found["nf4"] == (28 if case == "qlora" else 0), case
             assert found["read"] == found["held"], case  # elements read from the files
             assert found["fingerprint_equal"], case
+
+
+def test_offloading_parks_activations_only_so_n_ranks_park_n_times_one_ranks_share():
+    """Under FSDP2 the weights a layer gathers are saved for backward too; parked, every
+    rank's host would hold the whole model (the estimate said 4.6 of 5.3 GiB a rank for
+    Llama-3.2-1B). Offloading leaves them, so the whole host parks N times what one process
+    parks at the per-rank batch, with and without checkpointing."""
+    import nbtune as nt
+
+    for checkpointed in (False, True):
+        t = nt.Techniques(batch_size=2, seq_len=96, activation_offloading=True,
+                          activation_checkpointing=checkpointed)
+        one = nt.estimate("llama-3.2-1b", t, device="cuda").host.offloaded
+        assert one > 0
+        for ranks in (2, 4):
+            many = nt.estimate("llama-3.2-1b", t.replace(batch_size=2 * ranks), device="cuda", ranks=ranks)
+            assert many.host.offloaded == ranks * one, (checkpointed, ranks)
+
+
+@pytest.mark.slow
+def test_on_gloo_ranks_the_offloading_hooks_park_what_one_process_parks_at_the_rank_batch(tmp_path):
+    """The saved-tensor hooks' own count on 2 gloo ranks: each rank parks exactly what one
+    process parks for the same rows (its weights, gathered by FSDP2, stay)."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", str(ROOT / "tests" / "offload_worker.py"),
+                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads((tmp_path / "out.json").read_text())
+    for case, found in report.items():
+        assert found["one"] > 0 and found["ranks"] == [found["one"]] * 2, (case, found)

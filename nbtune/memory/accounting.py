@@ -84,3 +84,22 @@ def paged_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     seen: set = set()
     return sum(storage_bytes([t], seen) for state in optimizer.state.values()
                for t in plain_tensors(state) if getattr(t, "is_paged", False))
+
+
+def gather_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors FSDP2 gathers each unit's weights into (every parameter's all-gather
+    outputs, kept between steps with their storage resized to nothing): the gathered weights
+    live in their storages. Empty for a model that is not sharded, or before a unit's first
+    gather (``prime_units``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # torch internal: FSDP2's parameter groups and their all-gather outputs. If they
+            # move, a rank's peak misses the gathered weights and offloading parks them
+            # (tests/test_distributed.py, tests/test_offload_ranks.py).
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    out += param.all_gather_outputs
+    return out

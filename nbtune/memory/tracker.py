@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch._guards import active_fake_mode
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .accounting import gradient_bytes, optimizer_state_bytes, paged_state_bytes, parameter_bytes
+from .accounting import (gather_buffers, gradient_bytes, optimizer_state_bytes, paged_state_bytes,
+                         parameter_bytes)
 from .breakdown import CATEGORIES, MemoryBreakdown, phase_summary
 
 # MemTracker's reference types -> our categories.
@@ -243,16 +244,9 @@ class _HighWaterTracker(MemTracker):
         """
         from torch.distributed.fsdp import FSDPModule
 
-        for module in model.modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            self.track_resizes = True
-            # torch internal: FSDP2's parameter groups and their all-gather outputs. If they
-            # move, a rank's peak misses the gathered weights (tests/test_distributed.py).
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                for param in group.fsdp_params:
-                    for buffer in param.all_gather_outputs:  # made by shard_model's first gather
-                        self._update_and_maybe_create_winfos(buffer, _MemRefType.TEMP)
+        self.track_resizes = self.track_resizes or any(isinstance(m, FSDPModule) for m in model.modules())
+        for buffer in gather_buffers(model):  # made by the first gather (``prime_units``)
+            self._update_and_maybe_create_winfos(buffer, _MemRefType.TEMP)
 
     def _register_global_optimizer_hook(self) -> None:
         # MemTracker hooks every optimizer's step, process-wide. A background run trains

@@ -26,8 +26,9 @@ from .files import FileRefused, inside, read_json
 from .memory import MemoryBreakdown
 from .memory.usage import SOURCES, Usage
 from .models.filling import check_finite
-from .models.hf import PART_BYTES, dense_weights, write_atomically, write_hf_folder
-from .peft import adapter_config, adapter_state_dict, has_lora
+from .models.hf import (PART_BYTES, dense_weights, stream_safetensors, write_atomically,
+                        write_hf_folder)
+from .peft import AdapterWeights, adapter_config, has_lora
 from .state import OptimizerGroupsDiffer, rng_problem
 from .step import StepReport
 from .techniques import Techniques
@@ -63,13 +64,15 @@ def check_save_args(format: str, quantization: str | None) -> None:
                          "session's dtype. Pass format='gguf' or drop quantization.")
 
 
-def save_gguf(session, folder, quantization: str) -> Path:
-    """The full (LoRA: merged) weights as ``model.gguf`` plus an Ollama ``Modelfile``."""
+def save_gguf(session, folder, quantization: str, state=None) -> Path:
+    """The full (LoRA: merged) weights as ``model.gguf`` plus an Ollama ``Modelfile``;
+    ``state``: the weights to write (default ``dense_weights`` of the session's model)."""
     from .models.gguf import modelfile, write_gguf
     from .models.kquants import K_QUANTS, quantize
 
     model = session.model
-    state = dense_weights(model)  # made one at a time as written; GGUF too ties by leaving the head out
+    if state is None:  # made one at a time as written; GGUF too ties by leaving the head out
+        state = dense_weights(model)
     name = Path(session.source).stem if session.source else "nbtune model"
 
     def write(tmp: Path) -> None:
@@ -87,31 +90,34 @@ def save_gguf(session, folder, quantization: str) -> Path:
 
 
 def save_session(session, folder, merge: bool = False, format: str = "hf",
-                 quantization: str | None = None) -> Path:
+                 quantization: str | None = None, gathered=None) -> Path:
     """Full weights as an HF folder, or (LoRA) a PEFT adapter folder; ``merge`` folds adapters
-    in. ``format="gguf"``: one GGUF file (always full weights) and an Ollama Modelfile."""
+    in. ``format="gguf"``: one GGUF file (always full weights) and an Ollama Modelfile. Every
+    weight is made as it is written. ``gathered(weights)``: what makes them across ranks
+    (``shards.Gathered``), given the model's."""
     check_save_args(format, quantization)
-    if format == "gguf":
-        return save_gguf(session, folder, quantization)
     model, config = session.model, session.model.config
+    gathered = gathered or (lambda weights: weights)
+    if format == "gguf":
+        return save_gguf(session, folder, quantization, gathered(dense_weights(model)))
     if has_lora(model) and not merge:
         if session.base_changed:
             raise ValueError(
                 "The base weights changed since loading (full finetuning or merged adapters), "
                 "so an adapter alone would not reproduce this model. Save with merge=True.")
-        state = adapter_state_dict(model)
+        state = gathered(AdapterWeights(model))
         name, note = base_name(session.source)
         peft_config = adapter_config(model, name)
 
         def write(tmp: Path) -> None:
-            save_file(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            stream_safetensors(tmp / ADAPTER_WEIGHTS, state, metadata={"format": "pt"})
             (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config, indent=2))
             if note is not None:
                 (tmp / BASE_NOTE).write_text(json.dumps(note, indent=2))
             session.tokenizer.save(tmp)
 
         return write_atomically(folder, write)
-    return write_hf_folder(folder, dense_weights(model), config, session.tokenizer)
+    return write_hf_folder(folder, gathered(dense_weights(model)), config, session.tokenizer)
 
 
 # ---- training checkpoints ---------------------------------------------------------------

@@ -137,19 +137,6 @@ def _nf4_layout(weight: torch.Tensor, scaler_block: int):
                          nf4=empty(16, weight.dtype))
 
 
-def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """An own copy in host memory; an NF4 weight stays 4-bit and bit-exact (torchao's
-    ``clone`` of one requantizes it with its default blocks)."""
-    if not is_nf4(tensor):
-        return tensor.detach().to("cpu", copy=True)
-    import dataclasses
-
-    names, meta = tensor.__tensor_flatten__()
-    parts = {name: getattr(tensor, name).detach().to("cpu", copy=True) for name in names}
-    meta = {**meta, "tensor_meta": dataclasses.replace(meta["tensor_meta"], device=torch.device("cpu"))}
-    return type(tensor).__tensor_unflatten__(parts, meta, tensor.size(), tensor.stride())
-
-
 def dequantize(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A dense copy of an NF4 tensor (in its dtype, or ``dtype``); any other tensor as it is.
 
@@ -405,37 +392,57 @@ class DenseWeights:
     """A model's weights under plain (HF) names, dense (NF4 dequantized) and with every adapter
     folded in, each made only when asked for: an export writes them one part at a time, so it
     holds one part beside the model, not a second model (16 GB for Llama-3.1-8B in bf16).
-    ``described``: each weight's name, shape and dtype (meta tensors, nothing made)."""
+    ``described``: each weight's name, shape and dtype (meta tensors, nothing made);
+    ``modules``: the module each is made from. Tensors are looked up when made: across ranks
+    (``shards.Gathered``) that is while FSDP2 holds them gathered."""
 
     def __init__(self, model: nn.Module):
         lora = dict(_lora_modules(model))
-        self._sources: dict[str, tuple[torch.Tensor, nn.Module | None]] = {}
-        for key, value in model.state_dict().items():
+        self._sources: dict[str, tuple[nn.Module, str, nn.Module | None]] = {}
+        self.modules: dict[str, str] = {}
+        self.described: dict[str, torch.Tensor] = {}
+        for key, value in model.state_dict(keep_vars=True).items():
             module_name, _, leaf = key.rpartition(".")
             parent, _, child = module_name.rpartition(".")
-            adapter = None
+            adapter, owner = None, module_name
             if parent in lora:
                 if child != "base_layer":
                     continue  # lora_A / lora_B: folded into the weight when it is made
                 adapter = lora[parent] if leaf == "weight" else None
-                key = f"{parent}.{leaf}"
-            self._sources[key] = (value, adapter)
-        self.described = {key: torch.empty(value.shape, dtype=value.dtype, device="meta")
-                          for key, (value, _) in self._sources.items()}
+                key, owner = f"{parent}.{leaf}", parent
+            self._sources[key] = (model.get_submodule(module_name), leaf, adapter)
+            self.modules[key] = owner
+            self.described[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")
 
     def drop(self, key: str) -> None:
         """Leave ``key`` out (a tied head, which files leave out)."""
-        self._sources.pop(key, None)
-        self.described.pop(key, None)
+        for held in (self._sources, self.modules, self.described):
+            held.pop(key, None)
 
     @torch.no_grad()
     def make(self, key: str) -> torch.Tensor:
         """The weight ``key`` made now, on the model's device (a new tensor only where it is
         merged or dequantized)."""
-        value, adapter = self._sources[key]
+        module, leaf, adapter = self._sources[key]
+        value = getattr(module, leaf)
         if adapter is not None:
             return (dequantize(value).float() + adapter.delta_weight()).to(value.dtype)
         return dequantize(value).detach().contiguous()
+
+
+class AdapterWeights:
+    """The LoRA adapters under PEFT's file names (what a saved adapter holds), each looked up
+    when asked for; ``described`` and ``modules`` as ``DenseWeights`` has them."""
+
+    def __init__(self, model: nn.Module):
+        self._sources = {f"base_model.model.{name}.{part}.weight": (getattr(module, part), name)
+                         for name, module in _lora_modules(model) for part in ("lora_A", "lora_B")}
+        self.modules = {key: name for key, (_, name) in self._sources.items()}
+        self.described = {key: torch.empty(linear.weight.shape, dtype=linear.weight.dtype, device="meta")
+                          for key, (linear, _) in self._sources.items()}
+
+    def make(self, key: str) -> torch.Tensor:
+        return self._sources[key][0].weight.detach().contiguous()
 
 
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -67,18 +67,24 @@ def load_checkpoint(trainer, folder, parallel=None) -> None:
 
 def save_sharded_session(session, folder, merge: bool = False, format: str = "hf",
                          quantization: str | None = None) -> Path:
-    """``save_session`` under torchrun: every rank gathers the shards, rank 0 writes."""
-    import types
+    """``save_session`` across ranks: rank 0 writes, making each weight as it is written
+    while every rank holds the FSDP2 unit it lives in gathered, one unit at a time
+    (``shards.Gathered``): rank 0's host holds one file part or one tensor, as one process's
+    save does, never the model. A collective: every rank calls it; if rank 0 fails, every
+    rank raises."""
+    from .shards import Gathered, UnitGatherer
 
-    from .distributed import unsharded_copy
-
-    whole = unsharded_copy(session.model, session.techniques, keep=session.parallel.rank == 0)
-    if whole is not None:
-        view = types.SimpleNamespace(model=whole, tokenizer=session.tokenizer, source=session.source,
-                                     base_changed=session.base_changed)
-        save_session(view, folder, merge=merge, format=format, quantization=quantization)
-    del whole
-    session.parallel.barrier()
+    gatherer = UnitGatherer(session.model)
+    if session.parallel.rank != 0:
+        gatherer.serve()
+        return Path(folder)
+    written = False
+    try:
+        save_session(session, folder, merge=merge, format=format, quantization=quantization,
+                     gathered=lambda weights: Gathered(weights, gatherer))
+        written = True
+    finally:
+        gatherer.finish(written)
     return Path(folder)
 
 

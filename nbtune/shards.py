@@ -239,3 +239,82 @@ def sampled(param, index: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(bits, group=shard_group(param))
     raw = (np.asarray(bits.cpu().tolist(), dtype=np.uint32) - 1) << 16  # bf16 -> float32 bits
     return torch.from_numpy(raw.view(np.float32))
+
+
+# ---- saving from the ranks: one unit gathered at a time ------------------------------------
+
+_DONE, _FAILED = -1, -2  # what rank 0 sends when it has written all, or failed
+
+
+class UnitGatherer:
+    """Holds one FSDP2 unit of a sharded model gathered at a time, on every rank, as rank 0
+    asks (``gather``) while the others follow (``serve``): a save made weight by weight on rank
+    0 gathers the unit holding each weight, and frees it before the next unit is gathered."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+        self._names = [name for name, _ in units]
+        self._units = [module for _, module in units]
+        self._held: int | None = None
+
+    def unit_of(self, module_name: str) -> int:
+        """The unit holding a module's weights: the innermost one whose name leads its name."""
+        inside = [i for i, name in enumerate(self._names)
+                  if not name or module_name == name or module_name.startswith(name + ".")]
+        return max(inside, key=lambda i: len(self._names[i]))
+
+    def gather(self, unit: int) -> None:
+        """Rank 0: every rank gathers ``unit`` (freeing the one held before)."""
+        self._send(unit)
+        self._hold(unit)
+
+    def serve(self) -> None:
+        """The other ranks: gather each unit rank 0 asks for, until it is done."""
+        while True:
+            unit = self._send(None)
+            self._hold(unit if unit >= 0 else None)
+            if unit == _FAILED:
+                raise ShardError("Rank 0 could not save (its error says why): nothing more was "
+                                 "gathered, and no folder was put in place.")
+            if unit == _DONE:
+                return
+
+    def finish(self, ok: bool) -> None:
+        """Rank 0: the save is over (``ok``: written); every rank frees what it holds."""
+        self._send(_DONE if ok else _FAILED)
+        self._hold(None)
+
+    def _send(self, unit: int | None) -> int:
+        message = torch.tensor([unit if unit is not None else 0], dtype=torch.int64)
+        dist.broadcast(message, src=0)  # on the host (gloo)
+        return int(message.item())
+
+    def _hold(self, unit: int | None) -> None:
+        if unit == self._held:
+            return
+        if self._held is not None:
+            self._units[self._held].reshard()
+            self._held = None
+        if unit is not None:
+            self._units[unit].unshard()
+            self._held = unit
+
+
+class Gathered:
+    """``weights`` (``peft.DenseWeights`` or ``AdapterWeights`` of a sharded model) made on rank 0,
+    each while every rank holds the unit it lives in gathered (``UnitGatherer``): the writers
+    take it as they take the weights of a model in one process."""
+
+    def __init__(self, weights, gatherer: UnitGatherer) -> None:
+        self._weights, self._gatherer = weights, gatherer
+        self.described = weights.described
+        self._units = {key: gatherer.unit_of(name) for key, name in weights.modules.items()}
+
+    def make(self, key: str) -> torch.Tensor:
+        self._gatherer.gather(self._units[key])
+        made = self._weights.make(key)
+        # On a CPU a weight made as it is (not merged, not dequantized) is the gathered one,
+        # whose storage FSDP2 frees when the next unit is gathered: the writer gets its own copy.
+        return made.clone() if made.device.type == "cpu" else made

@@ -15,6 +15,9 @@ from nbtune.models.loading import read_config
 from nbtune.peft import is_nf4
 from nbtune.plan import transform_model
 from nbtune.state import base_fingerprint
+from nbtune.memory.accounting import parameter_bytes
+from nbtune.predict.estimator import loading_peak
+from nbtune.predict.ranks import Ranks
 from nbtune.techniques import Techniques
 
 T = dict(seq_len=96)
@@ -52,7 +55,11 @@ def main(out: str) -> None:
         source = load_model(folder) if case == "in memory" else folder
         read[0] = 0
         torch.manual_seed(0)
-        model = shards.build_sharded(source, config, t, parallel)
+        built = []
+        loading = tracked_peak(lambda: built.append(shards.build_sharded(source, config, t, parallel)))
+        model = built.pop()
+        predicted = loading_peak(config, t, "cpu", sum(parameter_bytes(model).values()),
+                                 Ranks(parallel.world))
         mine, theirs = dict(model.named_parameters()), dict(whole.named_parameters())
         assert mine.keys() == theirs.keys(), (sorted(mine.keys() ^ theirs.keys()))[:4]
         compared = nf4 = held = 0
@@ -69,13 +76,78 @@ def main(out: str) -> None:
                 held += a.numel()
             compared += 1
         report[case] = {"compared": compared, "nf4": nf4, "held": held,
+                        "loading": [loading, predicted] if case != "in memory" else None,
                         "read": read[0] if case != "in memory" else held,
                         "fingerprint_equal": base_fingerprint(model) == fingerprint}
+        if case in ("lora", "qlora"):
+            torch.manual_seed(0)
+            plain = load_model(folder, quantize=quantize)
+            transform_model(plain, t, previous=None)
+            report[case]["saves"] = saves(model, plain, parallel, f"{out}.{case}")
     report["damaged"] = parallel.gather(damaged(folder, config, parallel, out))
     if parallel.rank == 0:
         with open(out, "w") as f:
             json.dump(report, f)
     parallel.close()
+
+
+def tracked_peak(run) -> int:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with tracker:
+        run()
+    return sum(v["Total"] for k, v in tracker.get_tracker_snapshot("peak").items() if str(k) == "cpu")
+
+
+def saves(model, plain, parallel, where: str) -> dict:
+    """Each save (adapter, merged, GGUF) from the ranks against one process's of the same
+    weights, file by file; and how often each FSDP2 unit was gathered for it."""
+    import filecmp
+    import os
+    import types
+
+    from nbtune.checkpoint import save_session
+    from nbtune.models import Tokenizer
+    from nbtune.sharded_checkpoint import save_sharded_session
+
+    tokenizer = Tokenizer.from_folder(demo_model_dir())
+    gathered, real = [], shards.UnitGatherer._hold
+
+    def hold(self, unit):
+        if unit is not None and unit != self._held:
+            gathered.append(unit)
+        return real(self, unit)
+
+    shards.UnitGatherer._hold = hold
+    out = {}
+    for name, kwargs in (("adapter", {}), ("merged", {"merge": True}),
+                         ("gguf", {"format": "gguf", "quantization": "q8_0"})):
+        gathered.clear()
+        ranks = types.SimpleNamespace(model=model, tokenizer=tokenizer, source=None, base_changed=False,
+                                      parallel=parallel)
+        save_sharded_session(ranks, f"{where}.{name}.ranks", **kwargs)
+        if parallel.rank == 0:
+            one = types.SimpleNamespace(model=plain, tokenizer=tokenizer, source=None, base_changed=False)
+            save_session(one, f"{where}.{name}.one", **kwargs)
+            files = sorted(os.listdir(f"{where}.{name}.one"))
+            same = files == sorted(os.listdir(f"{where}.{name}.ranks")) and all(
+                filecmp.cmp(f"{where}.{name}.one/{f}", f"{where}.{name}.ranks/{f}", shallow=False)
+                for f in files)
+            out[name] = {"same": same, "most_gathers": max(gathered.count(u) for u in set(gathered)),
+                         "units": len(set(gathered))}
+    # rank 0 cannot write (a file stands where the folder's parent should be): every rank raises
+    open(f"{where}.blocked.{parallel.rank}", "w").close()
+    try:
+        save_sharded_session(types.SimpleNamespace(model=model, tokenizer=tokenizer, source=None,
+                                                   base_changed=False, parallel=parallel),
+                             f"{where}.blocked.0/inside", merge=True)
+        out["blocked"] = "saved"
+    except Exception as err:  # noqa: BLE001
+        out["blocked"] = type(err).__name__
+    out["blocked"] = parallel.gather(out["blocked"])
+    shards.UnitGatherer._hold = real
+    return out
 
 
 def damaged(folder, config, parallel, out: str) -> str:

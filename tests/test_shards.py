@@ -90,8 +90,11 @@ def test_each_rank_holds_its_shards_of_the_one_process_model_and_reads_no_more(t
     """On 2 and 4 gloo ranks (full, LoRA, QLoRA, and a whole model given in memory): every
     shard equals FSDP2's own shard of the one-process model built the old way (loaded whole,
     transformed, then sharded), NF4 parts byte for byte, LoRA adapters too; the base
-    fingerprint is the one process's; a rank reads only its rows. A NaN in the last rank's rows
-    stops every rank, that one naming the weight."""
+    fingerprint is the one process's; a rank reads only its rows, and what its live tensors
+    hold while building is the estimate's loading peak (at most 10 % over). A NaN in the last
+    rank's rows stops every rank, that one naming the weight. Saves from the ranks are one
+    process's files byte for byte, made a unit at a time; if rank 0 cannot write, every rank
+    raises."""
     for ranks in (2, 4):
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                "--nproc_per_node", str(ranks), str(ROOT / "tests" / "shard_worker.py"),
@@ -107,6 +110,19 @@ def test_each_rank_holds_its_shards_of_the_one_process_model_and_reads_no_more(t
             assert found["compared"] > 10 and found["nf4"] == (28 if case == "qlora" else 0), case
             assert found["read"] == found["held"], case  # elements read from the files
             assert found["fingerprint_equal"], case
+            if found["loading"]:  # what building held, against the estimate's loading peak
+                measured, predicted = found["loading"]
+                assert measured <= predicted <= 1.1 * measured, (case, ranks, measured, predicted)
+        for case in ("lora", "qlora"):  # saves from the ranks: the one process's files
+            made = report[case]["saves"]
+            blocked = made.pop("blocked")  # rank 0 cannot write: each rank raises, none waits
+            assert blocked[0] not in ("saved", "ShardError") and blocked[1:] == ["ShardError"] * (ranks - 1), blocked
+            for name, found in made.items():
+                assert found["same"], (case, name)
+                # a unit at a time, each once (the root, holding the embedding and the final
+                # norm, at the start and the end); an adapter lives in the 4 layers alone
+                assert found["units"] == (4 if name == "adapter" else 5), (case, name, found)
+                assert found["most_gathers"] <= 2, (case, name, found)
 
 
 def test_offloading_parks_activations_only_so_n_ranks_park_n_times_one_ranks_share():
@@ -137,3 +153,63 @@ def test_on_gloo_ranks_the_offloading_hooks_park_what_one_process_parks_at_the_r
     report = json.loads((tmp_path / "out.json").read_text())
     for case, found in report.items():
         assert found["one"] > 0 and found["ranks"] == [found["one"]] * 2, (case, found)
+
+
+# ---- the estimate of loading -----------------------------------------------------------------
+
+def _tracked_peak(run) -> int:
+    """The most bytes of live tensors (torch's MemTracker, on the CPU) while ``run()`` runs."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with tracker:
+        run()
+    return sum(v["Total"] for k, v in tracker.get_tracker_snapshot("peak").items() if str(k) == "cpu")
+
+
+@pytest.mark.parametrize("size", [1 << 18, 3 << 20, 16 << 20])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_what_quantizing_a_weight_holds_is_predicted_within_2_percent(size, dtype):
+    from nbtune.predict.estimator import _quantizing
+
+    weight = torch.randn(size // 256, 256, dtype=dtype)
+    measured = _tracked_peak(lambda: to_nf4(weight))
+    assert measured <= _quantizing(size, weight.element_size()) <= 1.02 * measured
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+def test_one_process_loading_peak_is_predicted(method):
+    """The most live tensors hold while a run's model is read and made ready (weights, LoRA,
+    QLoRA's NF4 as each weight is read, the reader's cast buffer) is what the estimate says
+    loading holds, at most 10 % over (it counts every weight as already there)."""
+    import nbtune as nt
+    from nbtune.plan import transform_model
+
+    folder = demo_model_dir()
+    t = nt.Techniques(method=method, lora_rank=4, seq_len=96)
+
+    def load():
+        model = load_model(folder, quantize=t.lora_targets if method == "qlora" else ())
+        transform_model(model, t, previous=None)
+
+    measured = _tracked_peak(load)
+    predicted = nt.estimate(read_config(folder), t).loading
+    assert measured <= predicted <= 1.1 * measured, (measured, predicted)
+
+
+def test_a_run_whose_loading_needs_more_than_its_step_is_sized_by_its_loading():
+    """QLoRA of Llama-3.1-8B on one token row: the step holds less than quantizing a
+    projection while loading does; what must fit (and what fit checks) is the loading."""
+    import nbtune as nt
+    from nbtune.predict.budgets import required
+
+    t = nt.Techniques(method="qlora", dtype="bf16", batch_size=1, seq_len=16)
+    memory = nt.estimate("llama-3.1-8b", t, device="cuda")
+    assert memory.loading > max(memory.peak, memory.eval_peak)
+    assert required(memory) == memory.loading + memory.outside
+    spread = nt.estimate("llama-3.1-8b", t.replace(batch_size=2), device="cuda", ranks=2)
+    assert spread.loading < memory.loading  # a rank reads and quantizes its rows alone
+    offloaded = nt.estimate("llama-3.1-8b", t.replace(batch_size=2), device="cuda", ranks=2,
+                            sharding={"cpu_offload": True})
+    assert offloaded.loading == 0 and offloaded.host.peak >= offloaded.host.runtime + \
+        offloaded.host.sharded + offloaded.host.loading

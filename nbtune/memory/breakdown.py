@@ -22,7 +22,7 @@ class HostMemory:
     trainable weights and optimizer state, where ``rollback="auto"`` keeps it).
 
     Once in a while, on top of that: ``loading`` (reading the weights, instead of the
-    training part), ``checkpoint`` (``save_checkpoint``), ``merged`` (``save(merge=True)`` or
+    training part: on ranks each reads its rows of one weight at a time), ``checkpoint`` (``save_checkpoint``), ``merged`` (``save(merge=True)`` or
     a full save) and ``gguf`` (``save(format="gguf")``, f16).
     """
 
@@ -46,13 +46,15 @@ class HostMemory:
 
     @property
     def peak(self) -> int:
-        """The most the run holds: loading, or training with a checkpoint being saved."""
-        return max(self.runtime + self.loading, self.training + self.checkpoint)
+        """The most the run holds: loading (FSDP2's CPU offload makes the ranks' shards in
+        host memory first), or training with a checkpoint being saved."""
+        return max(self.runtime + self.sharded + self.loading, self.training + self.checkpoint)
 
     @property
     def without_undo(self) -> int:
         """``peak`` when no undo copy is kept (what "auto" falls back to on a small host)."""
-        return max(self.runtime + self.loading, self.training - self.undo + self.checkpoint)
+        return max(self.runtime + self.sharded + self.loading,
+                   self.training - self.undo + self.checkpoint)
 
     @property
     def export(self) -> int:
@@ -77,7 +79,9 @@ class MemoryBreakdown:
     memory, other processes). ``measured`` is False where the numbers are carried over from
     the last measured step (sampled tracking) or predicted (``estimate``).
     ``eval_peak`` is the peak of the held-out evaluation that follows the step when
-    ``eval_every`` is set (the last one measured), else 0; ``highest`` is what must fit.
+    ``eval_every`` is set (the last one measured), else 0; ``loading`` the most the device
+    holds while the weights are read (``estimate`` predicts it; 0 where measured: a step
+    does not load); ``highest`` is what must fit.
     ``host`` is the host memory the configuration needs beside it (``HostMemory``), where
     predicted (``estimate``), else None.
     """
@@ -96,6 +100,7 @@ class MemoryBreakdown:
     device: str = "cpu"
     measured: bool = True
     eval_peak: int = 0
+    loading: int = 0
     at_peak: dict = field(default_factory=dict, compare=False)
     phases: dict = field(default_factory=dict, compare=False)  # phase -> {"peak", "largest"}
     host: HostMemory | None = field(default=None, compare=False)
@@ -106,8 +111,9 @@ class MemoryBreakdown:
 
     @property
     def highest(self) -> int:
-        """The most held at one moment, training step or held-out evaluation."""
-        return max(self.peak, self.eval_peak)
+        """The most held at one moment: training step, held-out evaluation or, where predicted,
+        loading the weights."""
+        return max(self.peak, self.eval_peak, self.loading)
 
     @property
     def largest_at_peak(self) -> str:

@@ -23,6 +23,7 @@ from .filling import check_finite, empty_model, fill_model, release_freed_heap
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
               "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
               "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
 CAST_CHUNK_BYTES = 16 << 20  # source bytes read per step when casting: the only transient copy
 # Saved weights are written in files of at most this many bytes (or one larger tensor), one
 # file at a time: safetensors takes a file's tensors whole (and moves CUDA ones to the host
@@ -96,12 +97,13 @@ def _read_into(f, target: torch.Tensor) -> None:
 
 
 def _read_tensor(f, offset: int, src: torch.dtype, shape: tuple[int, ...],
-                 dtype: torch.dtype, buffer: torch.Tensor, key: str = "") -> torch.Tensor:
+                 dtype: torch.dtype, buffer: list, key: str = "") -> torch.Tensor:
     """One tensor read straight into its final dtype, with no full source-dtype copy.
 
     Plain reads go through the page cache, which the kernel may drop, not this process's
     memory. Without a cast the bytes land in the result itself; with one they pass through
-    ``buffer`` (uint8), chunk by chunk. The caller keeps one buffer for the whole load: a
+    ``buffer[0]`` (uint8, made on the first cast), chunk by chunk. The caller keeps one buffer
+    for the whole load: a
     fresh one per tensor leaves holes in the heap that outlive the load (+50% measured).
     ``key``: check the stored values (before any cast) are finite, naming it in the error.
     """
@@ -113,10 +115,12 @@ def _read_tensor(f, offset: int, src: torch.dtype, shape: tuple[int, ...],
         if key:
             check_finite(key, flat, f.name)
         return out
-    buffer = buffer.view(src)
-    step = buffer.numel()
+    if buffer[0] is None:
+        buffer[0] = torch.empty(CAST_CHUNK_BYTES, dtype=torch.uint8, device="cpu")
+    chunk = buffer[0].view(src)
+    step = chunk.numel()
     for start in range(0, flat.numel(), step):
-        part = buffer[: min(step, flat.numel() - start)]
+        part = chunk[: min(step, flat.numel() - start)]
         _read_into(f, part)
         if key:
             check_finite(key, part, f.name)
@@ -144,7 +148,7 @@ def folder_weights(folder: Path, config: ModelConfig, expected: dict, dtype: tor
 
     ``rows(name)``: the range of the weight's first dimension to read (a rank's share), or
     None for all of it. A row-major tensor's rows are one run of bytes, so only they are read."""
-    buffer = torch.empty(CAST_CHUNK_BYTES, dtype=torch.uint8, device="cpu")  # pages are touched only by a cast
+    buffer = [None]  # the cast's chunk, made if a weight is stored in another dtype
     for file in _weight_files(folder):
         entries = _entries(file)
         for key, *_ in entries:
@@ -198,6 +202,31 @@ def write_weights(tmp: Path, weights: DenseWeights) -> None:
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def stream_safetensors(path: Path, weights, metadata: dict | None = None) -> None:
+    """``weights`` (``described`` and ``make``: ``peft.AdapterWeights``, ``peft.DenseWeights``)
+    as one safetensors file, a tensor at a time: the header first (each name, dtype, shape
+    and place, from ``described``), then each tensor made, moved to the host and written in
+    turn. safetensors' own writer takes a file's tensors together; a PEFT adapter must be one
+    file, and across ranks every adapter would then be gathered to rank 0's host at once."""
+    header, offset = ({"__metadata__": metadata} if metadata else {}), 0
+    for key, meta in weights.described.items():
+        size = meta.numel() * meta.element_size()
+        header[key] = {"dtype": _ST_NAMES[meta.dtype], "shape": list(meta.shape),
+                       "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for key, meta in weights.described.items():
+            tensor = weights.make(key).to("cpu").contiguous()
+            if tensor.shape != meta.shape or tensor.dtype != meta.dtype:
+                raise RuntimeError(f"{key} was made {tensor.dtype} {tuple(tensor.shape)}, described "
+                                   f"{meta.dtype} {tuple(meta.shape)}.")
+            f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+            del tensor
 
 
 def write_hf_folder(folder: str | os.PathLike, weights: DenseWeights, config: ModelConfig,

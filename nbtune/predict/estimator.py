@@ -236,6 +236,7 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     result = breakdown_of(step.segments.items(), step.state, step.weights)
     result = replace(result, device=target, measured=False, outside=step.paged,
                      eval_peak=step.eval_peak)
+    result = replace(result, loading=loading_peak(config, t, target, result.parameters, spread))
     if target == "cuda":
         result = held_throughout(result, cublas_workspaces())
     host = host_memory(config, t, target, result, step, spread)
@@ -275,26 +276,28 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
     nbtune's code does: see ``HostMemory``. The undo copy counts where "auto" keeps it on
     every step (CUDA: at most 256 MiB, or the optimizer in backward). Over ``spread``'s
     ranks, each is a process of its own on this host holding its share (no undo copy under
-    torchrun), and saves gather on rank 0."""
-    if spread is not None:
-        one = host_memory(config, t, target, step, fake)
-        world = spread.world
-        return replace(one, runtime=one.runtime * world, step=one.step * world,
-                       offloaded=one.offloaded * world, paged=one.paged * world,
-                       cpu_optimizer=one.cpu_optimizer * world, undo=0,
-                       loading=one.loading * world, checkpoint=one.checkpoint * world,
-                       # rank 0 gathers every weight to its host, then writes them a
-                       # file (or a tensor) at a time, merged as it goes
-                       merged=_gathered(config, t) + (0 if t.method == "full" else min(
-                           _adapted_weights(config, t) * _BYTES[t.dtype], one.merged)
-                           + _merging(config, t)),
-                       gguf=one.gguf + _gathered(config, t) + _merging(config, t))
+    torchrun); a save is written by rank 0 a unit at a time (``shards.Gathered``)."""
     cuda = target == "cuda"
     dtype = _BYTES[t.dtype]
-    trainable, state = step.trainable, step.optimizer_state
     dense = config.num_parameters * dtype  # every weight in the model's dtype
     largest = config.hidden_size * max(config.vocab_size, config.intermediate_size,
                                        config.num_heads * config.head_dim) * dtype  # one weight
+    if spread is not None:
+        one = host_memory(config, t, target, step, fake)
+        world = spread.world
+        # rank 0 makes each weight on its device while its unit is gathered, and writes it a
+        # file part (or a tensor) at a time, as one process on a GPU does; on a CPU each weight
+        # made is a copy out of the gathered unit, and a merge's temporaries are on the host
+        merging = 0 if cuda else _merging(config, t)
+        return replace(one, runtime=one.runtime * world, step=one.step * world,
+                       offloaded=one.offloaded * world, paged=one.paged * world,
+                       cpu_optimizer=one.cpu_optimizer * world, undo=0,
+                       # each rank reads its rows of a weight at a time (``shards``)
+                       loading=world * (_rows_in_flight(config, t, world) + CAST_CHUNK_BYTES + CHECK_BYTES),
+                       checkpoint=one.checkpoint * world,
+                       merged=_part(dense, largest) + merging,
+                       gguf=_gguf_writing(largest, dtype) + (0 if cuda else largest) + merging)
+    trainable, state = step.trainable, step.optimizer_state
     copy = trainable + state
     undo = copy if cuda and (t.optimizer_in_backward or copy <= UNDO_AUTO_BYTES) else 0
     offloaded = max((s.offloaded for s in fake.segments.values()), default=0)
@@ -327,25 +330,85 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
         # a tensor at a time (``models.gguf.write_gguf``): the largest converted to f16 (the
         # writer takes it whole), a float32 chunk of its rows and that chunk's transient; on a
         # CPU a LoRA run's merged projection is a new tensor too (``_merging``)
-        gguf=largest // dtype * 2 + 2 * _gguf_writer.CONVERT_CHUNK_BYTES
-        + (0 if cuda or full else _merging(config, t)),
+        gguf=_gguf_writing(largest, dtype) + (0 if cuda or full else _merging(config, t)),
     )
 
 
-def _gathered(config: ModelConfig, t: Techniques) -> int:
-    """Rank 0's host copy of every weight, gathered to be saved (``distributed.full_state``):
-    in the training dtype, the NF4 base as its codes and scales."""
-    dtype = _BYTES[t.dtype]
-    if t.method != "qlora":
-        return config.num_parameters * dtype
-    adapted = _adapted_weights(config, t)
-    return (config.num_parameters - adapted) * dtype + adapted * 33 // 64  # ~4.1 bits a weight
+def _gguf_writing(largest: int, dtype: int) -> int:
+    """Host bytes ``write_gguf`` holds: the largest weight converted to f16 (the writer takes
+    it whole), a float32 chunk of its rows and that chunk's transient."""
+    return largest // dtype * 2 + 2 * _gguf_writer.CONVERT_CHUNK_BYTES
 
 
 def _part(nbytes: int, largest: int) -> int:
     """The largest file ``checkpoint.parts`` cuts ``nbytes`` into, whose largest tensor holds
     at most ``largest``."""
     return min(nbytes, max(PART_BYTES, largest))
+
+
+def loading_peak(config: ModelConfig, t: Techniques, target: str, parameters: int,
+                 spread: Ranks | None = None) -> int:
+    """The most the device holds while the weights are read: the weights as they end up
+    (``parameters``: one process's, or a rank's share) plus the one weight in flight.
+
+    One process (``models.load_model``) reads each weight straight into its place: only a
+    QLoRA projection is in flight, dense while torchao quantizes it (``_quantizing``), then
+    its NF4 takes its place. A rank (``shards.build_sharded``) has its shards made first and
+    reads each weight's rows beside them before copying them in; a projection becoming NF4
+    also needs the whole weight's block scales (1/64 of it) and makes a second NF4 shard
+    that replaces the first; the LoRA pairs are drawn whole. With FSDP2's CPU offload on a
+    GPU the shards are made in host memory: the device holds nothing while loading. (On a
+    CPU, a checkpoint stored in another dtype than the training one is cast through a 16 MiB
+    chunk: not counted.)"""
+    if spread is not None and spread.sharding.cpu_offload and target == "cuda":
+        return 0
+    world, dtype = (spread.world if spread is not None else 1), _BYTES[t.dtype]
+    quantized = set(t.lora_targets) if t.method == "qlora" else set()
+    flight = 0
+    for name, (rows, cols) in _weight_shapes(config).items():
+        n = -(-rows // world) * cols  # this rank's rows
+        if name in quantized:
+            made = n * 33 // 64  # NF4: codes, int8 scales and their factors (~4.1 bits a value)
+            need = n * dtype + _quantizing(n, dtype) + (rows * cols // 64 * dtype + made
+                                                         if spread is not None else -made)
+        else:
+            need = n * dtype if spread is not None else 0
+        flight = max(flight, need)
+    if spread is not None and t.method in ("lora", "qlora"):
+        adapted = [rows + cols for name, (rows, cols) in _weight_shapes(config).items()
+                   if name in t.lora_targets]
+        flight = max([flight] + [t.lora_rank * size * dtype for size in adapted])
+    reader = CHECK_BYTES if target == "cpu" else 0  # the finiteness check's scalars
+    # a rank's show of hands after each weight (``shards.agreed``): a flag and its sum
+    return parameters + flight + reader + (CHECK_BYTES if spread is not None else 0)
+
+
+def _rows_in_flight(config: ModelConfig, t: Techniques, world: int) -> int:
+    """The most bytes of one weight a rank reads at once: its rows of the largest."""
+    return max(-(-rows // world) * cols for rows, cols in _weight_shapes(config).values()) * _BYTES[t.dtype]
+
+
+# torchao compares this many values with the 16 NF4 levels at once (its CHUNK_SIZE)
+_NF4_CHUNK = 1 << 20
+
+
+def _quantizing(n: int, dtype: int) -> int:
+    """torchao's temporaries at their most while it quantizes ``n`` values of ``dtype`` bytes
+    to NF4: the scaled blocks and their magnitudes (a value each), the codes before they are
+    paired (a byte each), the block scales (a value per 32), and a chunk's distances to the
+    16 levels with their magnitudes (32 values per value of a chunk). Measured with torch's
+    MemTracker from 1/4 Mi to 58 Mi values in bf16 and fp32: within 1 % over."""
+    return n * (2 * dtype + 1) + n * dtype // 32 + 2 * 16 * min(n, _NF4_CHUNK) * dtype
+
+
+def _weight_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(rows, columns) of each kind of weight: the embedding and head, and each projection a
+    layer has under ``lora_targets``' names."""
+    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {"embed_tokens": (v, d), "lm_head": (v, d), "q_proj": (q, d), "k_proj": (kv, d),
+            "v_proj": (kv, d), "o_proj": (d, q), "gate_proj": (f, d), "up_proj": (f, d),
+            "down_proj": (d, f)}
 
 
 def _projections(config: ModelConfig) -> dict[str, int]:

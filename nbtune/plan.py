@@ -24,8 +24,13 @@ RETUNES_MODEL = frozenset({"lora_alpha", "lora_dropout", "activation_checkpointi
                            "compile"})
 REBUILDS_DATA = frozenset({"seq_len", "batch_size", "seed", "packing"})
 REBUILDS_OPTIMIZER = REBUILDS_MODEL | {"optimizer", "optimizer_in_backward", "cpu_offload_optimizer"}
-# What FSDP2 wrapped as it was: fixed while the model is sharded over ranks.
-SHARDED_FIELDS = REBUILDS_MODEL | RETUNES_MODEL
+# Fixed while the model is sharded over ranks: what FSDP2 sharded (the weights as method,
+# dtype and the LoRA shape made them) and compile, which would wrap the hooks FSDP2 put on
+# each layer. The rest of RETUNES_MODEL are flags each layer reads as it runs (checkpointing,
+# tiling) or the adapters' scaling and dropout: they change on ranks as in one process.
+SHARDED_FIELDS = REBUILDS_MODEL | {"compile"}
+SHARDED_REASON = ("the model is sharded over ranks as these made it (compile would wrap the hooks "
+                  "FSDP2 put on each layer): change it in the run file and start the ranks again")
 
 
 def check(t: Techniques, model: nn.Module, device: str) -> list[str]:

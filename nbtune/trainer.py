@@ -43,7 +43,7 @@ from . import host
 from .optim import OptimizerInBackward, build_optimizer, release_optimizer
 from .peft import adapter_state_dict, has_lora
 from .plan import (REBUILDS_DATA, REBUILDS_MODEL, REBUILDS_OPTIMIZER, RETUNES_MODEL, SHARDED_FIELDS,
-                   ModelJournal, check, transform_model)
+                   SHARDED_REASON, ModelJournal, check, transform_model)
 from .step import NonFiniteError, StepContext, StepOptions, StepReport, held_out_loss, train_step
 from .techniques import Techniques
 from .state import (base_fingerprint, check_optimizer_state, check_param_groups, check_weights,
@@ -189,9 +189,7 @@ class Trainer:
         self.check_usable()
         fixed = new.changed(self.techniques) & SHARDED_FIELDS
         if fixed and self.parallel is not None:
-            raise ValueError(f"{', '.join(sorted(fixed))} cannot change while the model is sharded "
-                             "over ranks (FSDP2 wrapped the model as it was built): change it in the "
-                             "run file and start the ranks again.")
+            raise ValueError(f"{', '.join(sorted(fixed))} cannot change while {SHARDED_REASON}.")
         if self.parallel is not None and new.batch_size % self.parallel.world:
             raise ValueError(f"batch_size={new.batch_size} does not split over {self.parallel.world} "
                              "ranks: it is the global batch, so make it a multiple of the number of "

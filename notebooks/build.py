@@ -663,26 +663,29 @@ ranks.chart("ranks")"""),
 
 `set` reaches every rank at the same step boundary, and all or nothing: each rank first builds
 what the change needs beside what it uses, and only when every rank could does every rank
-switch. A change that would re-wrap the sharded model (checkpointing, the method, the dtype)
-is refused by the ranks, with the reason, and changes nothing anywhere."""),
+switch. Checkpointing, tiling, offloading, the chunked loss, the optimizer and the rest change
+on ranks as in one process. What made the weights FSDP2 sharded (the method, the dtype, the
+LoRA shape) and compile (it would wrap FSDP2's hooks) are refused by the ranks, with the
+reason, and the refusal changes nothing anywhere."""),
     ("code", """try:
-    ranks.set(lr=3e-4, activation_checkpointing=True)
+    ranks.set(lr=3e-4, dtype="bf16")
 except ValueError as refused:
     said = str(refused)
     print(said)
 ranks_lr = ranks.techniques.lr
 print("learning rate still", ranks_lr)"""),
-    ("code", """ranks.set(lr=3e-4, grad_accum=2)
-alone.set(lr=3e-4, grad_accum=2)
+    ("code", """ranks.set(lr=3e-4, grad_accum=2, activation_checkpointing=True)
+alone.set(lr=3e-4, grad_accum=2, activation_checkpointing=True)
 changed_two, changed_one = ranks.run(2, progress=False, live=False), alone.run(2, progress=False, live=False)
 for a, b in zip(changed_one, changed_two):
     print(f"step {a.step}: loss {a.loss:.6f} in one process, {b.loss:.6f} on 2 ranks")"""),
     ("md", """## The panel, on two ranks
 
 The panel drives the ranks as it drives one process: a toggle goes through the same two-phase
-change (checkpointing, for one, is refused: FSDP2 wrapped the model without it), Run trains
-in the background with the notebook free, Stop ends the run at a step boundary on every rank,
-and the chart shows each rank's memory side by side. The fit badge asks about two cards."""),
+change (the method, the dtype, the LoRA shape and compile are greyed out, their tooltip saying
+why), Run trains in the background with the notebook free, Stop ends the run at a step
+boundary on every rank, and the chart shows each rank's memory side by side. The fit badge
+asks about two cards."""),
     ("code", """# NBVAL_IGNORE_OUTPUT
 panel = ranks.panel()
 panel"""),

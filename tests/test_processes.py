@@ -8,8 +8,11 @@ import psutil
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
 import nbtune as nt
 from nbtune import Session
+from nbtune.peft import adapter_state_dict
 from nbtune.processes import Processes, _where
 from nbtune.ranked import RanksTrainer
 
@@ -22,17 +25,19 @@ RUN = ("demo: tiny\ntechniques: {{{techniques}}}\nrun: {{steps: 5, checkpoint_ev
     "method: qlora, batch_size: 4, seq_len: 96, lr: 1e-3, lora_rank: 4"], ids=["lora", "qlora"])
 def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behind(tmp_path, techniques,
                                                                                   capsys):
-    """Steps, a compare (its rows on ranks of their own), a change mid-run (all ranks at one
-    boundary), a sampled reply and a checkpoint loaded back: as one process gives them on the
-    same batches; the refused change changed
-    nothing on any rank. Then a fault (Ctrl-C and a hung rank; a killed rank), and no process
-    is left."""
+    """Steps, a compare (its rows on ranks of their own), changes mid-run (all ranks at one
+    boundary: checkpointing turned on from the panel, then offloading), a sampled reply and
+    a checkpoint loaded back: as one process gives them on the same batches, weights too; the
+    refused change changed nothing on any rank, and the panel shows what ranks cannot change.
+    Then a fault (Ctrl-C and a hung rank; a killed rank), and no process is left."""
     path = tmp_path / "run.yaml"
     path.write_text(RUN.format(techniques=techniques))
     alone = Session.from_config(path)
     one = [alone.step() for _ in range(2)]
-    alone.set(lr=3e-4, grad_accum=2)
-    one += alone.run(3, progress=False)
+    alone.set(lr=3e-4, grad_accum=2, activation_checkpointing=True)
+    one += alone.run(2, progress=False)
+    alone.set(activation_offloading=True)
+    one += alone.run(1, progress=False)
     reply = alone.generate("Which letter is a capital?", input="Krqt", max_new_tokens=6,
                            temperature=1.0, seed=3)
     assert reply  # (greedy says nothing yet: the end of the reply comes first)
@@ -47,10 +52,21 @@ def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behin
         assert ladder[1].peak > ladder[0].peak > 0 and ladder[1].change > 0
         assert all(row.tokens_per_second > 0 and row.estimated_peak > 0 for row in ladder)
         with pytest.raises(ValueError, match="refused the change, so no rank made it"):
-            ranks.set(lr=3e-4, activation_checkpointing=True)  # fixed while the model is sharded
+            ranks.set(lr=3e-4, lora_rank=8)  # fixed while the model is sharded
         assert ranks.techniques.lr == 1e-3
         assert ranks.set(lr=3e-4, grad_accum=2).grad_accum == 2
-        reports += ranks.run(3, progress=False)
+        panel = ranks.panel()
+        assert panel.controls["lora_rank"].disabled and "fixed on ranks" in panel.controls["lora_rank"].tooltip
+        assert not panel.controls["activation_checkpointing"].disabled
+        panel.controls["activation_checkpointing"].value = 1  # through the panel's own path
+        assert ranks.techniques.checkpoint_every == 1 and "applied" in panel.status.value
+        reports += ranks.run(2, progress=False)
+        ranks.set(activation_offloading=True)
+        reports += ranks.run(1, progress=False)
+        saved = load_file(ranks.save(tmp_path / "adapter") / "adapter_model.safetensors")
+        reached = {k: v for k, v in adapter_state_dict(alone.model).items()}
+        assert saved.keys() == reached.keys()
+        assert max((saved[k] - reached[k]).abs().max().item() for k in saved) <= 1e-5
         assert ranks.generate("Which letter is a capital?", input="Krqt", max_new_tokens=6,
                               temperature=1.0, seed=3) == reply
         assert ranks.parts.ranks.rank_steps == [5, 5]
@@ -217,20 +233,25 @@ def test_a_prepared_change_dropped_leaves_the_next_step_as_a_twin_never_asked_gi
     assert all(torch.equal(x, y) for x, y in zip(asked.model.parameters(), twin.model.parameters()))
 
 
-def test_while_sharded_only_what_fsdp2_did_not_wrap_may_change():
-    """A sharded trainer (``parallel`` set) refuses the fields FSDP2 wrapped the model with and
-    a batch that does not split over the ranks, naming them; the rest is prepared."""
-    session = Session.demo("tiny", batch_size=4, seq_len=96)
+def test_while_sharded_only_what_fsdp2_sharded_and_compile_are_fixed():
+    """A sharded trainer (``parallel`` set) refuses what made the weights FSDP2 sharded (method,
+    dtype, the LoRA shape) and compile (it would wrap FSDP2's hooks), and a batch that does not
+    split over the ranks, naming them; the flags layers read as they run (checkpointing,
+    tiling), the adapters' scaling and dropout and the rest are prepared."""
+    session = Session.demo("tiny", batch_size=4, seq_len=96, method="lora", lora_rank=4)
     trainer = session.trainer
     trainer.parallel = SimpleNamespace(world=2)  # only its size is read here
     t = trainer.techniques
-    for field, value in [("activation_checkpointing", True), ("method", "lora"),
-                         ("dtype", "bf16"), ("tile_tokens", 16), ("lora_alpha", 8.0)]:
+    for field, value in [("method", "full"), ("dtype", "bf16"), ("lora_rank", 8),
+                         ("lora_targets", ("q_proj",)), ("compile", True)]:
         with pytest.raises(ValueError, match=f"{field} cannot change while the model is sharded"):
             trainer.prepare(t.replace(**{field: value}))
     with pytest.raises(ValueError, match="batch_size=5 does not split over 2 ranks"):
         trainer.prepare(t.replace(batch_size=5))
-    trainer.abort(trainer.prepare(t.replace(lr=1e-3, grad_accum=2, batch_size=8, optimizer="sgd")))
+    trainer.abort(trainer.prepare(t.replace(lr=1e-3, grad_accum=2, batch_size=8, optimizer="sgd",
+                                            activation_checkpointing=True, tile_tokens=16,
+                                            lora_alpha=8.0, lora_dropout=0.1,
+                                            activation_offloading=True, chunked_loss=4)))
     assert trainer.techniques == t
 
 
@@ -266,8 +287,8 @@ def test_a_change_one_rank_refuses_is_made_by_no_rank():
     trainer = RanksTrainer(_InOneProcess([rank0.parts, rank1.parts]))  # the kernel's side
     t = trainer.techniques
     with pytest.raises(ValueError, match="Rank 1 refused the change, so no rank made it: "
-                                         "activation_checkpointing cannot change"):
-        trainer.set(t.replace(optimizer="sgd", activation_checkpointing=True))
+                                         "method cannot change"):
+        trainer.set(t.replace(optimizer="sgd", method="lora"))
     assert rank0.techniques == twin.techniques and trainer.techniques == twin.techniques
     assert rank0.step().loss == twin.step().loss
     assert trainer.set(t.replace(lr=3e-3)) == {"lr"}

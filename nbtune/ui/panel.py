@@ -25,6 +25,7 @@ import ipywidgets as w
 from ..runner import (Message, PendingChanged, Refused, RunFinished, RunStarted, StepDone,
                       TechniquesChanged)
 from ..techniques import CHOICE_HELP, DTYPES, HELP, LORA_TARGETS, METHODS, NO_EFFECT, OPTIMIZERS
+from ..plan import SHARDED_FIELDS, SHARDED_REASON
 from ..units import format_bytes
 from .charts import draw_memory, figure_png
 from ..predict import APPLY_IN_CODE, CARDS, HOST_RAM, Predictor
@@ -147,9 +148,12 @@ def _snapped(control, current, new) -> bool:
     return math.isclose(to, round(to), abs_tol=1e-6) and abs(to - at) <= 0.5 + 1e-6
 
 
-def _blocked_reason(techniques, name: str, device: str) -> str | None:
-    """Why control ``name`` is disabled: moving it to its probe value would be refused, or it
-    would change nothing on this device (``NO_EFFECT``); None if it is free to move."""
+def _blocked_reason(techniques, name: str, device: str, sharded: bool = False) -> str | None:
+    """Why control ``name`` is disabled: on ranks, it is fixed while the model is sharded
+    (``plan.SHARDED_FIELDS``); moving it to its probe value would be refused, or it would
+    change nothing on this device (``NO_EFFECT``); None if it is free to move."""
+    if sharded and name in SHARDED_FIELDS:
+        return f"{name} is fixed on ranks: {SHARDED_REASON}."
     pointless = [rule.reason for rule in NO_EFFECT
                  if name in rule.fields and rule.device != device and rule.broken(techniques)]
     if pointless:
@@ -540,7 +544,8 @@ class Panel(w.VBox):
             for name, control in self.controls.items():
                 value = getattr(techniques, name)
                 control.value = _widget_value(name, value)
-                reason = _blocked_reason(techniques, name, self.session.device.type)
+                reason = _blocked_reason(techniques, name, self.session.device.type,
+                                         sharded=self.session.parallel is not None)
                 control.disabled = reason is not None
                 help_text = HELP[name]
                 if name in CHOICE_HELP:

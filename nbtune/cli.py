@@ -164,11 +164,12 @@ def main(argv: list[str] | None = None) -> int:
 def _ended_the_run(err: BaseException) -> bool:
     """A training failure nbtune explains itself (a NaN refused, a half-written update, out of
     memory with advice): said in one message, not a traceback."""
+    from .distributed import RankLost
     from .oom import OutOfMemory
     from .step import NonFiniteError
     from .trainer import DamagedStateError
 
-    return isinstance(err, (NonFiniteError, DamagedStateError, OutOfMemory))
+    return isinstance(err, (NonFiniteError, DamagedStateError, OutOfMemory, RankLost))
 
 
 # What bad input raises: nbtune's own errors (all ValueError) and the operating system's

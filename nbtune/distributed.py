@@ -16,6 +16,8 @@ only the bookkeeping that keeps N ranks equal to one process on the same run fil
 from __future__ import annotations
 
 import os
+import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -47,13 +49,29 @@ class Sharding:
     cpu_offload: bool = False  # sharded weights, gradients and optimizer state in CPU memory
     mixed_precision: str | None = None  # "bf16": gather and compute in bf16, reduce in fp32
     shard_embeddings: bool = False  # embedding and output head as their own units (untied only)
+    # HSDP: the ranks in this many groups (one a machine, say), each group holding the whole
+    # model sharded over its ranks, gradients averaged across the groups; 1: plain FSDP
+    replicate: int = 1
+
+
+class RankLost(RuntimeError):
+    """A rank, or the machine it ran on, stopped answering: the job cannot go on."""
+
+
+# What gloo and the store say when the other end of a connection is gone.
+_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+         "Connection refused", "Socket Timeout")
+ROLL_CALL_SECONDS = 5.0  # how long the ranks still standing wait for each other to answer
 
 
 class Parallel:
-    """This process's place in a torchrun job; None-like when not under torchrun."""
+    """This process's place in a torchrun job; None-like when not under torchrun. ``places``:
+    each rank's machine (torchrun's node rank) and host name, in rank order, as the ranks
+    told each other when the job started (``from_env``); None where unknown."""
 
     def __init__(self, rank: int, world: int, local_rank: int, sharding: Sharding) -> None:
         self.rank, self.world, self.local_rank, self.sharding = rank, world, local_rank, sharding
+        self.places: list[tuple[int, str]] | None = None
 
     @classmethod
     def from_env(cls, sharding: Sharding | None = None) -> "Parallel | None":
@@ -71,7 +89,49 @@ class Parallel:
             if torch.cuda.is_available():
                 torch.cuda.set_device(local)
             dist.init_process_group(backend)
-        return cls(rank, world, local, sharding or Sharding())
+        parallel = cls(rank, world, local, sharding or Sharding())
+        parallel.places = parallel.gather((_env_int("GROUP_RANK", "0", 0), socket.gethostname()))
+        return parallel
+
+    @property
+    def machines(self) -> int:
+        """How many machines the ranks run on (1 where unknown)."""
+        return len({machine for machine, _ in self.places}) if self.places else 1
+
+    def lost(self, err: BaseException) -> RankLost | None:
+        """``err`` as a ``RankLost`` naming the ranks (and their machines) that stopped
+        answering, where it says a connection to another rank is gone; else None. The ranks
+        still standing call the roll in the job's store (``ROLL_CALL_SECONDS``): whoever did
+        not answer is named, and if the store itself is gone, rank 0's machine (it holds it)."""
+        text = str(err)
+        if not any(sign in text for sign in _GONE):
+            return None
+        absent = self._roll_call()
+        where = lambda ranks: ", ".join(  # noqa: E731
+            f"rank {r}" + (f" (machine {self.places[r][0]}, {self.places[r][1]})" if self.places else "")
+            for r in ranks)
+        if absent is None:
+            said = f"the job's store on rank 0's machine cannot be reached: {where([0])} is gone"
+        elif absent:
+            said = f"{where(absent)} stopped answering"
+        else:
+            said = "a connection between ranks broke, though every rank still answers"
+        return RankLost(f"Rank {self.rank} lost a rank during the run: {said}. The job ends here "
+                        "on every rank. Start every machine's torchrun again with --resume to go on "
+                        f"from the last checkpoint. (The error: {text.splitlines()[0][:200]})")
+
+    def _roll_call(self) -> list[int] | None:
+        """The ranks that did not answer within ``ROLL_CALL_SECONDS``; None without a store."""
+        import datetime
+
+        try:
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False, timeout=datetime.timedelta(seconds=ROLL_CALL_SECONDS))
+            store.set(f"nbtune/present/{self.rank}", "1")
+            time.sleep(ROLL_CALL_SECONDS)
+            return [r for r in range(self.world) if not store.check([f"nbtune/present/{r}"])]
+        except (RuntimeError, KeyError, ValueError):  # (torch's store errors are RuntimeErrors)
+            return None
 
     @property
     def device(self) -> torch.device:
@@ -122,7 +182,9 @@ def shard_model(model: nn.Module, sharding: Sharding, mesh=None, prime: bool = T
                                         register_fsdp_forward_method)
 
     options = {"reshard_after_forward": sharding.reshard_after_forward}
-    if mesh is not None:  # the estimator's fake ranks (made before its fake tensors)
+    if mesh is None and sharding.replicate > 1:
+        mesh = device_mesh(sharding)
+    if mesh is not None:  # HSDP's 2-D mesh, or the estimator's fake ranks
         options["mesh"] = mesh
     if sharding.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
@@ -142,6 +204,20 @@ def shard_model(model: nn.Module, sharding: Sharding, mesh=None, prime: bool = T
         prime_units(model)
 
 
+def device_mesh(sharding: Sharding, world: int | None = None, device_type: str | None = None):
+    """The ranks as FSDP2 takes them: one dimension (shard over all), or for HSDP
+    (``replicate`` > 1) two, ``("replicate", "shard")``: torchrun numbers a machine's ranks
+    together, so with one group a machine each group's ranks share its links."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = world or dist.get_world_size()
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if sharding.replicate <= 1:
+        return init_device_mesh(device_type, (world,))
+    return init_device_mesh(device_type, (sharding.replicate, world // sharding.replicate),
+                            mesh_dim_names=("replicate", "shard"))
+
+
 def prime_units(model: nn.Module) -> None:
     """Gather and free each FSDP2 unit once, so that its gather buffers exist before the first
     step: the memory tracker then files them as gathered weights from step 1 on, not
@@ -159,8 +235,14 @@ def check_sharding(sharding: Sharding, model: nn.Module, techniques, device: str
     """Every reason ``sharding`` cannot run here over ``world`` ranks, each naming the fix
     (nothing is built yet)."""
     problems = []
+    replicate = sharding.replicate
+    if not isinstance(replicate, int) or isinstance(replicate, bool) or replicate < 1 or world % replicate:
+        problems.append(f"distributed.replicate={replicate!r} does not split {world} ranks into groups "
+                        f"of equal size: give a whole number that divides {world} (the number of "
+                        "machines, for one group a machine), or 1 for plain FSDP.")
+        replicate = 1
     if techniques.method == "qlora":
-        problems += _nf4_splits(model, techniques.lora_targets, world)
+        problems += _nf4_splits(model, techniques.lora_targets, world // replicate)
     if sharding.cpu_offload and device != "cuda":
         problems.append("distributed.cpu_offload moves the sharded weights, gradients and optimizer "
                         "state off a CUDA device; on this device they are already in CPU memory: "

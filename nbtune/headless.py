@@ -232,8 +232,15 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
         if parallel is not None:
             parallel.barrier()
         with stop_signals() as stopped:
-            code = _run(parts, path, out, out_dir, settings, resume, parallel, rank, say, started,
-                        progress)
+            try:
+                code = _run(parts, path, out, out_dir, settings, resume, parallel, rank, say,
+                            started, progress)
+            except Exception as err:  # a rank or its machine gone: named, not a traceback
+                lost = parallel.lost(err) if parallel is not None else None
+                if lost is None:
+                    raise
+                parts = None
+                raise lost from None
         if parallel is not None and code == 0:
             parallel.barrier()  # every rank done with the group before any tears it down
         return 128 + stopped[0] if code == 130 and stopped else code

@@ -10,10 +10,17 @@ so N engines train exactly as a torchrun job of that file does. The kernel is no
 sends each command to every engine at once (``each``) and gathers plain values back, so a
 rank that dies leaves the kernel alive. ``nbtune.ranked`` puts a ``Session`` in front.
 
-Lifetime: ``close()`` ends the ranks and the cluster; every engine also watches the process
-that started it (the kernel) and ends itself, and the controller, when that process is gone
-(a killed kernel leaves no rank behind). The cluster's files go to a temporary folder, not
-the user's IPython profile.
+Several machines: ``local=K`` starts K of the N ranks here and waits for the other N - K to
+join from other machines, each an ``ipengine`` started there with the controller's connection
+file (the kernel prints the file and the commands); ``address`` is this machine's address
+the others reach, where the controller listens and rank 0 holds the process group's store.
+Ranks are numbered machine by machine (this one first), each machine's ranks its local ranks.
+
+Lifetime: ``close()`` ends the ranks and the cluster; every engine this kernel started also
+watches it and ends itself, and the controller, when the kernel is gone (a killed kernel
+leaves no rank behind here; engines on other machines end once the controller stops
+answering, as ipyparallel's heartbeat has it). The cluster's files go to a temporary folder,
+not the user's IPython profile.
 
 Faults: the kernel waits on every rank at once. A rank that dies (killed, out of memory, an
 exception) or does not answer within ``timeout`` raises ``RankFailed`` naming it and why; the
@@ -46,9 +53,9 @@ class RankFailed(RuntimeError):
         self.rank = rank
 
 
-def _free_port() -> int:
+def _free_port(address: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((address, 0))
         return s.getsockname()[1]
 
 
@@ -60,7 +67,9 @@ class Processes:
     step, a save; several steps get their expected time on top) may take on any rank before
     the ranks are taken as hung and ended.
     ``resume``: a checkpoint folder to start from. ``build=False``: the ranks join their
-    process group and build nothing (the ladder builds its own rows on them).
+    process group and build nothing (the ladder builds its own rows on them). ``local``: the
+    ranks started on this machine (default all), the rest joining from other machines;
+    ``address``: this machine's address they reach (see the module docstring).
     """
 
     interrupted = False  # Ctrl-C came during the last held command (it finished first)
@@ -68,11 +77,20 @@ class Processes:
 
     def __init__(self, run_file, processes: int = 2, *, overrides: dict | None = None,
                  timeout: float = 600.0, resume: str | os.PathLike | None = None,
-                 build: bool = True) -> None:
+                 build: bool = True, local: int | None = None, address: str | None = None) -> None:
         from . import runfile
 
         if not isinstance(processes, int) or isinstance(processes, bool) or processes < 2:
             raise ValueError(f"processes={processes!r}: give 2 or more (one process needs none of this).")
+        local = processes if local is None else local
+        if not isinstance(local, int) or isinstance(local, bool) or not 1 <= local <= processes:
+            raise ValueError(f"local={local!r}: give how many of the {processes} ranks start on this "
+                             "machine (1 to all; the others join from other machines).")
+        if local < processes and not address:
+            raise ValueError(f"{processes - local} ranks are to join from other machines: give "
+                             "address=, this machine's address as they reach it (its IP or host "
+                             "name), where they find the controller and rank 0.")
+        self.local, self.address = local, address
         path = Path(run_file).resolve()
         self.config = runfile.load(path, overrides)  # refused with the line before any process starts
         self.world, self.timeout, self.build = processes, timeout, build
@@ -89,27 +107,62 @@ class Processes:
         processes = self.world
         self._profile = tempfile.TemporaryDirectory(prefix="nbtune-ranks-")
         # --nodb: the controller keeps no record of each command (a long run's steps would
-        # pile up there); the client forgets each answer once read (``each``).
-        self.cluster = ipp.Cluster(n=processes, profile_dir=self._profile.name, log_level=40,
-                                   shutdown_atexit=True, controller_args=["--nodb"])
+        # pile up there); the client forgets each answer once read (``each``). Where ranks
+        # join from other machines it listens on ``address`` (and only there).
+        where = {"controller_ip": self.address, "controller_location": self.address} \
+            if self.local < processes else {}
+        self.cluster = ipp.Cluster(n=self.local, profile_dir=self._profile.name, log_level=40,
+                                   shutdown_atexit=True, controller_args=["--nodb"], **where)
         self.client = self._engines = None
         try:
             self.client = self.cluster.start_and_connect_sync(activate=False)
+            if self.local < processes:
+                print(self.joining(), flush=True)
             self.client.wait_for_engines(processes, timeout=self.timeout)
         except BaseException:  # (Ctrl-C, a timeout) whatever was started is ended
             self._end()
             raise
-        self._engines = [self.client[i] for i in sorted(self.client.ids)[:processes]]
+        engines = [self.client[i] for i in sorted(self.client.ids)[:processes]]
+        hosts = [engine.apply_sync(_host) for engine in engines]
+        parent, mine = os.getpid(), socket.gethostname()
+        # rank order: the ranks started here first (rank 0 holds the store at ``address``),
+        # then this machine's others, then machine by machine
+        order = sorted(range(processes), key=lambda i: (hosts[i][1] != parent, hosts[i][0] != mine,
+                                                        hosts[i][0], i))
+        self._engines = [engines[i] for i in order]
+        machines = list(dict.fromkeys(hosts[i][0] for i in order))
+        places = [{"machine": machines.index(hosts[i][0]),
+                   "local_rank": [j for j in order if hosts[j][0] == hosts[i][0]].index(i),
+                   "local_world": sum(host == hosts[i][0] for host, _ in hosts),
+                   "watch": hosts[i][1] == parent} for i in order]
         controller = self.cluster.controller.process.pid if self.cluster.controller else None
-        port, parent = _free_port(), os.getpid()
+        master = self.address if self.local < processes else "127.0.0.1"
+        port = _free_port(master)
         resume = str(self.checkpoint) if self.checkpoint is not None else None
         answers = self.each(_join, lambda rank: (rank, processes, port, str(path), overrides or {},
-                                                 parent, controller, resume, self.build))
+                                                 parent, controller, resume, self.build,
+                                                 {**places[rank], "master": master}))
         self.about = answers[0]  # rank 0's run: its model's shape, tokenizer, source, data files
         self.step_number, self.techniques = self.about["step"], self.about["techniques"]
         if self.checkpoint is None:  # the run file's, before any set(): what a resume starts from
             self._file_techniques = self.techniques
         self.pids = [answer["pid"] for answer in answers]  # each rank's process id, in rank order
+
+    @property
+    def connection_file(self) -> Path:
+        """The controller's connection file for engines (ipyparallel names it by cluster)."""
+        return (Path(self._profile.name) / "security"
+                / f"ipcontroller-{self.cluster.cluster_id}-engine.json")
+
+    def joining(self) -> str:
+        """What to run on the other machines for their ranks to join (printed while waiting)."""
+        file = self.connection_file
+        return (f"Waiting up to {self.timeout:.0f} s for {self.world - self.local} more rank(s) to join "
+                f"from other machines. On each, with nbtune installed and the run file, model and "
+                f"data at the same paths as here:\n"
+                f"  1. copy {file} there (scp {file} OTHER:ipcontroller-engine.json)\n"
+                f"  2. start one rank per process it is to hold (each its own GPU):\n"
+                f"       ipengine --file=ipcontroller-engine.json &")
 
     @property
     def alive(self) -> bool:
@@ -242,11 +295,20 @@ class Processes:
         self._engines = []
         try:
             if self.client is not None:
+                if self.local < self.world:  # engines started on other machines: asked to end
+                    asking = threading.Thread(target=_ask_to_end, args=(self.client,), daemon=True)
+                    asking.start()
+                    asking.join(timeout=10)  # (a hung engine does not answer: not waited for)
                 self.client.close()
             self.cluster.stop_cluster_sync()
         finally:
             self.client = self.cluster = None
             self._profile.cleanup()
+
+
+def _ask_to_end(client) -> None:
+    with contextlib.suppress(Exception):
+        client.shutdown(targets="all", block=True)
 
 
 def _reason(result) -> str:
@@ -261,21 +323,30 @@ def _reason(result) -> str:
 
 # ---- on each engine (ipyparallel pickles these by name: they run as nbtune code) ----------
 
+def _host() -> tuple[str, int]:
+    """This engine's machine (host name) and the process that started it."""
+    return socket.gethostname(), os.getppid()
+
+
 def _join(rank: int, world: int, port: int, path: str, overrides: dict, parent: int,
-          controller: int | None, resume: str | None, build: bool = True) -> dict:
+          controller: int | None, resume: str | None, build: bool, place: dict) -> dict:
     """Become rank ``rank``: the process group, then the run, as ``nbtune train`` builds it
-    (from ``resume``'s checkpoint where given); returns what the kernel keeps of it."""
+    (from ``resume``'s checkpoint where given); returns what the kernel keeps of it. ``place``:
+    its machine, its rank and their number there, the address of rank 0's machine, and
+    whether the kernel started it (then it watches the kernel)."""
     from . import runs, runfile
     from .distributed import Parallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    threading.Thread(target=_watch, args=(parent, controller), daemon=True,
-                     name="nbtune-parent-watch").start()
+    os.environ.update(MASTER_ADDR=place["master"], MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(place["local_rank"]),
+                      LOCAL_WORLD_SIZE=str(place["local_world"]), GROUP_RANK=str(place["machine"]))
+    if place["watch"]:
+        threading.Thread(target=_watch, args=(parent, controller), daemon=True,
+                         name="nbtune-parent-watch").start()
     import torch
 
     if not torch.cuda.is_available():  # the cores shared out, as torchrun does (OMP_NUM_THREADS)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // place["local_world"]))
     config = runfile.load(path, overrides)
     parallel = Parallel.from_env(config.to_sharding())
     if not build:

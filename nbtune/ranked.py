@@ -154,8 +154,9 @@ class RankedRun:
     """The run a ``Session`` fronts, on N ranks (``runs.Run``'s commands, sent to each)."""
 
     def __init__(self, run_file, processes: int, overrides: dict | None = None,
-                 timeout: float = 600.0) -> None:
-        self.ranks = Processes(run_file, processes, overrides=overrides, timeout=timeout)
+                 timeout: float = 600.0, local: int | None = None, address: str | None = None) -> None:
+        self.ranks = Processes(run_file, processes, overrides=overrides, timeout=timeout,
+                               local=local, address=address)
         about, config = self.ranks.about, self.ranks.config
         self.trainer = RanksTrainer(self.ranks)
         self.runner = Runner(self.trainer)

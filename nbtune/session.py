@@ -167,7 +167,8 @@ class Session:
 
     @classmethod
     def from_config(cls, config, *, overrides: dict | None = None, device=None,
-                    parallel=None, processes: int | None = None):
+                    parallel=None, processes: int | None = None, local: int | None = None,
+                    address: str | None = None):
         """A session from a run file (``save_config`` writes one) or a loaded ``RunConfig``.
 
         ``overrides`` are dotted fields that win over the file, e.g. ``{"techniques.lr": 1e-4}``;
@@ -175,7 +176,9 @@ class Session:
         random generator is seeded with ``techniques.seed`` first, so two runs of a file agree.
         ``processes=N``: the run on N ranks (FSDP2, as under torchrun), each a process started
         and driven from here: every command reaches every rank (``nbtune.ranked``);
-        ``close()`` ends them; a run file's ``processes:`` is the default."""
+        ``close()`` ends them; a run file's ``processes:`` is the default. ``local=K`` starts K
+        of them here and waits for the rest to join from other machines (it prints the
+        command to run there); ``address`` is this machine's address as they reach it."""
         processes = _processes_of(config, overrides, processes, parallel)
         if processes is not None:
             from .ranked import RankedRun
@@ -183,7 +186,7 @@ class Session:
             if not isinstance(config, (str, os.PathLike)):
                 raise TypeError("from_config(processes=N) takes the run file's path: each rank "
                                 "reads it (save_config writes one).")
-            return cls._of(RankedRun(config, processes, overrides))
+            return cls._of(RankedRun(config, processes, overrides, local=local, address=address))
         return cls._of(runs.from_config(config, overrides=overrides, device=device,
                                         parallel=parallel))
 

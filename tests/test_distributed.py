@@ -284,3 +284,74 @@ def test_a_ranks_peak_counts_the_weights_fsdp_gathers(one_rank_group):
 
     embedding = config.vocab_size * config.hidden_size * 4
     assert forward_peak(Sharding()) - forward_peak(Sharding(shard_embeddings=True)) >= embedding
+
+
+# ---- past one machine ------------------------------------------------------------------------
+
+def two_machines(run, out, *, kill: bool = False):
+    """``nbtune train`` as two torchrun "machines" of one rank each on this host: two
+    invocations with --nnodes 2 meeting at a c10d rendezvous on 127.0.0.1 (one hosts the
+    store). ``kill``: SIGKILL the second machine's rank once two steps are written."""
+    import os
+    import signal
+    import socket
+    import time
+
+    import psutil
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                               "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+                               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}",
+                               "--rdzv-conf", f"is_host={int(node == 0)}", "-m", "nbtune", "train",
+                               str(run), "--out", str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node in (0, 1)]
+    if kill:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and (
+                not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 2):
+            time.sleep(0.5)
+        workers = [child for child in psutil.Process(nodes[1].pid).children(recursive=True)
+                   if "nbtune" in " ".join(child.cmdline())]
+        assert workers, "the second machine's rank had not started"
+        os.kill(workers[0].pid, signal.SIGKILL)
+    return [node.communicate(timeout=300) + (node.returncode,) for node in nodes]
+
+
+@pytest.mark.slow
+def test_two_machines_by_rendezvous_and_hsdp_equal_one_process(tmp_path):
+    """Two torchrun "machines" meeting at a c10d rendezvous, and HSDP over 2 x 2 gloo ranks
+    (replicate: 2, each pair sharding the model): losses over 5 steps and the saved adapters
+    equal one process's, each HSDP rank holding half the weights (its pair's share)."""
+    path = run_file(tmp_path, LORA, steps=5)
+    assert cli.main(["train", str(path), "--out", str(tmp_path / "one")]) == 0
+    ran = two_machines(path, tmp_path / "machines")
+    assert [code for *_, code in ran] == [0, 0], [err[-2000:] for _, err, _ in ran]
+    hsdp = tmp_path / "hsdp.yaml"
+    hsdp.write_text(path.read_text() + "distributed: {replicate: 2}\n")
+    torchrun(hsdp, tmp_path / "hsdp", ranks=4)
+    one = metrics(tmp_path / "one")
+    for out in ("machines", "hsdp"):
+        other = metrics(tmp_path / out)
+        assert [m["step"] for m in other] == [1, 2, 3, 4, 5]
+        for a, b in zip(one, other):
+            assert abs(a["loss"] - b["loss"]) <= 1e-5 and a["tokens"] == b["tokens"], out
+        close(weights(tmp_path / "one"), weights(tmp_path / out))
+    last = metrics(tmp_path / "hsdp", "metrics.rank3.jsonl")[-1]["memory"]
+    assert abs(last["parameters"] / one[-1]["memory"]["parameters"] - 0.5) < 0.02
+
+
+@pytest.mark.slow
+def test_a_machine_that_drops_out_is_named_and_the_job_ends(tmp_path):
+    """The second "machine"'s rank killed mid-run: the first names it (rank 1, machine 1) in
+    one message with the way on, and ends; nothing waits for ever."""
+    path = run_file(tmp_path, LORA, steps=100000)
+    (first, second) = two_machines(path, tmp_path / "out", kill=True)
+    out, err, code = first
+    assert code != 0 and second[2] != 0
+    said = [line for line in err.splitlines() if line.startswith("nbtune train: Rank 0 lost")]
+    assert said and "rank 1 (machine 1, " in said[0] and "--resume" in said[0], err[-3000:]
+    assert "[rank0]: Traceback" not in err

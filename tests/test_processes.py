@@ -2,6 +2,8 @@
 process on the same run file, and no process left behind."""
 
 import threading
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
@@ -343,3 +345,44 @@ def test_the_kernel_sends_as_many_steps_as_fill_its_seconds_per_command(tmp_path
     assert sorted(trainer.rank_memory) == [1, 2, 3, 4, 5, 6]
     assert all(len(memory) == 2 for memory in trainer.rank_memory.values())
     assert [r.loss for r in rank0.history] == [r.loss for r in rank1.history]
+
+
+@pytest.mark.slow
+def test_a_rank_started_on_another_machine_joins_the_kernels_ranks(tmp_path, capsys):
+    """processes=2, local=1: one rank starts here, the other joins as an ipengine started
+    apart with the printed connection file (another machine's, here on this one at
+    127.0.0.1): the two train as one process does."""
+    import glob
+    import subprocess
+    import sys
+    import tempfile
+
+    path = tmp_path / "run.yaml"
+    path.write_text(RUN.format(techniques="method: lora, batch_size: 4, seq_len: 96, lr: 1e-3, lora_rank: 4"))
+    alone = Session.from_config(path)
+    one = alone.run(2, progress=False)
+    before = set(glob.glob(f"{tempfile.gettempdir()}/nbtune-ranks-*"))
+    made, joined = [], []
+
+    def start():
+        made.append(Session.from_config(path, processes=2, local=1, address="127.0.0.1"))
+
+    starting = threading.Thread(target=start)
+    starting.start()
+    deadline = time.monotonic() + 120
+    while not joined and time.monotonic() < deadline:
+        for folder in set(glob.glob(f"{tempfile.gettempdir()}/nbtune-ranks-*")) - before:
+            for file in Path(folder).glob("security/ipcontroller-*-engine.json"):
+                joined.append(subprocess.Popen([sys.executable, "-m", "ipyparallel.engine",
+                                                f"--file={file}", "--log-level=40"]))
+        time.sleep(0.2)
+    starting.join(timeout=300)
+    assert made, "the ranks did not start"
+    ranks = made[0]
+    try:
+        assert "ipengine --file=ipcontroller-engine.json" in capsys.readouterr().out
+        two = ranks.run(2, progress=False)
+        assert [round(r.loss, 5) for r in two] == [round(r.loss, 5) for r in one]
+    finally:
+        ranks.close()
+        joined[0].wait(timeout=60)

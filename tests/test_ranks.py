@@ -217,3 +217,26 @@ def test_a_sessions_estimate_per_rank_is_the_estimators():
     t = session.techniques
     assert session.estimate(ranks=2) == nt.estimate(session.model.config, t, ranks=2)
     assert session.estimate(ranks=2, device="cuda", sharding={"cpu_offload": True}).parameters == 0
+
+
+def test_host_memory_is_predicted_per_machine_and_hsdp_shards_within_a_group():
+    """4 ranks on 2 machines: each machine's host holds its 2 ranks (their runtimes, their
+    offloaded shards, their loading), not all 4; rank 0's machine also writes the saves, as
+    one machine would. HSDP (replicate: 2) shards over a group of 2: a rank holds what a rank
+    of 2-rank FSDP holds."""
+    config = ModelConfig(**TINY)
+    t = nt.Techniques(batch_size=4, seq_len=96)
+    sharding = {"cpu_offload": True}
+    one = nt.estimate(config, t, device="cuda", ranks=4, sharding=sharding)
+    two = nt.estimate(config, t, device="cuda", ranks=4, sharding=sharding, machines=2)
+    assert two.host.sharded * 2 == one.host.sharded > 0
+    assert two.host.runtime * 2 == one.host.runtime and two.host.loading * 2 == one.host.loading
+    assert (two.host.merged, two.host.gguf) == (one.host.merged, one.host.gguf)
+    assert two.peak == one.peak  # the device side does not care where the ranks are
+    with pytest.raises(ValueError, match="machines=3"):
+        nt.estimate(config, t, ranks=4, machines=3)
+    hsdp = nt.estimate(config, t, ranks=4, sharding={"replicate": 2})
+    assert hsdp.parameters == nt.estimate(config, t, ranks=2).parameters
+    assert hsdp.parameters == 2 * nt.estimate(config, t, ranks=4).parameters
+    with pytest.raises(ValueError, match="replicate=3 does not split 4 ranks"):
+        nt.estimate(config, t, ranks=4, sharding={"replicate": 3})

@@ -179,7 +179,8 @@ def _fake_batch(config: ModelConfig, t: Techniques, batch_size: int, seq_len: in
 def estimate(model, techniques: Techniques | None = None, *, batch_size: int | None = None,
              seq_len: int | None = None, device: str | torch.device = "cpu",
              extrapolate: bool = True, traces: TraceCache | None = None, ranks: int = 1,
-             sharding: Sharding | dict | None = None, recompute_loss: bool = True) -> MemoryBreakdown:
+             sharding: Sharding | dict | None = None, machines: int = 1,
+             recompute_loss: bool = True) -> MemoryBreakdown:
     """Predict one training step's memory without allocating the model.
 
     ``model``: a preset name (``nbtune.models.presets.PRESETS``), a Hub repo id (only its
@@ -196,7 +197,8 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     ``ranks``: the step of each of that many processes under FSDP2 (``sharding``: its
     settings, the run file's ``distributed:`` section), predicted by running the real
     sharding over a fake process group (``ranks.py``); ``batch_size`` stays the global batch.
-    The host memory is the whole machine's (every rank's).
+    The host memory is one machine's: the ranks on it (``ranks / machines`` of them) and, on
+    rank 0's, a save being written.
 
     ``recompute_loss=False``: a chunked loss's pieces make their gradients in forward
     instead of being recomputed in backward (what ``Predictor.keeps_loss_pieces`` weighs).
@@ -207,7 +209,7 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     if target not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: nbtune estimates for 'cpu' or 'cuda'.")
     shape = (batch_size or t.batch_size, seq_len or t.seq_len)
-    spread = Ranks.of(ranks, sharding)
+    spread = Ranks.of(ranks, sharding, machines)
     with torch.device("meta"):
         built = CausalLM(config.replace(num_layers=min(config.num_layers, 1)))
     problems = check(t.replace(seq_len=min(t.seq_len, config.max_position_embeddings)), built, target)
@@ -240,8 +242,8 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     if target == "cuda":
         result = held_throughout(result, cublas_workspaces())
     host = host_memory(config, t, target, result, step, spread)
-    if offloaded:  # every rank's shards, on the one host
-        host = replace(host, sharded=sum(offloaded.values()) * spread.world)
+    if offloaded:  # the shards of every rank on the machine
+        host = replace(host, sharded=sum(offloaded.values()) * spread.per_machine)
     return replace(result, host=host)
 
 
@@ -275,8 +277,9 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
     """What the run of ``t`` holds on the host beside ``step`` (the device's side), by what
     nbtune's code does: see ``HostMemory``. The undo copy counts where "auto" keeps it on
     every step (CUDA: at most 256 MiB, or the optimizer in backward). Over ``spread``'s
-    ranks, each is a process of its own on this host holding its share (no undo copy under
-    torchrun); a save is written by rank 0 a unit at a time (``shards.Gathered``)."""
+    ranks, each is a process of its own holding its share (no undo copy under torchrun), and
+    the figures are for one machine (``spread.per_machine`` ranks): rank 0's, since a save
+    is written by rank 0, a unit at a time (``shards.Gathered``)."""
     cuda = target == "cuda"
     dtype = _BYTES[t.dtype]
     dense = config.num_parameters * dtype  # every weight in the model's dtype
@@ -284,7 +287,7 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
                                        config.num_heads * config.head_dim) * dtype  # one weight
     if spread is not None:
         one = host_memory(config, t, target, step, fake)
-        world = spread.world
+        world = spread.per_machine
         # rank 0 makes each weight on its device while its unit is gathered, and writes it a
         # file part (or a tensor) at a time, as one process on a GPU does; on a CPU each weight
         # made is a copy out of the gathered unit, and a merge's temporaries are on the host
@@ -293,7 +296,8 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
                        offloaded=one.offloaded * world, paged=one.paged * world,
                        cpu_optimizer=one.cpu_optimizer * world, undo=0,
                        # each rank reads its rows of a weight at a time (``shards``)
-                       loading=world * (_rows_in_flight(config, t, world) + CAST_CHUNK_BYTES + CHECK_BYTES),
+                       loading=world * (_rows_in_flight(config, t, spread.world) + CAST_CHUNK_BYTES
+                                        + CHECK_BYTES),
                        checkpoint=one.checkpoint * world,
                        merged=_part(dense, largest) + merging,
                        gguf=_gguf_writing(largest, dtype) + (0 if cuda else largest) + merging)
@@ -518,7 +522,7 @@ def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int
     with torch.device("meta"):
         built = CausalLM(config)
     cast_model(built, DTYPES[t.dtype])
-    with fake_group(world) if spread is not None else contextlib.nullcontext() as mesh, \
+    with fake_group(world, spread.sharding) if spread is not None else contextlib.nullcontext() as mesh, \
             FakeTensorMode(allow_non_fake_inputs=True) as mode:
         built.to_empty(device="cpu")
         built.tie_weights()  # to_empty gives tied weights separate tensors

@@ -21,7 +21,7 @@ import threading
 import warnings
 from dataclasses import dataclass, field, replace
 
-from ..distributed import Sharding
+from ..distributed import Sharding, device_mesh
 from ..memory.tracker import TOTAL_KEY, Segment, host_refs
 
 # torchao's NF4 all-gather checks its output's storage pointers, which a fake tensor warns of
@@ -32,16 +32,26 @@ _GROUP_LOCK = threading.Lock()  # one fake process group at a time (it is the pr
 
 @dataclass(frozen=True)
 class Ranks:
-    """How many ranks the step is spread over, and FSDP2's settings (``distributed.Sharding``)."""
+    """How many ranks the step is spread over, FSDP2's settings (``distributed.Sharding``) and
+    how many machines the ranks are on (each holding ``per_machine`` of them)."""
 
     world: int
     sharding: Sharding = field(default_factory=Sharding)
+    machines: int = 1
+
+    @property
+    def per_machine(self) -> int:
+        return self.world // self.machines
 
     @classmethod
-    def of(cls, ranks, sharding=None) -> "Ranks | None":
-        """None for one process; the checked pair otherwise (``sharding`` a dict too)."""
+    def of(cls, ranks, sharding=None, machines: int = 1) -> "Ranks | None":
+        """None for one process; the checked triple otherwise (``sharding`` a dict too)."""
         if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
             raise ValueError(f"ranks={ranks!r}: give the number of processes (GPUs), 1 or more.")
+        if (not isinstance(machines, int) or isinstance(machines, bool) or machines < 1
+                or ranks % machines):
+            raise ValueError(f"machines={machines!r}: give how many machines the {ranks} ranks are "
+                             "on, each with as many ranks (a divisor of ranks).")
         if isinstance(sharding, dict):
             known = set(Sharding.__dataclass_fields__)
             unknown = sorted(set(sharding) - known)
@@ -54,7 +64,7 @@ class Ranks:
             if sharding is not None and sharding != Sharding():
                 raise ValueError("sharding settings need ranks=2 or more (FSDP2 shards over processes).")
             return None
-        return cls(ranks, sharding or Sharding())
+        return cls(ranks, sharding or Sharding(), machines)
 
     def traced(self) -> Sharding:
         """The settings the fake step shards with: CPU offload is counted afterwards
@@ -63,14 +73,14 @@ class Ranks:
 
 
 @contextlib.contextmanager
-def fake_group(world: int):
+def fake_group(world: int, sharding: Sharding | None = None):
     """A fake process group of ``world`` ranks as the process's default, with its device mesh
-    (made before any fake tensor: a mesh reads real values). Refused inside a real job."""
+    (``distributed.device_mesh``: 2-D for HSDP; made before any fake tensor: a mesh reads real
+    values). Refused inside a real job."""
     import torch.distributed as dist
     # torch internal: importing it registers the "fake" backend (torchtitan's estimation
     # uses it too). If it moves, every per-rank estimate fails (tests/test_ranks.py).
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torch.distributed.device_mesh import init_device_mesh
 
     with _GROUP_LOCK:
         if dist.is_initialized():
@@ -79,7 +89,7 @@ def fake_group(world: int):
                                "before torchrun starts, or with ranks=1.")
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
         try:
-            yield init_device_mesh("cpu", (world,))
+            yield device_mesh(sharding or Sharding(), world, "cpu")
         finally:
             dist.destroy_process_group()
 

@@ -50,6 +50,11 @@ Several GPUs (issue 35), skipped with a line saying so on fewer than two:
     and QLoRA, with and without checkpointing.
 16. QLoRA on 2 ranks: ``nbtune train`` of a QLoRA run file under torchrun equals one process
     (losses within 1e-5 in fp32, the adapters within 1e-5).
+17. loading per rank (issue 51): ``benchmarks/rank_loading.py`` on 2 GPUs: each rank's
+    allocator peak while it builds its share of a random SmolLM2-shaped model in bf16 (full,
+    QLoRA) is at most the estimate's ``loading`` and within 10 % of it.
+18. 70B loading: the same on Llama-3.1-70B's widths (2 of its layers, its embedding and head:
+    3.8 B parameters, 7.6 GB written first), QLoRA on 2 ranks.
 
 ``--only 'estimate,compile'`` runs the checks named (a short rerun inside a lease).
 """
@@ -729,6 +734,74 @@ def check_rank_qlora(result: Result) -> None:
     result.detail = f"2 ranks vs 1 process: losses within {loss_gap:.1e}, adapters within {weight_gap:.1e}"
 
 
+LOADING_TOLERANCE = 0.10  # the estimate counts every weight as already there (measured: 1-8 %)
+
+
+def _random_folder(folder: Path, config) -> None:
+    """A Hugging Face folder of random bf16 weights of ``config``, a tensor at a time."""
+    import torch
+    from safetensors.torch import save_file
+
+    from nbtune.models import CausalLM
+
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({**config.to_hf(), "torch_dtype": "bfloat16"}))
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in CausalLM(config).state_dict().items()
+                  if not (k == "lm_head.weight" and config.tie_word_embeddings)}
+    index = {}
+    for i, (key, shape) in enumerate(shapes.items()):
+        name = f"part-{i:05d}.safetensors"
+        save_file({key: torch.randn(shape, dtype=torch.bfloat16) * 0.02}, str(folder / name))
+        index[key] = name
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+
+
+def _loading_check(result: Result, config, cases: list[dict], timeout: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        _random_folder(Path(tmp) / "model", config)
+        spec = Path(tmp) / "cases.json"
+        spec.write_text(json.dumps({"cases": cases}))
+        done = _torchrun(HERE / "rank_loading.py", Path(tmp) / "model", spec, Path(tmp) / "out.json",
+                         timeout=timeout)
+        if done.returncode:
+            result.status, result.detail = "error", done.stderr[-300:]
+            return
+        rows = json.loads((Path(tmp) / "out.json").read_text())["rows"]
+    over = {row["name"]: max(row["estimate"] / m - 1 for m in row["ranks"]) for row in rows}
+    under = [row["name"] for row in rows if any(m > row["estimate"] for m in row["ranks"])]
+    result.numbers = {"rows": rows, "over": over}
+    result.status = "pass" if not under and max(over.values()) <= LOADING_TOLERANCE else "fail"
+    result.detail = ("estimate over each rank's loading peak by: "
+                     + ", ".join(f"{name} {x:+.1%}" for name, x in over.items())
+                     + (f"; under for {under}" if under else ""))
+
+
+def check_rank_loading(result: Result) -> None:
+    _needs_gpus()
+    from nbtune.models import ModelConfig
+
+    _loading_check(result, ModelConfig(**SMOLLM2_SHAPES),
+                   [{"name": "full bf16", "techniques": {"dtype": "bf16", "seq_len": 256}},
+                    {"name": "qlora bf16", "techniques": {"dtype": "bf16", "method": "qlora",
+                                                          "lora_rank": 8, "seq_len": 256}}],
+                   timeout=300)
+
+
+def check_70b_loading(result: Result) -> None:
+    _needs_gpus()
+    import torch
+
+    if min(torch.cuda.get_device_properties(i).total_memory for i in range(2)) < 20 << 30:
+        raise Skip("needs two cards of 20 GB or more")
+    from nbtune.models.presets import preset_config
+
+    _loading_check(result, preset_config("llama-3.1-70b").replace(num_layers=2),
+                   [{"name": "70B widths, qlora bf16", "techniques": {
+                       "dtype": "bf16", "method": "qlora", "lora_rank": 64, "seq_len": 2048}}],
+                   timeout=900)
+
+
 def check_peers(result: Result, left_s: float) -> None:
     _needs_cuda()
     if left_s < 150:
@@ -765,6 +838,10 @@ CHECKS = [
     ("cuBLAS workspace", "what the first matrix products keep allocated", check_workspace),
     ("per-rank estimate", "each of 2 ranks within 5 % of its estimate", check_rank_estimate),
     ("qlora on 2 ranks", "QLoRA under FSDP2 equals one process", check_rank_qlora),
+    ("loading per rank", "each of 2 ranks' loading peak within 10 % under its estimate",
+     check_rank_loading),
+    ("70B loading", "Llama-3.1-70B's widths: each rank's loading peak under its estimate",
+     check_70b_loading),
     ("peers", "the GPU half of benchmarks/peers.py runs", None),
 ]
 

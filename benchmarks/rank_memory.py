@@ -17,7 +17,10 @@ itself (``--worker``):
   by writing 5 to /proc/self/clear_refs) while the run is built (the model read, transformed,
   sharded), minus ``bare``;
 * ``run``: the same high-water mark over the whole job (building, the step, the save the run
-  file asks for), minus ``bare``.
+  file asks for), minus ``bare``;
+* ``tracked``: the step's peak of live tensors as nbtune's tracker measured it on that rank
+  (``metrics.jsonl``): what the tensors hold, without what the C library keeps of freed
+  blocks and gloo's own buffers, which RSS counts.
 
 The headline is each rank's ``run`` over one process's ``run`` (``ratio``). RSS counts file
 pages read through mmap as well as the process's own memory, so a weight file mapped whole
@@ -113,7 +116,10 @@ def worker(run_file: str, out: str, report: str) -> None:
     code = cli.main(["train", run_file, "--out", out])
     seconds = time.perf_counter() - started
     rank = parallel.rank if parallel is not None else 0
+    metrics = Path(out) / ("metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl")
+    step = json.loads(metrics.read_text().splitlines()[0]) if metrics.exists() else {}
     result = {"rank": rank, "code": code, "seconds": round(seconds, 1), "bare_mib": bare / 1024,
+              "tracked_mib": step.get("peak_bytes", 0) / 2**20,
               "loading_mib": (marks["loading"] - bare) / 1024,
               "after_loading_mib": (marks["after_loading"] - bare) / 1024,
               "run_mib": (max(status_kib()["VmHWM"], marks["loading"]) - bare) / 1024}
@@ -181,10 +187,12 @@ def main() -> int:
                 for row in rows:
                     row.update(method=method, ranks=ranks,
                                ratio=round(row["run_mib"] / one["run_mib"], 3),
-                               loading_ratio=round(row["loading_mib"] / one["loading_mib"], 3))
-                    say(f"{method:5} {ranks} ranks  rank {row['rank']}: bare {row['bare_mib']:6.0f} MiB, "
-                        f"loading +{row['loading_mib']:5.0f}, run +{row['run_mib']:5.0f} MiB "
-                        f"({row['ratio']:.2f}x one process), {row['seconds']} s")
+                               loading_ratio=round(row["loading_mib"] / one["loading_mib"], 3),
+                               tracked_ratio=round(row["tracked_mib"] / one["tracked_mib"], 3))
+                    say(f"{method:5} {ranks} ranks  rank {row['rank']}: bare {row['bare_mib']:4.0f} MiB, "
+                        f"loading +{row['loading_mib']:5.0f} ({row['loading_ratio']:.2f}x), run "
+                        f"+{row['run_mib']:5.0f} ({row['ratio']:.2f}x), step's tensors "
+                        f"{row['tracked_mib']:5.0f} MiB ({row['tracked_ratio']:.2f}x), {row['seconds']} s")
                 results.extend(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -174,11 +174,9 @@ class Session:
         ``overrides`` are dotted fields that win over the file, e.g. ``{"techniques.lr": 1e-4}``;
         a bad field is refused naming its line (``RunFileError``) before anything loads. torch's
         random generator is seeded with ``techniques.seed`` first, so two runs of a file agree.
-        ``processes=N``: the run on N ranks (FSDP2, as under torchrun), each a process started
-        and driven from here: every command reaches every rank (``nbtune.ranked``);
-        ``close()`` ends them; a run file's ``processes:`` is the default. ``local=K`` starts K
-        of them here and waits for the rest to join from other machines (it prints the
-        command to run there); ``address`` is this machine's address as they reach it."""
+        ``processes=N`` (default: the file's ``processes:``): N ranks under FSDP2, processes
+        driven from here (``nbtune.ranked``), ended by ``close()``. ``local=K`` starts K here,
+        the rest join from machines that reach this one at ``address`` (it prints how)."""
         processes = _processes_of(config, overrides, processes, parallel)
         if processes is not None:
             from .ranked import RankedRun

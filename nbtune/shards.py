@@ -34,7 +34,7 @@ from torch import nn
 from .distributed import check_sharding, shard_model
 from .models.config import ModelConfig
 from .models.decoder import CausalLM
-from .models.filling import DTYPES, empty_model
+from .models.filling import DTYPES, empty_model, release_freed_heap
 from .models.loading import weight_stream
 from .peft import LoRALinear, has_lora, is_nf4, new_adapters, nf4_block_absmax, nf4_of_rows
 from .plan import check, transform_model
@@ -210,6 +210,8 @@ def _place(module: nn.Module, leaf: str, rows: torch.Tensor) -> None:
                                param.placements, run_check=False, shape=param.shape,
                                stride=param.stride())
     module.load_state_dict({leaf: shard}, strict=False, assign=True)
+    del rows, shard
+    release_freed_heap()  # the dense rows and the quantizing's temporaries, as one process does
 
 
 def _start_adapters(model: nn.Module, device: torch.device) -> None:

@@ -475,15 +475,15 @@ def test_processes_in_a_run_file_start_ranks_from_a_notebook_and_point_a_termina
     class Started(Exception):
         pass
 
-    def ranked_run(run_file, processes, overrides=None):
-        started.append((run_file, processes))
+    def ranked_run(run_file, processes, overrides=None, local=None, address=None):
+        started.append((run_file, processes, local, address))
         raise Started
 
     monkeypatch.setattr(nbtune.ranked, "RankedRun", ranked_run)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(Started):
         nt.Session.from_config(path)
-    assert started == [(path, 2)]
+    assert started == [(path, 2, None, None)]  # every rank on this machine by default
     with pytest.raises(TypeError, match="run file's path"):  # a loaded config: ranks read files
         nt.Session.from_config(runfile.load(path))
     assert _train(path, tmp_path / "out") != 0

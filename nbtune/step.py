@@ -61,7 +61,21 @@ NO_CONTEXT = StepContext()
 
 @dataclass(frozen=True)
 class StepReport:
-    """What one step did: its loss, the tokens it read, its time and its memory."""
+    """What one step did: its loss, the tokens it read, its time and its memory.
+
+    Attributes:
+        step: The step's number, from 1.
+        loss: The mean token loss over every trained token of the step.
+        tokens: Non-padding tokens read (throughput = tokens / seconds).
+        trained_tokens: Tokens counted in the loss.
+        seconds: The step's wall time.
+        lr: The learning rate it used.
+        memory: Its ``MemoryBreakdown`` (``measured=False``: carried over from the last measured
+            step).
+        shape: [batch, sequence] of the longest micro-batch, padding included.
+        eval_loss: The held-out loss after this step (``eval_every``), else None.
+        usage: The cheap figure metered on every step (``memory.usage``).
+    """
 
     step: int
     loss: float  # mean token loss over every trained token of the step
@@ -76,6 +90,7 @@ class StepReport:
 
     @property
     def tokens_per_second(self) -> float:
+        """Tokens read per second of the step."""
         return self.tokens / self.seconds if self.seconds else 0.0
 
     def __repr__(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Callable
 
@@ -20,53 +21,6 @@ OPTIMIZERS = ("adamw", "sgd", "adamw8bit", "paged_adamw8bit", "paged_adamw", "ao
               "ao_adamw4bit")
 PAGED_OPTIMIZERS = ("paged_adamw8bit", "paged_adamw")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-# One line per toggle: what it trades. Shown as the panel's tooltips.
-HELP = {
-    "method": "full: train every weight (most memory); lora: train small adapters, base frozen; "
-              "qlora: lora over a base stored in 4-bit NF4 (about a quarter of bf16).",
-    "dtype": "bf16 halves weights, grads and optimizer state; fp32 is exact but twice the memory.",
-    "activation_checkpointing": "Recompute layers in backward instead of keeping activations: "
-                                "less memory, about a third more compute. N = every Nth layer.",
-    "batch_size": "Sequences per micro-batch: activations grow linearly with it.",
-    "seq_len": "Tokens per sequence (longer rows are cut): activations grow with it.",
-    "packing": "Fill each sequence with several examples (a document mask keeps them apart): "
-               "no compute wasted on padding.",
-    "grad_accum": "Micro-batches per optimizer step: a larger effective batch at the memory "
-                  "of one micro-batch.",
-    "lr": "Learning rate of the optimizer.",
-    "warmup_steps": "Steps of linear learning-rate warm-up: steadier start of training.",
-    "optimizer": "adamw keeps two fp32/bf16 states per weight; the 8-bit (bitsandbytes adamw8bit, "
-                 "torchao ao_adamw8bit) and 4-bit (ao_adamw4bit) ones quantize them; paged ones "
-                 "spill state to CPU under pressure (CUDA); sgd keeps none.",
-    "optimizer_in_backward": "Update each weight as soon as its gradient is ready and free it: "
-                             "at most one gradient alive at a time. No accumulation or clipping.",
-    "cpu_offload_optimizer": "Keep optimizer state (and its step) on the CPU (torchao, CUDA only): "
-                             "frees GPU memory, costs transfer time.",
-    "activation_offloading": "Move activations saved for backward to CPU memory and back: less GPU "
-                             "memory, pays off with checkpointing on.",
-    "chunked_loss": "Project to the vocabulary and take the loss N chunks at a time: the full "
-                    "logits and their float32 copy are never made at once (0 = off). Each chunk "
-                    "makes its gradients in forward and frees its logits before the next, so "
-                    "it holds no log-probabilities for backward; where the estimate says that "
-                    "raises the peak, or cannot say (tiling and several processes always), it "
-                    "is recomputed in backward instead: a forward of the head again (7-9 % of "
-                    "a 125M model's CPU step).",
-    "tile_tokens": "Sequence tiling: run each layer's norm + MLP, and the final norm, head and "
-                   "loss, N tokens at a time, recomputing each tile in backward: no "
-                   "[tokens, intermediate] tensor is ever whole, for long contexts (0 = off).",
-    "compile": "torch.compile each layer and the loss: faster steps after a slow first one.",
-    "max_grad_norm": "Clip the global gradient norm to this value (0 = no clipping).",
-    "lora_rank": "Rank of the LoRA adapters: more capacity, more trainable weights.",
-    "lora_alpha": "LoRA scaling numerator (updates are scaled by alpha / rank).",
-    "lora_dropout": "Dropout on the LoRA input path.",
-    "lora_targets": "Which projections get LoRA adapters.",
-    "weight_decay": "Decoupled weight decay of AdamW.",
-    "seed": "Seed of the data order and dropout.",
-    "eval_every": "Held-out loss every N steps (0 = off), plotted beside the training loss; "
-                  "its memory (a whole batch of logits) is measured and estimated too.",
-}
-
 
 # One sentence per dropdown choice: what it does and what it costs. The panel shows the
 # current choice's sentence under its dropdown and in the dropdown's hover text.
@@ -101,7 +55,55 @@ CHOICE_HELP = {
 
 @dataclass(frozen=True)
 class Techniques:
-    """What to train and how: method, precision, memory techniques, batch shape, optimizer."""
+    """What to train and how: method, precision, memory techniques, batch shape, optimizer.
+
+    Immutable and checked whole when made: a value outside its range or a combination that
+    cannot run (``RULES``) raises ``ValueError`` with every reason. Each field's line below is
+    also the panel's tooltip (``HELP``, read from here).
+
+    Attributes:
+        method: full: train every weight (most memory); lora: train small adapters, base frozen;
+            qlora: lora over a base stored in 4-bit NF4 (about a quarter of bf16).
+        dtype: bf16 halves weights, grads and optimizer state; fp32 is exact but twice the memory.
+        activation_checkpointing: Recompute layers in backward instead of keeping activations: less
+            memory, about a third more compute. N = every Nth layer.
+        batch_size: Sequences per micro-batch: activations grow linearly with it.
+        seq_len: Tokens per sequence (longer rows are cut): activations grow with it.
+        packing: Fill each sequence with several examples (a document mask keeps them apart): no
+            compute wasted on padding.
+        grad_accum: Micro-batches per optimizer step: a larger effective batch at the memory of one
+            micro-batch.
+        lr: Learning rate of the optimizer.
+        warmup_steps: Steps of linear learning-rate warm-up: steadier start of training.
+        optimizer: adamw keeps two fp32/bf16 states per weight; the 8-bit (bitsandbytes adamw8bit,
+            torchao ao_adamw8bit) and 4-bit (ao_adamw4bit) ones quantize them; paged ones spill
+            state to CPU under pressure (CUDA); sgd keeps none.
+        optimizer_in_backward: Update each weight as soon as its gradient is ready and free it: at
+            most one gradient alive at a time. No accumulation or clipping.
+        cpu_offload_optimizer: Keep optimizer state (and its step) on the CPU (torchao, CUDA only):
+            frees GPU memory, costs transfer time.
+        activation_offloading: Move activations saved for backward to CPU memory and back: less GPU
+            memory, pays off with checkpointing on.
+        chunked_loss: Project to the vocabulary and take the loss N chunks at a time: the full
+            logits and their float32 copy are never made at once (0 = off). Each chunk makes its
+            gradients in forward and frees its logits before the next, so it holds no
+            log-probabilities for backward; where the estimate says that raises the peak, or cannot
+            say (tiling and several processes always), it is recomputed in backward instead: a
+            forward of the head again (7-9 % of a 125M model's CPU step).
+        tile_tokens: Sequence tiling: run each layer's norm + MLP, and the final norm, head and
+            loss, N tokens at a time, recomputing each tile in backward: no [tokens, intermediate]
+            tensor is ever whole, for long contexts (0 = off).
+        compile: torch.compile each layer and the loss: faster steps after a slow first one.
+        max_grad_norm: Clip the global gradient norm to this value (0 = no clipping).
+        weight_decay: Decoupled weight decay of AdamW.
+        lora_rank: Rank of the LoRA adapters: more capacity, more trainable weights.
+        lora_alpha: LoRA scaling numerator (updates are scaled by alpha / rank).
+        lora_dropout: Dropout on the LoRA input path.
+        lora_targets: Which projections get LoRA adapters.
+        seed: Seed of the data order and dropout.
+        eval_every: Held-out loss every N steps (0 = off), plotted beside the training loss; its
+            memory (a whole batch of logits) is measured and estimated too.
+    """
 
     method: str = "full"
     dtype: str = "fp32"
@@ -142,7 +144,11 @@ class Techniques:
             raise ValueError(" ".join(problems))
 
     def problems(self) -> list[str]:
-        """Every reason this combination cannot run, each naming the fix."""
+        """Every reason this combination cannot run, each naming the fix.
+
+        Returns:
+            The reasons, empty when it can run.
+        """
         out = []
 
         def choice(name, allowed):
@@ -194,7 +200,11 @@ class Techniques:
 
     def summary(self) -> str:
         """The techniques in words, the panel's summary line, e.g. "QLoRA r16 · bf16 ·
-        checkpointing every layer · AdamW 8-bit · 2 × 2048 tokens"."""
+        checkpointing every layer · AdamW 8-bit · 2 × 2048 tokens".
+
+        Returns:
+            One line of words.
+        """
         method = {"full": "full finetuning", "lora": "LoRA", "qlora": "QLoRA"}[self.method]
         if self.method != "full":
             method += f" r{self.lora_rank}"
@@ -223,7 +233,14 @@ class Techniques:
         return " · ".join(parts)
 
     def conflicts(self, device: str) -> list["Rule"]:
-        """The rules this combination breaks on ``device`` ("cpu" or "cuda")."""
+        """The rules this combination breaks on ``device`` ("cpu" or "cuda").
+
+        Args:
+            device: "cpu" or "cuda".
+
+        Returns:
+            The broken ``Rule``s, each with its ``reason``.
+        """
         return [rule for rule in RULES
                 if (rule.device is None or rule.device != device) and rule.broken(self)]
 
@@ -240,20 +257,51 @@ class Techniques:
         return bool(self.tile_tokens)
 
     def lr_at(self, step: int) -> float:
-        """Learning rate of optimizer step ``step`` (1-based): the schedule is this function."""
+        """Learning rate of optimizer step ``step`` (1-based): the schedule is this function.
+
+        Args:
+            step: The optimizer step, from 1.
+
+        Returns:
+            Its learning rate.
+        """
         if self.warmup_steps and step < self.warmup_steps:
             return self.lr * step / self.warmup_steps
         return self.lr
 
     def replace(self, **changes) -> "Techniques":
+        """A copy with ``changes``, checked as a new value is (an unknown name is refused).
+
+        Args:
+            **changes: Fields and their new values.
+
+        Returns:
+            The new ``Techniques``.
+
+        Raises:
+            TypeError: A name is not a field (the nearest one suggested).
+            ValueError: The result cannot run, with every reason.
+        """
         _refuse_unknown("", changes)
         return dataclasses.replace(self, **changes)
 
     def changed(self, other: "Techniques") -> set[str]:
-        """Names of the fields that differ from ``other``."""
+        """Names of the fields that differ from ``other``.
+
+        Args:
+            other: The techniques to compare with.
+
+        Returns:
+            The names of the fields that differ.
+        """
         return {f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)}
 
     def as_dict(self) -> dict:
+        """Every field by name (what a run file's ``techniques:`` holds).
+
+        Returns:
+            A dict of field name to value.
+        """
         return dataclasses.asdict(self)
 
 
@@ -361,3 +409,24 @@ def as_techniques(value, base: "Techniques | None" = None) -> Techniques:
         return base.replace(**value)
     raise TypeError(f"techniques must be an nt.Techniques (or a dict of its fields), got "
                     f"{type(value).__name__}: write techniques=nt.Techniques(method='lora', ...).")
+
+
+def _attributes(doc: str) -> dict[str, str]:
+    """A Google-style docstring's Attributes section: name -> its text on one line."""
+    section = doc.split("Attributes:\n", 1)[1]
+    found, name = {}, None
+    for line in section.splitlines():
+        entry = re.match(r"^ {8}(\w+): (.*)$", line)
+        if entry:
+            name = entry.group(1)
+            found[name] = entry.group(2)
+        elif line.startswith(" " * 12) and name:
+            found[name] += " " + line.strip()
+        elif line.strip():
+            break
+    return found
+
+
+# One line per toggle, what it trades: the panel's tooltips, written once in the docstring
+# above, which help() and the API reference show.
+HELP = _attributes(Techniques.__doc__)

@@ -378,3 +378,65 @@ def _measured_shot(page, panel, button, name: str) -> None:
         time.sleep(0.1)
     panel.locator(".widget-html").filter(has_text="estimated next step").first.wait_for(timeout=120_000)
     _shot(page, name, panel)
+
+
+# ---- the documentation site ----------------------------------------------------------------------
+
+@pytest.fixture
+def site(tmp_path):
+    """The site built strictly (``tests/test_docs.py``'s build) and served on 127.0.0.1."""
+    from test_docs import build_site
+
+    root = build_site(tmp_path / "site")
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                               "--directory", str(root)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    pytest.fail("the site's server did not start on 127.0.0.1")
+                time.sleep(0.2)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_the_documentation_site_searches_shows_a_notebooks_chart_and_the_api(site):
+    """What a reader does first: search for "longest context" and land on the guide, open a
+    notebook page and see its chart, open Session's reference and find ``start``."""
+    with playwright.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(site)
+            page.locator("label.md-search__icon, .md-search__input").first.click()
+            page.locator("input.md-search__input").fill("longest context")
+            hits = page.locator(".md-search-result__item a")
+            hits.first.wait_for(timeout=20_000)
+            links = [hits.nth(i).get_attribute("href") for i in range(hits.count())]
+            assert any("guides/long-contexts" in (link or "") for link in links), links
+            hits.filter(has_text="ongest").first.click()
+            page.wait_for_load_state()
+            assert "ongest" in page.locator("article").inner_text()
+
+            page.goto(site + "notebooks/02_memory/")
+            charts = page.locator("article img[src^='data:image/png']")
+            charts.first.wait_for(timeout=20_000)
+            assert charts.first.evaluate("img => img.naturalWidth") > 100
+            _shot(page, "docs-notebook")
+
+            page.goto(site + "reference/session/")
+            start = page.locator("[id='nbtune.session.Session.start']")
+            start.wait_for(timeout=20_000)
+            assert start.is_visible() and "start" in start.inner_text()
+            assert "checkpoint_minutes" in page.locator("article").inner_text()
+        finally:
+            browser.close()

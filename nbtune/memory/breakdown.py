@@ -12,18 +12,28 @@ PHASES = ("forward", "backward", "optimizer")
 class HostMemory:
     """Host (CPU) memory a configuration needs, predicted by ``estimate``, in bytes.
 
-    Held while it trains (``training``): ``runtime`` (the Python process with torch and, on
-    CUDA, its libraries and the Jupyter kernel: rough), ``step`` (on a CPU the step's own
-    peak: the device is the host), ``offloaded`` (activations moved to pinned host memory),
-    ``paged`` (paged optimizer state: CUDA managed memory the driver moves to the host when
-    the card runs short), ``sharded`` (FSDP2's CPU offload: every rank's sharded weights,
-    gradients and optimizer state), ``cpu_optimizer`` (CPU optimizer offload: host copies of the
-    trainable weights with their gradients and state) and ``undo`` (the undo copy of the
-    trainable weights and optimizer state, where ``rollback="auto"`` keeps it).
+    Held while it trains (``training``): runtime, step, offloaded, paged, sharded,
+    cpu_optimizer and undo; once in a while, on top of that: loading, checkpoint, merged and
+    gguf.
 
-    Once in a while, on top of that: ``loading`` (reading the weights, instead of the
-    training part: on ranks each reads its rows of one weight at a time), ``checkpoint`` (``save_checkpoint``), ``merged`` (``save(merge=True)`` or
-    a full save) and ``gguf`` (``save(format="gguf")``, f16).
+    Attributes:
+        runtime: The Python process with torch and, on CUDA, its libraries and the Jupyter
+            kernel (rough).
+        step: On a CPU, the step's own peak (the device is the host).
+        offloaded: Activations moved to pinned host memory.
+        paged: Paged optimizer state: CUDA managed memory the driver moves to the host when
+            the card runs short.
+        sharded: FSDP2's CPU offload: every rank's sharded weights, gradients and optimizer
+            state.
+        cpu_optimizer: CPU optimizer offload: host copies of the trainable weights with their
+            gradients and state.
+        undo: The undo copy of the trainable weights and optimizer state, where
+            ``rollback="auto"`` keeps it.
+        loading: Reading the weights, instead of the training part (on ranks each reads its
+            rows of one weight at a time).
+        checkpoint: ``save_checkpoint`` being written.
+        merged: ``save(merge=True)`` or a full save being written.
+        gguf: ``save(format="gguf")`` being written (f16).
     """
 
     runtime: int = 0
@@ -67,23 +77,35 @@ class MemoryBreakdown:
     """Memory of one step by category, in bytes.
 
     Each category is the most it held at any moment of the step (gradients once all exist,
-    activations at the end of forward). ``peak`` is the highest total held at one moment,
-    usually below the sum of the categories because gradients appear while activations are
-    freed; ``at_peak`` says what made up that moment. ``phases`` gives the peak of forward,
-    backward and the optimizer step and the category that held most of it.
+    activations at the end of forward), usually summing to more than ``peak`` because
+    gradients appear while activations are freed. ``highest`` is what must fit.
 
-    ``parameters`` = ``trainable`` + ``frozen`` (dense weights and buffers) + ``quantized``
-    (NF4 codes and scales). On CUDA, ``reserved`` is the most the caching allocator held
-    from the device (``reserved - peak`` is its cache and fragmentation) and ``outside`` is
-    device memory in use outside it (the CUDA context, paged optimizer state in managed
-    memory, other processes). ``measured`` is False where the numbers are carried over from
-    the last measured step (sampled tracking) or predicted (``estimate``).
-    ``eval_peak`` is the peak of the held-out evaluation that follows the step when
-    ``eval_every`` is set (the last one measured), else 0; ``loading`` the most the device
-    holds while the weights are read (``estimate`` predicts it; 0 where measured: a step
-    does not load); ``highest`` is what must fit.
-    ``host`` is the host memory the configuration needs beside it (``HostMemory``), where
-    predicted (``estimate``), else None.
+    Attributes:
+        parameters: Weights and buffers: ``trainable`` + ``frozen`` + ``quantized``.
+        gradients: The gradients, at their most.
+        optimizer_state: The optimizer's state (moments, 8-bit blocks), at its most.
+        activations: What forward saved for backward, at its most.
+        other: Temporaries and recomputation, at their most.
+        peak: The highest total held at one moment of the step.
+        reserved: On CUDA, the most the caching allocator held from the device
+            (``reserved - peak`` is its cache and fragmentation).
+        outside: On CUDA, device memory in use outside the allocator (the CUDA context, paged
+            optimizer state in managed memory, other processes).
+        trainable: The weights being trained.
+        frozen: Dense weights and buffers not trained.
+        quantized: NF4 codes and scales.
+        device: "cpu" or "cuda".
+        measured: False where carried over from the last measured step (sampled tracking) or
+            predicted (``estimate``).
+        eval_peak: The peak of the held-out evaluation after the step when ``eval_every`` is
+            set (the last one measured), else 0.
+        loading: The most the device holds while the weights are read (``estimate`` predicts
+            it; 0 where measured: a step does not load).
+        at_peak: What made up the peak moment, by category.
+        phases: The peak of forward, backward and the optimizer step, and the category that
+            held most of each (phase -> {"peak", "largest"}).
+        host: The host memory the configuration needs beside it (``HostMemory``), where
+            predicted, else None.
     """
 
     parameters: int = 0
@@ -107,6 +129,8 @@ class MemoryBreakdown:
 
     @property
     def categories(self) -> dict[str, int]:
+        """The five categories by name: parameters, gradients, optimizer state, activations,
+        other."""
         return {name: getattr(self, name) for name in CATEGORIES}
 
     @property
@@ -143,10 +167,19 @@ class MemoryBreakdown:
         return f"MemoryBreakdown(peak {format_bytes(self.peak)} on {self.device}: {parts}; {how})"
 
     def carried(self) -> "MemoryBreakdown":
-        """This breakdown marked as not measured on the step it is reported for."""
+        """This breakdown marked as not measured on the step it is reported for.
+
+        Returns:
+            A copy with ``measured=False``.
+        """
         return replace(self, measured=False)
 
     def as_dict(self) -> dict:
+        """Every field by name (``host`` as a dict too), for JSON.
+
+        Returns:
+            The dict.
+        """
         return asdict(self)
 
 

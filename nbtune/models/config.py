@@ -82,7 +82,34 @@ def _check_fields(hf: dict, source: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral family)."""
+    """Shape of a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral family).
+
+    Made from a transformers ``config.json`` (``from_file``, ``from_hf``) and checked whole: a
+    family nbtune does not implement, a size no real model has or heads that do not divide are
+    refused (``ValueError``) before anything is allocated.
+
+    Attributes:
+        vocab_size: Tokens in the vocabulary (rows of the embedding and the head).
+        hidden_size: The width of the residual stream.
+        intermediate_size: The width of the MLP's gate and up projections.
+        num_layers: Decoder layers.
+        num_heads: Query heads.
+        num_kv_heads: Key and value heads (grouped-query attention when fewer).
+        head_dim: Each head's width.
+        model_type: The family: "llama", "mistral", "qwen2" or "qwen3".
+        rms_norm_eps: RMSNorm's epsilon.
+        rope_theta: The rotary embedding's base.
+        rope_scaling: Llama 3.1's or linear RoPE scaling, as config.json gives it.
+        max_position_embeddings: The model's context length.
+        tie_word_embeddings: The head shares the embedding's weight.
+        attention_bias: q/k/v projections carry a bias (Qwen2).
+        qk_norm: RMSNorm on queries and keys per head (Qwen3).
+        sliding_window: Attend to the last N tokens only (Mistral v0.1).
+        bos_token_id: The beginning-of-sequence token.
+        eos_token_id: The end-of-sequence token or tokens.
+        pad_token_id: The padding token.
+        extra: The config.json's other keys, kept for writing it back.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -160,7 +187,18 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
-        """Read a transformers `config.json` dict; ``source`` names it in errors."""
+        """Read a transformers `config.json` dict; ``source`` names it in errors.
+
+        Args:
+            hf: The parsed config.json.
+            source: Its name in errors.
+
+        Returns:
+            The ``ModelConfig``.
+
+        Raises:
+            ConfigError: A field is missing, malformed, or of a family nbtune does not implement.
+        """
         if not isinstance(hf, dict):
             raise ConfigError(f"{source} must hold a JSON object of model settings, not a "
                               f"{type(hf).__name__}. Download the checkpoint's config.json again.")
@@ -210,7 +248,17 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
-        """Read a transformers `config.json` file; errors name the file."""
+        """Read a transformers `config.json` file; errors name the file.
+
+        Args:
+            path: A config.json or the folder holding one.
+
+        Returns:
+            The ``ModelConfig``.
+
+        Raises:
+            ConfigError: The file is missing, too large, not JSON, or its fields are refused.
+        """
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -225,7 +273,11 @@ class ModelConfig:
         return cls.from_hf(hf, source=str(path))
 
     def to_hf(self) -> dict:
-        """A transformers `config.json` dict; unknown keys read from the original are kept."""
+        """A transformers `config.json` dict; unknown keys read from the original are kept.
+
+        Returns:
+            The dict, as config.json holds it.
+        """
         out = dict(self.extra)
         out.update({
             "architectures": [ARCHITECTURES[self.model_type]],
@@ -257,4 +309,12 @@ class ModelConfig:
         return out
 
     def replace(self, **changes) -> "ModelConfig":
+        """A copy with ``changes``, checked as a new config is.
+
+        Args:
+            **changes: Fields and their new values.
+
+        Returns:
+            The new ``ModelConfig``.
+        """
         return dataclasses.replace(self, **changes)

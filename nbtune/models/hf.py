@@ -245,7 +245,16 @@ def write_hf_folder(folder: str | os.PathLike, weights: DenseWeights, config: Mo
 
 
 def save_model(model: CausalLM, folder: str | os.PathLike, tokenizer=None) -> Path:
-    """Write ``model`` (and its tokenizer) as a Hugging Face folder that transformers loads."""
+    """Write ``model`` (and its tokenizer) as a Hugging Face folder that transformers loads.
+
+    Args:
+        model: The model to write.
+        folder: Where (made or replaced atomically).
+        tokenizer: Its tokenizer, written beside it.
+
+    Returns:
+        The folder written.
+    """
     if has_lora(model):
         raise ValueError("The model still carries LoRA layers; merge them first "
                          "(nbtune.peft.merge_lora) to save full weights.")

@@ -20,17 +20,28 @@ from .hf import folder_weights, load_folder
 def load_model(path_or_id: str | os.PathLike, dtype: str | torch.dtype = "fp32",
                device: str | torch.device = "cpu", revision: str | None = None,
                quantize: Collection[str] = ()) -> CausalLM:
-    """Load a Hugging Face-format causal LM folder (or Hub repo id, or a ``.gguf`` file:
-    dequantized as read, see ``models.gguf``) into nbtune's decoder.
+    """Load a causal LM into nbtune's decoder, without a session.
 
-    The model is built on the meta device (no random weights are ever made) and filled
-    tensor by tensor, each cast as it is read (see ``_read_tensor``), so host memory peaks
-    near one copy of the weights in the target dtype.
+    The model is built on the meta device (no random weights are ever made) and filled tensor
+    by tensor, each cast as it is read (see ``_read_tensor``), so host memory peaks near one
+    copy of the weights in the target dtype.
 
-    ``quantize`` names projections by their last name part, as ``Techniques.lora_targets``
-    does (``("q_proj", "v_proj")``): those weights become frozen NF4 (QLoRA's base) right
-    after each is read, so no more than one of them is ever dense. ``apply_lora(...,
-    quantize_base=True)`` then keeps them as they are.
+    Args:
+        path_or_id: A Hugging Face-format folder, a Hub repo id, or a ``.gguf`` file
+            (dequantized as read, see ``models.gguf``).
+        dtype: "fp32" or "bf16" (or a torch dtype).
+        device: Where the weights go.
+        revision: The Hub revision of ``path_or_id``.
+        quantize: Projections to store as frozen NF4 (QLoRA's base) as each is read, by their
+            last name part as ``Techniques.lora_targets`` names them (``("q_proj", "v_proj")``):
+            no more than one of them is ever dense. ``apply_lora(..., quantize_base=True)`` keeps
+            them as they are.
+
+    Returns:
+        The ``CausalLM``.
+
+    Raises:
+        ConfigError: The config.json is refused (an unsupported family, a missing field).
     """
     dtype = torch_dtype(dtype)  # before any file is read or fetched
     if isinstance(path_or_id, GGUFFile) or is_gguf(path_or_id):

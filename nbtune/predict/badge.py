@@ -87,15 +87,24 @@ class FitBadge:
 
 def fit_badge(memory, budget, *, device: str | None = None, reserve: int | None = None,
               margin: float | None = None, host=None) -> FitBadge:
-    """Fits or not, headroom and the dominating category, for a ``MemoryBreakdown`` (measured
-    or estimated) or a peak in bytes, against ``budget`` (anything ``parse_machine`` takes).
+    """Fits or not, headroom and the dominating category of a step, against a budget.
 
-    An estimate (or a bare peak) on CUDA is held against ``usable`` (context and allocator
-    margin kept back). A measured CUDA step already shows both: what its allocator reserved
-    and what is in use outside it (context included), so nothing is kept back for them.
-    An estimate carries its host memory (``HostMemory``): on CUDA it is held against ``host``
-    (a size; default: the card's usual ``HOST_RAM``) where that is known. Several cards ("2x
-    RTX 3090"): ``memory`` is one rank's (``Predictor.of(..., ranks=2)``), held against one card.
+    An estimate (or a bare peak) on CUDA is held against ``usable`` (context and allocator margin
+    kept back). A measured CUDA step already shows both: what its allocator reserved and what is
+    in use outside it (context included), so nothing is kept back for them. An estimate carries
+    its host memory (``HostMemory``), held on CUDA against the host where that is known.
+
+    Args:
+        memory: A ``MemoryBreakdown`` (measured or estimated) or a peak in bytes; with several
+            cards ("2x RTX 3090") one rank's (``Predictor.of(..., ranks=2)``).
+        budget: Anything ``parse_machine`` takes.
+        device: "cuda" or "cpu" (default: the breakdown's).
+        reserve: Bytes kept back for the CUDA context (see ``usable``).
+        margin: The allocator's share kept back (see ``usable``).
+        host: The host's memory, a size (default: the card's usual ``HOST_RAM``).
+
+    Returns:
+        A ``FitBadge`` (``.fits``, ``.text``, ``.headroom``).
     """
     limit, card_host = parse_machine(parse_cards(budget)[1])
     host_limit = parse_budget(host) if host is not None else card_host

@@ -30,12 +30,21 @@ _CARD_KEYS = {_card_key(name): name for name in CARDS}
 
 
 def parse_budget(value) -> int:
-    """Bytes from an int (bytes), a size ("24GiB", "24 GB", "512MiB", "1.5 GiB") or a card
-    name from ``CARDS`` (any case, spaces optional: "rtx 4090", "A100-80GB").
+    """Bytes from a size or a card's name.
 
-    GiB/MiB/KiB (and bare G/M/K) are powers of 2, GB/MB/KB powers of 10: "24 GB" is 24e9
-    bytes, about 22.4 GiB. A card's name gives its whole memory; ``fit`` keeps back the CUDA
-    context and an allocator margin from it (``usable``).
+    GiB/MiB/KiB (and bare G/M/K) are powers of 2, GB/MB/KB powers of 10: "24 GB" is 24e9 bytes,
+    about 22.4 GiB. A card's name gives its whole memory; ``fit`` keeps back the CUDA context
+    and an allocator margin from it (``usable``).
+
+    Args:
+        value: An int (bytes), a size ("24GiB", "24 GB", "512MiB", "1.5 GiB") or a card name
+            from ``CARDS`` (any case, spaces optional: "rtx 4090", "A100-80GB").
+
+    Returns:
+        The bytes.
+
+    Raises:
+        ValueError: Neither a size nor a known card, with the names it knows.
     """
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         if value > 0:
@@ -61,10 +70,16 @@ _MACHINE = re.compile(r"(.+?)\s*\+\s*(.+?)\s*(?:of\s+)?(?:ram|host)?\s*", re.IGN
 
 
 def parse_machine(value) -> tuple[int, int | None]:
-    """(device bytes, host bytes or None) from what ``parse_budget`` takes (a card name
-    brings its usual host memory, ``HOST_RAM``; a size alone leaves the host unknown), from
-    "<card or size> + <size> RAM" ("RTX 3090 + 64 GB RAM", "24GiB + 32GiB") or from a
-    (device, host) pair."""
+    """A card's memory and its host's.
+
+    Args:
+        value: What ``parse_budget`` takes (a card name brings its usual host memory,
+            ``HOST_RAM``; a size alone leaves the host unknown), "<card or size> + <size> RAM"
+            ("RTX 3090 + 64 GB RAM", "24GiB + 32GiB") or a (device, host) pair.
+
+    Returns:
+        (device bytes, host bytes or None).
+    """
     if isinstance(value, tuple) and len(value) == 2:
         device, machine_host = value
         return parse_budget(device), None if machine_host is None else parse_budget(machine_host)

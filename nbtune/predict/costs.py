@@ -66,11 +66,21 @@ _FACTORS = ("method", "dtype", "compile")
 
 def relative_cost(t: Techniques, device: str = "cuda", *, num_layers: int | None = None,
                   baseline: Techniques | None = None) -> float:
-    """Time of one optimizer step with ``t``, relative to a plain step (1.0): the same
-    effective batch in one micro-batch, no memory technique, and ``baseline``'s method and
-    dtype (default: ``t``'s own). The model: (1 + the overheads of ``COSTS``) times the
-    method, dtype and compile factors. ``num_layers`` makes every-N checkpointing exact
-    (else 1/N of the layers). Rough by design: it ranks choices, it does not time them."""
+    """Time of one optimizer step with ``t``, relative to a plain step (1.0).
+
+    The plain step: the same effective batch in one micro-batch, no memory technique, and
+    ``baseline``'s method and dtype. The model: (1 + the overheads of ``COSTS``) times the
+    method, dtype and compile factors. Rough by design: it ranks choices, it does not time them.
+
+    Args:
+        t: The techniques.
+        device: "cuda" or "cpu".
+        num_layers: Makes every-N checkpointing exact (else 1/N of the layers).
+        baseline: Whose method and dtype the plain step has (default: ``t``'s own).
+
+    Returns:
+        The ratio to the plain step's time.
+    """
     terms = cost_terms(t, device, num_layers=num_layers, baseline=baseline)
     cost = 1.0 + sum(v for k, v in terms.items() if k not in _FACTORS)
     for name in _FACTORS:

@@ -183,25 +183,30 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
              recompute_loss: bool = True) -> MemoryBreakdown:
     """Predict one training step's memory without allocating the model.
 
-    ``model``: a preset name (``nbtune.models.presets.PRESETS``), a Hub repo id (only its
-    config.json is read), a config.json or model folder path, or a ``ModelConfig``.
-    ``techniques`` default to ``Techniques()``; ``batch_size`` and ``seq_len`` override
-    theirs. Rows are taken full length (no padding): the worst case of that shape.
-    ``device`` is the device the step will run on ("cpu" or "cuda").
+    A deep model's step is extrapolated from two shallow ones (``layer_period``), and a step of
+    many tiles from two of a few (``carry``): equal to the byte to running all of its layers and
+    tiles, which ``extrapolate=False`` does. Rows are taken full length (no padding): the worst
+    case of that shape. Under FSDP2 the step of each rank is predicted by running the real
+    sharding over a fake process group (``ranks.py``).
 
-    A deep model's step is extrapolated from two shallow ones (``layer_period``), and a
-    step of many tiles from two of a few (``carry``): equal to the byte to running all of
-    its layers and tiles, which ``extrapolate=False`` does. ``traces`` keeps the few-tile
-    runs for the next length (a ``Predictor``'s).
+    Args:
+        model: A preset name (``nbtune.models.presets.PRESETS``), a Hub repo id (only its
+            config.json is read), a config.json or model folder path, or a ``ModelConfig``.
+        techniques: The toggles (default ``Techniques()``).
+        batch_size: Overrides the techniques' (under FSDP2, the global batch).
+        seq_len: Overrides the techniques'.
+        device: The device the step will run on, "cpu" or "cuda".
+        extrapolate: Carry a deep or long step from shallow and short ones (False runs all).
+        traces: Keeps the few-tile runs for the next length (a ``Predictor``'s).
+        ranks: Processes under FSDP2: the step of each is predicted.
+        sharding: FSDP2's settings, as a run file's ``distributed:`` section.
+        machines: Machines the ranks span: the host memory is one machine's (``ranks /
+            machines`` ranks, and on rank 0's a save being written).
+        recompute_loss: False: a chunked loss's pieces make their gradients in forward instead
+            of being recomputed in backward (what ``Predictor.keeps_loss_pieces`` weighs).
 
-    ``ranks``: the step of each of that many processes under FSDP2 (``sharding``: its
-    settings, the run file's ``distributed:`` section), predicted by running the real
-    sharding over a fake process group (``ranks.py``); ``batch_size`` stays the global batch.
-    The host memory is one machine's: the ranks on it (``ranks / machines`` of them) and, on
-    rank 0's, a save being written.
-
-    ``recompute_loss=False``: a chunked loss's pieces make their gradients in forward
-    instead of being recomputed in backward (what ``Predictor.keeps_loss_pieces`` weighs).
+    Returns:
+        The step's ``MemoryBreakdown`` (``.peak``, ``.loading``, ``.highest``; ``.host``).
     """
     config = resolve_config(model)
     t = as_techniques(techniques)  # a dict of fields too, as Session takes

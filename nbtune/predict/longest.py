@@ -50,7 +50,21 @@ def attention_kernel(config: ModelConfig, t: Techniques, device: str = "cuda",
 @dataclass(frozen=True)
 class LongestContext:
     """What ``longest_context`` found: ``tokens`` (0 where not even ``GRAIN`` fits), the
-    limit that stopped it and the estimate at the answer."""
+    limit that stopped it and the estimate at the answer.
+
+    Attributes:
+        tokens: The longest length predicted to fit.
+        limit: What stopped it: "model" (its max_position_embeddings), "card", "host" or
+            "nothing fits".
+        memory: The estimate at ``tokens``.
+        model_limit: The model's context length.
+        device_usable: The card's bytes a step may use.
+        host_usable: The host's bytes the run may use, where known.
+        kernel: The attention kernel the estimate assumed.
+        kernel_note: What that kernel means for the answer, if anything.
+        estimates: Estimator runs made.
+        tried: Every length tried: (tokens, device bytes, host bytes, fits).
+    """
 
     tokens: int
     limit: str  # "model" (its max_position_embeddings), "card", "host", or "nothing fits"
@@ -65,6 +79,7 @@ class LongestContext:
 
     @property
     def text(self) -> str:
+        """The answer in one line, with what limits it."""
         if not self.tokens:
             return (f"longest context that fits: none (not even {GRAIN} tokens; the "
                     f"{self._short_of()} is short)")
@@ -96,17 +111,26 @@ def _tokens(n: int) -> str:
 def longest_context(model, card="RTX 3090", techniques: Techniques | dict | None = None, *,
                     host=None, device: str = "cuda", batch_size: int | None = None,
                     progress=None) -> LongestContext:
-    """The longest ``seq_len`` (a multiple of ``GRAIN``, at most the model's context) whose
-    training step the estimator predicts to fit ``card`` and, on CUDA, the host.
+    """The longest ``seq_len`` whose training step the estimator predicts to fit a card.
 
-    ``card``: anything ``fit`` takes ("RTX 3090", "24GiB", "RTX 3090 + 64 GB RAM", "2x RTX
-    3090": FSDP2 over both, each one's step predicted);
-    ``host``: the host's memory where the card's usual one is not yours. ``techniques``
-    (a Techniques or a dict of its fields) are kept as they are, ``seq_len`` aside.
-    ``progress(tokens)`` is called before each estimate. Each estimate of an 8B model takes
-    seconds (longer at long sequences with small tiles): two short ones draw the line and
-    one at the answer confirms it; where that one does not fit, what fits and what does not
-    is closed to one grain (``MAX_ESTIMATES`` at most; then the longest seen to fit).
+    A multiple of ``GRAIN``, at most the model's context, fitting the card and, on CUDA, the
+    host. Each estimate of an 8B model takes seconds (longer at long sequences with small tiles):
+    two short ones draw the line and one at the answer confirms it; where that one does not
+    fit, what fits and what does not is closed to one grain (``MAX_ESTIMATES`` at most; then the
+    longest seen to fit).
+
+    Args:
+        model: What ``estimate`` takes.
+        card: Anything ``fit`` takes ("RTX 3090", "24GiB", "RTX 3090 + 64 GB RAM", "2x RTX
+            3090": FSDP2 over both, each one's step predicted).
+        techniques: A ``Techniques`` or a dict of its fields, kept as they are but ``seq_len``.
+        host: The host's memory where the card's usual one is not yours.
+        device: "cuda" or "cpu".
+        batch_size: Overrides the techniques'.
+        progress: Called with the tokens before each estimate.
+
+    Returns:
+        A ``LongestContext``: ``.tokens`` and what stops it there.
     """
     cards, machine = parse_cards(card)
     forecaster = Predictor.of(model, device, cards)

@@ -57,7 +57,13 @@ class Predictor:
     twin (``memory_twin``) and shape; ``estimates`` counts the estimator's runs. A tiled
     step's two recorded runs are kept beside (``carry.TraceCache``), so every other length
     of it is read from them.
-    ``estimator``: a stand-in with ``estimate``'s signature (tests).
+
+    Args:
+        config: The model's ``ModelConfig`` (``Predictor.of`` takes anything ``estimate`` does).
+        device: "cpu" or "cuda".
+        estimator: A stand-in with ``estimate``'s signature (tests).
+        ranks: Processes under FSDP2: each one's step is predicted.
+        sharding: FSDP2's settings.
     """
 
     CACHE_SIZE = 512
@@ -79,7 +85,16 @@ class Predictor:
 
     def cached(self, techniques, *, batch_size: int | None = None,
                seq_len: int | None = None) -> bool:
-        """Whether ``estimate`` would answer without running the estimator."""
+        """Whether ``estimate`` would answer without running the estimator.
+
+        Args:
+            techniques: A ``Techniques`` or a dict of its fields.
+            batch_size: Overrides the techniques'.
+            seq_len: Overrides the techniques'.
+
+        Returns:
+            True when the answer is in the cache.
+        """
         with self._lock:
             return self._key(as_techniques(techniques), batch_size, seq_len) in self._cache
 
@@ -87,7 +102,17 @@ class Predictor:
                  seq_len: int | None = None, recompute_loss: bool = True) -> MemoryBreakdown:
         """The step's predicted memory; raises the estimator's error (``ESTIMATE_ERRORS``)
         for a combination it cannot run, every time it is asked. ``recompute_loss=False``:
-        with a chunked loss's gradients made in forward (``keeps_loss_pieces``)."""
+        with a chunked loss's gradients made in forward (``keeps_loss_pieces``).
+
+        Args:
+            techniques: A ``Techniques`` or a dict of its fields.
+            batch_size: Overrides the techniques'.
+            seq_len: Overrides the techniques'.
+            recompute_loss: As ``nbtune.estimate`` takes it.
+
+        Returns:
+            The step's ``MemoryBreakdown``.
+        """
         t = as_techniques(techniques)
         key = self._key(t, batch_size, seq_len) + (() if recompute_loss else ("kept",))
         kept = {} if recompute_loss else {"recompute_loss": False}
@@ -128,7 +153,14 @@ class Predictor:
         recomputed in backward (the recompute costs a forward of the head: 7-9 % of a 125M
         model's step on a CPU, ``benchmarks/head_profile.py``): where that does not raise the
         step's predicted peak by more than ``LOSS_PIECES_SLACK``. Not with sequence tiling (it
-        recomputes every tile by design), not where either estimate fails."""
+        recomputes every tile by design), not where either estimate fails.
+
+        Args:
+            techniques: A ``Techniques`` or a dict of its fields.
+
+        Returns:
+            True where the pieces' gradients are best made in forward.
+        """
         t = as_techniques(techniques)
         if t.chunked_loss <= 1 or t.loss_always_recomputed:
             return False
@@ -153,7 +185,17 @@ class Predictor:
     def of(cls, model, device: str = "cuda", ranks: int = 1, sharding=None) -> "Predictor":
         """The one ``Predictor`` of ``model`` (anything ``estimate`` takes) on ``device``, for
         each of ``ranks`` processes under FSDP2 (``sharding``: its settings); a ``Predictor``
-        given as ``model`` is used as it is."""
+        given as ``model`` is used as it is.
+
+        Args:
+            model: Anything ``estimate`` takes, or a ``Predictor``.
+            device: "cpu" or "cuda".
+            ranks: Processes under FSDP2.
+            sharding: FSDP2's settings.
+
+        Returns:
+            The shared ``Predictor``.
+        """
         target = "cuda" if str(device).startswith("cuda") else str(device)
         if isinstance(model, Predictor):
             if model.device != target:

@@ -178,7 +178,30 @@ class FitResult:
     """What ``fit`` found. ``techniques`` is the fastest combination predicted to fit (None
     if nothing does); ``changes`` the fields it changes from the start (for
     ``session.set(**changes)``); ``peak`` its predicted need in bytes; ``tried`` every
-    combination estimated, in order."""
+    combination estimated, in order.
+
+    Attributes:
+        techniques: The fastest combination predicted to fit, or None.
+        changes: Its fields that differ from the start, for ``session.set(**changes)``.
+        peak: Its predicted peak in bytes, or None.
+        budget: The budget asked for, in bytes.
+        usable: What of the budget a step may use (less the CUDA context and a margin).
+        start: The techniques the search started from.
+        device: "cuda" or "cpu".
+        tried: Every combination estimated, in order (``FitRow``s).
+        exact: Whether the result keeps the start's maths (None when nothing fits).
+        cost: Its time per step relative to the start's method and dtype.
+        message: The answer in words.
+        breakdown: The result's predicted ``MemoryBreakdown``.
+        estimates: Estimator calls made (cache hits not counted).
+        skipped: Combinations ruled out without an estimate.
+        candidates: The size of the search space.
+        host_budget: The host memory checked against, in bytes (None: not checked).
+        host_usable: What of it the run may use.
+        search: What the search cost, in words.
+        cards: The cards fitted to, one process each under FSDP2 (peaks are per card).
+        needs_cards: Where nothing fits, the fewest cards the lightest combination fits.
+    """
 
     techniques: Techniques | None
     changes: dict
@@ -203,9 +226,15 @@ class FitResult:
 
     @property
     def fits(self) -> bool:
+        """True when a combination fits."""
         return self.techniques is not None
 
     def as_dicts(self) -> list[dict]:
+        """Every combination tried, a dict each (for a DataFrame or JSON).
+
+        Returns:
+            Dicts of configuration, changes, peak and host bytes, fits, cost, exact, error.
+        """
         return [{"configuration": r.label, "changes": r.changes, "peak_bytes": r.peak,
                  "host_bytes": r.host, "fits": r.fits, "cost": r.cost, "exact": r.exact,
                  "error": r.error} for r in self.tried]
@@ -398,21 +427,34 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
         margin: float | None = None, host=None, sharding=None) -> FitResult:
     """The fastest combination of memory toggles predicted to fit ``budget``.
 
-    ``model``: what ``estimate`` accepts (preset name, ModelConfig, config.json or model
-    folder, Hub id) or an nn.Module with a ``ModelConfig`` as ``.config``. ``budget``: see
-    ``parse_machine`` (a card, a size, or "RTX 3090 + 64 GB RAM"), or several cards ("2x RTX
-    3090 + 64 GB RAM": one process each under FSDP2, ``sharding`` its settings, every peak
-    per card, the host shared; ``batch_size`` is then the global batch). Where nothing fits,
-    the answer says how many such cards the lightest combination tried needs (up to 8).
-    ``techniques``: the start
-    (default ``Techniques()``); its method, dtype, optimizer, LoRA settings, seq_len and
-    effective batch are kept unless nothing else fits. ``max_tries``: most estimator calls
-    (cached ones are free). ``toggles``: limit the axes searched (``AXES``).
-    ``reserve``/``margin``: see ``usable``. ``host``: the host's memory (a size; default: the
-    card's usual ``HOST_RAM``, or unchecked for a bare size): on CUDA a combination must fit
-    there too (``HostMemory.without_undo``: offloaded activations, paged and CPU-offloaded
-    optimizer state, a checkpoint being saved; the undo copy is dropped where it does not
-    fit, and the result says so).
+    The start's method, dtype, optimizer, LoRA settings, seq_len and effective batch are kept
+    unless nothing else fits. On CUDA a combination must fit the host too
+    (``HostMemory.without_undo``: offloaded activations, paged and CPU-offloaded optimizer
+    state, a checkpoint being saved; the undo copy is dropped where it does not fit, and the
+    result says so). Where nothing fits, the answer says how many such cards the lightest
+    combination tried needs (up to 8).
+
+    Args:
+        model: What ``estimate`` takes (preset name, ModelConfig, config.json or model folder,
+            Hub id), an nn.Module with a ``ModelConfig`` as ``.config``, or a ``Predictor``.
+        budget: A card, a size or "RTX 3090 + 64 GB RAM" (see ``parse_machine``), or several
+            cards ("2x RTX 3090 + 64 GB RAM": one process each under FSDP2, every peak per card,
+            the host shared; ``batch_size`` is then the global batch).
+        techniques: The start (default ``Techniques()``).
+        device: "cuda" or "cpu".
+        max_tries: The most estimator calls (cached ones are free).
+        toggles: Limit the axes searched (``AXES``).
+        reserve: Bytes kept back for the CUDA context (see ``usable``).
+        margin: The allocator's share kept back (see ``usable``).
+        host: The host's memory, a size (default: the card's usual ``HOST_RAM``; unchecked for a
+            bare size).
+        sharding: FSDP2's settings, for several cards.
+
+    Returns:
+        A ``FitResult``.
+
+    Raises:
+        ValueError: The start cannot run on ``device``, or the budget is not understood.
     """
     config = model.config if isinstance(model, Predictor) else resolve_config(model)
     start = techniques if techniques is not None else Techniques()

@@ -15,6 +15,7 @@ CARDS: dict[str, int] = {
     "T4": 15360 * MiB,  # 16 GiB, 15 with ECC
     "L4": 23034 * MiB,  # 24 GiB, 22.5 with ECC
 }
+"""Each card's memory in bytes, as the driver reports it: the names ``fit`` and the budgets take."""
 
 # Host memory the machines renting each card usually come with: a starting guess for the host
 # check of ``fit`` and the panel's badge (say yours with ``host=`` or "RTX 3090 + 64 GB RAM").
@@ -26,6 +27,8 @@ HOST_RAM: dict[str, int] = {
     "T4": 12 * GiB,  # Google Colab's free T4: 12.7 GB
     "L4": 15 * GiB,  # Google Cloud g2-standard-4: 16 GB
 }
+"""The host memory, in bytes, that machines renting each card usually come with: ``fit``'s
+and the badge's guess where no ``host=`` is given."""
 
 # Not all of a card holds tensors. The CUDA context (driver state, the module images of
 # torch's kernels) takes about 0.3-0.5 GiB before the first tensor (rough; measured 1.0 GiB

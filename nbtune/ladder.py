@@ -22,6 +22,22 @@ from .techniques import Techniques, label_of
 
 @dataclass(frozen=True)
 class LadderRow:
+    """One row of a ladder: a configuration, its measured peak and speed, its estimate.
+
+    Attributes:
+        label: What this row changed, e.g. "+activation_checkpointing".
+        techniques: The row's whole techniques.
+        peak: Bytes: the highest step peak over the row's steps.
+        change: The peak against the previous row's, in percent.
+        tokens_per_second: Over the timed steps after the first (which pays set-up costs).
+        estimated_peak: What ``estimate`` predicts for the row's batch shape.
+        loss: The last step's loss.
+        at_peak: The categories that made up the peak.
+        categories: Each category's high point in the step.
+        error: Why the row could not run (out of memory, say).
+        busy: Cores other processes kept busy while it ran (``Contention``).
+    """
+
     label: str  # what this row changed, e.g. "+activation_checkpointing"
     techniques: Techniques
     peak: int = 0  # bytes: highest step peak over the row's steps

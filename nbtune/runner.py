@@ -43,18 +43,37 @@ class Event:
 
 @dataclass(frozen=True)
 class StepDone(Event):
+    """A step completed.
+
+    Attributes:
+        report: Its ``StepReport``.
+    """
+
     report: StepReport
     kind = "step"
 
 
 @dataclass(frozen=True)
 class TechniquesChanged(Event):
+    """A change of techniques was applied.
+
+    Attributes:
+        techniques: The techniques now applied.
+    """
+
     techniques: Techniques  # now applied
     kind = "techniques"
 
 
 @dataclass(frozen=True)
 class PendingChanged(Event):
+    """The changes queued during a background run changed.
+
+    Attributes:
+        pending: The changes still queued, oldest first.
+        planned: What they lead to.
+    """
+
     pending: tuple  # the changes still queued, oldest first
     planned: Techniques  # what they lead to
     kind = "pending"
@@ -62,6 +81,13 @@ class PendingChanged(Event):
 
 @dataclass(frozen=True)
 class Message(Event):
+    """The run said something (a row skipped, optimizer state reset, an adaptation).
+
+    Attributes:
+        text: What it said.
+        thread: The thread it was said on: a command prints only its own.
+    """
+
     text: str
     thread: int  # the thread it was said on: a command prints only its own
     kind = "message"
@@ -69,6 +95,13 @@ class Message(Event):
 
 @dataclass(frozen=True)
 class Refused(Event):
+    """A queued change could not be applied at the step boundary.
+
+    Attributes:
+        changes: The change.
+        error: Why.
+    """
+
     changes: dict  # a queued change that could not be applied at the step boundary
     error: BaseException
     kind = "refused"
@@ -76,24 +109,43 @@ class Refused(Event):
 
 @dataclass(frozen=True)
 class RunStarted(Event):
+    """A background run started.
+
+    Attributes:
+        run: Its ``BackgroundRun``.
+    """
+
     run: "BackgroundRun"
     kind = "started"
 
 
 @dataclass(frozen=True)
 class RunFinished(Event):
+    """A run ended.
+
+    Attributes:
+        reports: The steps it completed.
+        run: Its ``BackgroundRun``; None for a run in the caller's thread.
+    """
+
     reports: tuple  # the steps the run completed
     run: "BackgroundRun | None"  # None for a run in the caller's thread
     kind = "finished"
 
 
 class Subscription:
-    """A subscriber's handle: ``close()`` and it hears nothing more."""
+    """A subscriber's handle: ``close()`` and it hears nothing more (or use it in ``with``).
+
+    Args:
+        runner: The runner it listens to.
+        callback: Called with each event.
+    """
 
     def __init__(self, runner: "Runner", callback: Callable[[Event], None]) -> None:
         self.runner, self.callback = runner, callback
 
     def close(self) -> None:
+        """Hear nothing more."""
         self.runner.unsubscribe(self)
 
     def __enter__(self) -> "Subscription":

@@ -84,12 +84,16 @@ def test_the_site_builds_strictly_with_every_guide_notebook_and_public_name(site
     assert "data:image/png;base64" in (site / "notebooks/02_memory/index.html").read_text()
     # the API reference: every public name, and Session's commands with their parameters
     reference = "".join(p.read_text() for p in (site / "reference").rglob("index.html"))
-    for name in nt.__all__:
+    for name in [*nt.__all__, *RETURNED]:
         assert re.search(rf'id="nbtune\.[\w.]+\.{name}"', reference), name
     session = (site / "reference/session/index.html").read_text()
     assert 'id="nbtune.session.Session.start"' in session and "on_oom" in session
     # the measured results the pages cite are served beside them
     assert (site / "results/cpu-demo/demo_memory.png").exists()
+    # every Markdown table rendered as a table (a blank line inside one leaves text "| ... |")
+    broken = [str(p.relative_to(site)) for p in site.rglob("index.html")
+              if "results" not in p.parts and re.search(r"<p>\|[^<]*\|", p.read_text())]
+    assert broken == [], broken
 
 
 # ---- the architecture page's toggle table ------------------------------------------------------
@@ -186,22 +190,40 @@ def _undocumented(where: str, func, skip_self: bool) -> list[str]:
     return problems
 
 
+# What the public names return, which the reference shows beside them (docs/reference/returned.md).
+RETURNED = {"FitBadge": "nbtune.predict.badge", "FitRow": "nbtune.predict.search",
+            "LadderRow": "nbtune.ladder", "Reply": "nbtune.generate", "Usage": "nbtune.memory.usage",
+            "Subscription": "nbtune.runner", "Event": "nbtune.runner", "StepDone": "nbtune.runner",
+            "TechniquesChanged": "nbtune.runner", "PendingChanged": "nbtune.runner",
+            "Message": "nbtune.runner", "Refused": "nbtune.runner", "RunStarted": "nbtune.runner",
+            "RunFinished": "nbtune.runner"}
+
+
+def _public_objects():
+    import importlib
+
+    for name in nt.__all__:
+        yield name, getattr(nt, name)
+    for name, module in RETURNED.items():
+        yield name, getattr(importlib.import_module(module), name)
+
+
 def public_name_problems() -> list[str]:
-    """What the reference would lack: for every name in ``nbtune.__all__`` (and each public
-    method and property of its classes), a docstring, each parameter in its Args (a class's
-    fields in Args or Attributes), and a Returns section where it returns something."""
+    """What the reference would lack: for every name in ``nbtune.__all__`` and what they
+    return (``RETURNED``), and each public method and property of their classes, a docstring,
+    each parameter in its Args (a class's fields in Args or Attributes), and a Returns section
+    where it returns something."""
     import inspect
 
     problems = []
-    for name in nt.__all__:
-        obj = getattr(nt, name)
+    for name, obj in _public_objects():
         if inspect.isclass(obj):
             doc = inspect.getdoc(obj) if obj.__doc__ else None
             if not doc:
                 problems.append(f"{name}: no docstring")
                 continue
             documented = _named(_sections(doc), "parameters", "attributes")
-            own_init = not issubclass(obj, BaseException) or "__init__" in vars(obj)
+            own_init = "__init__" in vars(obj)
             if dataclasses.is_dataclass(obj):
                 wanted = [f.name for f in dataclasses.fields(obj) if f.init]
             elif own_init:
@@ -270,3 +292,15 @@ def test_the_docstring_check_bites_on_a_missing_argument_and_a_missing_returns()
     assert _undocumented("documented", documented, skip_self=False) == []
     said = _undocumented("lacking", lacking, skip_self=False)
     assert len(said) == 2 and "['a', 'b']" in said[0] and "Returns" in said[1]
+
+
+def test_each_toggles_tooltip_is_its_whole_line_in_the_techniques_docstring():
+    """HELP is read from Techniques' Attributes section: every field, each entry whole
+    (wrapped lines joined with one space, nothing of the next entry)."""
+    from nbtune.techniques import HELP
+
+    assert list(HELP) == [f.name for f in dataclasses.fields(Techniques)]
+    assert HELP["tile_tokens"].startswith("Sequence tiling: run each layer's norm + MLP")
+    assert HELP["tile_tokens"].endswith("for long contexts (0 = off).")
+    assert HELP["eval_every"].endswith("is measured and estimated too.")  # the last entry, whole
+    assert all("\n" not in text and "  " not in text and text.strip() == text for text in HELP.values())

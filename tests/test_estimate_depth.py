@@ -19,6 +19,13 @@ FAMILIES = {
     "qwen2": ModelConfig(**SMALL, model_type="qwen2", attention_bias=True, tie_word_embeddings=True),
     "qwen3": ModelConfig(**SMALL, model_type="qwen3", qk_norm=True),
     "mistral": ModelConfig(**SMALL, model_type="mistral", sliding_window=16),
+    # two sliding layers and a global one, repeated: the layers differ, the pattern repeats
+    "gemma3": ModelConfig(**{**SMALL, "num_layers": 24}, model_type="gemma3_text",
+                          layer_types=("sliding_attention", "sliding_attention", "full_attention") * 8,
+                          sliding_window=16, rope_local_theta=10000.0, norm_plus_one=True,
+                          embed_scale=True, sandwich_norms=True, qk_norm=True,
+                          query_pre_attn_scalar=16, hidden_act="gelu_pytorch_tanh",
+                          tie_word_embeddings=True),
 }
 
 # The combinations test_estimate, test_fit and test_eval use, and every memory toggle. Each
@@ -116,6 +123,13 @@ def test_the_first_layer_is_kept_apart_because_it_differs(calls):
     (8, False, 1), (8, 2, 2), (8, 3, None), (3, False, None), (6, 2, None), (12, 3, 3), (32, 4, 4)])
 def test_layer_period_falls_back_where_the_layers_do_not_repeat(layers, every, expected):
     config = FAMILIES["llama"].replace(num_layers=layers)
+    assert est.layer_period(config, nt.Techniques(activation_checkpointing=every)) == expected
+
+
+@pytest.mark.parametrize("layers,every,expected", [(24, False, 3), (24, 2, 6), (26, False, None), (48, 4, 12)])
+def test_layer_period_covers_the_pattern_of_sliding_and_global_layers(layers, every, expected):
+    config = FAMILIES["gemma3"].with_layers(layers)
+    assert config.layer_pattern == 3 and config.layer_types[:3] == config.layer_types[3:6]
     assert est.layer_period(config, nt.Techniques(activation_checkpointing=every)) == expected
 
 

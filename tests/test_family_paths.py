@@ -30,7 +30,7 @@ from nbtune.techniques import LORA_TARGETS
 
 from test_families import SEQ, build
 
-FAMILIES = ["llama3.1-rope", "qwen2", "qwen3", "mistral"]  # llama 3, bias, q/k norm, window
+FAMILIES = ["llama3.1-rope", "qwen2", "qwen3", "mistral", "gemma3"]  # llama 3, bias, q/k norm, window, Gemma
 FP32_ATOL = 1e-4  # as test_families: two implementations of the same fp32 maths
 SAME_ATOL = 1e-5  # one implementation, the same weights regrouped (merged or not)
 ADAPTER_EFFECT = 1e-2  # the adapters must move the logits far beyond both tolerances

@@ -24,15 +24,24 @@ _STATUS = Path("/proc/self/status")
 
 @dataclass(frozen=True)
 class Usage:
-    """One step's cheap figure: ``peak`` bytes (the allocator's peak on CUDA, the process's
-    peak resident memory on a CPU), ``reserved`` bytes (the allocator's, CUDA only) and
-    ``source`` (a key of ``SOURCES``)."""
+    """One step's cheap figure, metered on every step.
+
+    Attributes:
+        peak: Bytes: the allocator's peak on CUDA, the process's peak resident memory on a CPU.
+        reserved: The allocator's reserved bytes (CUDA only).
+        source: What was metered (a key of ``SOURCES``).
+    """
 
     peak: int
     reserved: int = 0
     source: str = "allocator"
 
     def as_dict(self) -> dict:
+        """The fields by name.
+
+        Returns:
+            The dict.
+        """
         return asdict(self)
 
 

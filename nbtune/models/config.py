@@ -10,11 +10,14 @@ from pathlib import Path
 from .. import files
 
 # HF `model_type` values this decoder implements, and what each one switches on.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "llama3", None)
 # The transformers class each model_type is saved as (config.json's "architectures").
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM"}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # What each rope_scaling type needs (transformers' rope initialisers read these).
 ROPE_FACTORS = {"linear": ("factor",),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor",
@@ -50,6 +53,11 @@ def _model_type(hf: dict, source: str) -> str:
                 f"{source}: architecture {', '.join(map(repr, archs))} is not supported; nbtune "
                 f"implements {_supported()}. Pick a checkpoint of one of these families.")
         model_type = known[0] if known else "llama"  # older Llama conversions wrote neither
+    if model_type == "gemma3":
+        raise ConfigError(
+            f"{source}: a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration: the 4B, "
+            "12B and 27B) is not read yet; nbtune reads the text-only gemma3_text checkpoints "
+            "(Gemma3ForCausalLM: gemma-3-270m, gemma-3-1b and their -it versions).")
     if model_type not in SUPPORTED_MODEL_TYPES:
         named = f" (architecture {', '.join(map(repr, archs))})" if archs else ""
         raise ConfigError(
@@ -62,6 +70,44 @@ def _model_type(hf: dict, source: str) -> str:
             f"head; nbtune finetunes {ARCHITECTURES[model_type]} checkpoints. Pick the base or "
             "instruct checkpoint of the model rather than a classification or other head.")
     return model_type
+
+
+def _gemma3(hf: dict, source: str) -> dict:
+    """Gemma 3's switches from its config.json (transformers 5's per-layer-type
+    ``rope_parameters``, or the older ``rope_theta`` / ``rope_local_base_freq`` /
+    ``sliding_window_pattern``)."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ConfigError(f"{source} sets {key}={hf[key]!r}, which nbtune's decoder does not "
+                              "implement (released Gemma 3 checkpoints leave it null).")
+    if hf.get("use_bidirectional_attention") or hf.get("attention_bias"):
+        raise ConfigError(f"{source}: Gemma 3 with bidirectional attention or attention biases is "
+                          "not implemented; the released causal checkpoints use neither.")
+    rope = hf.get("rope_parameters") or {}
+    if isinstance(rope, dict) and "full_attention" in rope:
+        full = dict(rope.get("full_attention") or {})
+        local = dict(rope.get("sliding_attention") or {})
+        theta, local_theta = full.pop("rope_theta", 1e6), local.get("rope_theta", 10000.0)
+        scaling = full if full.get("rope_type", "default") != "default" else None
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"{source}: the sliding layers' RoPE is {local.get('rope_type')!r}; "
+                              "nbtune implements Gemma 3's default RoPE there.")
+    else:
+        theta, local_theta = hf.get("rope_theta", 1e6), hf.get("rope_local_base_freq", 10000.0)
+        scaling = hf.get("rope_scaling")
+    layers = hf["num_hidden_layers"]
+    pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else
+                                      "sliding_attention" for i in range(layers)]
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise ConfigError(f"{source}: layer_types must be a list of layer kinds.")
+    return {"layer_types": tuple(types), "sliding_window": hf.get("sliding_window", 4096),
+            "rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta,
+            "norm_plus_one": True, "embed_scale": True, "sandwich_norms": True, "qk_norm": True,
+            "attention_bias": False, "query_pre_attn_scalar": hf.get("query_pre_attn_scalar", 256),
+            "hidden_act": hf.get("hidden_activation") or "gelu_pytorch_tanh",
+            "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+            "tie_word_embeddings": hf.get("tie_word_embeddings", True)}
 
 
 def _check_fields(hf: dict, source: str) -> None:
@@ -82,7 +128,7 @@ def _check_fields(hf: dict, source: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral family).
+    """Shape of a decoder-only transformer (Llama, Qwen2, Qwen3, Mistral, Gemma 3 families).
 
     Made from a transformers ``config.json`` (``from_file``, ``from_hf``) and checked whole: a
     family nbtune does not implement, a size no real model has or heads that do not divide are
@@ -104,7 +150,17 @@ class ModelConfig:
         tie_word_embeddings: The head shares the embedding's weight.
         attention_bias: q/k/v projections carry a bias (Qwen2).
         qk_norm: RMSNorm on queries and keys per head (Qwen3).
-        sliding_window: Attend to the last N tokens only (Mistral v0.1).
+        sliding_window: Attend to the last N tokens only (Mistral v0.1; Gemma 3's sliding
+            layers).
+        layer_types: Each layer's "sliding_attention" or "full_attention" (Gemma 3); None:
+            every layer slides when ``sliding_window`` is set.
+        rope_local_theta: The RoPE base of the sliding layers (Gemma 3), without scaling.
+        norm_plus_one: RMSNorm scales by 1 + weight, after normalising in fp32 (Gemma).
+        embed_scale: The embedding is multiplied by sqrt(hidden_size) (Gemma).
+        sandwich_norms: Norms before and after attention and the MLP, four a layer (Gemma 3).
+        query_pre_attn_scalar: Attention scores scaled by its inverse square root rather than
+            the head size's (Gemma 3).
+        hidden_act: The MLP's gate activation: "silu" or "gelu_pytorch_tanh" (Gemma).
         bos_token_id: The beginning-of-sequence token.
         eos_token_id: The end-of-sequence token or tokens.
         pad_token_id: The padding token.
@@ -127,6 +183,17 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm on queries and keys per head (Qwen3)
     sliding_window: int | None = None  # attend to the last N tokens only (Mistral v0.1)
+    # Gemma 3's switches: which layers attend within the window (None: all of them when
+    # sliding_window is set), their RoPE base, RMSNorm scaled by 1 + weight, the embedding
+    # scaled by sqrt(hidden), norms before and after attention and the MLP, the query scale,
+    # and the MLP's activation.
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    norm_plus_one: bool = False
+    embed_scale: bool = False
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -155,6 +222,25 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} is {value!r}, but it must be a positive finite number.")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES):
+                raise ValueError(f"layer_types must give each of the {self.num_layers} layers one of "
+                                 f"{', '.join(LAYER_TYPES)}; got {list(self.layer_types)!r}.")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("layer_types has sliding layers but sliding_window is not set.")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int)
+                                                or self.sliding_window <= 0):
+            raise ValueError(f"sliding_window is {self.sliding_window!r}, but it must be a positive "
+                             "whole number of tokens.")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; nbtune implements "
+                             f"{', '.join(ACTIVATIONS)}.")
+        for name in ("rope_local_theta", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
                 raise ValueError(f"{name} is {value!r}, but it must be a positive finite number.")
         if self.rope_scaling is not None:
             if not isinstance(self.rope_scaling, dict):
@@ -241,6 +327,8 @@ class ModelConfig:
                               "supported; the released Qwen checkpoints leave it off.")
         if model_type == "mistral":
             known["sliding_window"] = hf.get("sliding_window")
+        if model_type == "gemma3_text":
+            known.update(_gemma3(hf, source))
         try:
             return cls(**known, extra=dict(hf))
         except ValueError as err:  # the checks of __post_init__, told which file they are about
@@ -289,7 +377,6 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
@@ -299,6 +386,9 @@ class ModelConfig:
         })
         if self.model_type == "mistral":
             out["sliding_window"] = self.sliding_window
+        if self.model_type == "gemma3_text":
+            return self._gemma3_hf(out)
+        out["hidden_act"] = self.hidden_act
         if "rope_parameters" in out:
             out["rope_parameters"] = {**out["rope_parameters"], "rope_theta": self.rope_theta}
         else:
@@ -306,6 +396,44 @@ class ModelConfig:
             out["rope_scaling"] = self.rope_scaling
         if self.model_type in ("llama", "qwen3"):
             out["attention_bias"] = self.attention_bias
+        return out
+
+    @property
+    def layer_pattern(self) -> int:
+        """How many layers repeat as one unit of ``layer_types`` (Gemma 3: 5 sliding, 1 global
+        makes 6); 1 where every layer is alike."""
+        types = self.layer_types or ()
+        return next((p for p in range(1, len(types))
+                     if all(kind == types[i % p] for i, kind in enumerate(types))), max(1, len(types)))
+
+    def with_layers(self, n: int) -> "ModelConfig":
+        """The same model ``n`` layers deep, its layer kinds following the same pattern (the
+        estimator's shallow runs).
+
+        Args:
+            n: Layers.
+
+        Returns:
+            The new ``ModelConfig``.
+        """
+        types = self.layer_types
+        if types is not None:
+            types = tuple(types[i % self.layer_pattern] for i in range(n))
+        return dataclasses.replace(self, num_layers=n, layer_types=types)
+
+    def _gemma3_hf(self, out: dict) -> dict:
+        """Gemma 3's keys as transformers 5 writes them (per-layer-type ``rope_parameters``)."""
+        for old in ("rope_theta", "rope_scaling", "rope_local_base_freq", "sliding_window_pattern",
+                    "_sliding_window_pattern", "hidden_act"):
+            out.pop(old, None)
+        full = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        out.update({
+            "layer_types": list(self.layer_types or ()), "sliding_window": self.sliding_window,
+            "query_pre_attn_scalar": self.query_pre_attn_scalar, "hidden_activation": self.hidden_act,
+            "attention_bias": False, "final_logit_softcapping": None, "attn_logit_softcapping": None,
+            "rope_parameters": {"full_attention": full,
+                                "sliding_attention": {"rope_type": "default",
+                                                      "rope_theta": self.rope_local_theta}}})
         return out
 
     def replace(self, **changes) -> "ModelConfig":

@@ -1,4 +1,4 @@
-"""One config-driven decoder for the Llama / Qwen2 / Qwen3 / Mistral families.
+"""One config-driven decoder for the Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 families.
 
 Module names mirror the Hugging Face checkpoints (``model.layers.0.self_attn.q_proj``...),
 so a safetensors file loads with no key mapping and LoRA adapters export under PEFT's
@@ -19,15 +19,19 @@ from .config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """RMSNorm as Llama's reference has it (normalise in fp32, cast back, then scale), or
+    with ``plus_one`` as Gemma's (scale by 1 + weight in fp32, then cast; the weight starts at 0)."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
+        self.eps, self.plus_one = eps, plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the scale, as the reference does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
@@ -56,6 +60,13 @@ def rope_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
 def rope_divisors(config: ModelConfig) -> torch.Tensor:
     """What the rope scaling divides each unscaled frequency by (llama.cpp's ``rope_freqs``)."""
     return rope_frequencies(dataclasses.replace(config, rope_scaling=None)) / rope_frequencies(config)
+
+
+def local_rope(config: ModelConfig) -> ModelConfig:
+    """The config whose RoPE the sliding layers use (Gemma 3: their own base, no scaling)."""
+    if config.rope_local_theta is None:
+        return config
+    return dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
 
 
 def rope_tables(config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
@@ -125,10 +136,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, config.num_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(config.num_heads * hd, d, bias=False)
         if config.qk_norm:
-            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps, config.norm_plus_one)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps, config.norm_plus_one)
         else:
             self.q_norm = self.k_norm = None
+        # Gemma 3 scales scores by query_pre_attn_scalar ** -0.5; None: SDPA's 1 / sqrt(head_dim)
+        self.scale = (config.query_pre_attn_scalar ** -0.5
+                      if config.query_pre_attn_scalar is not None else None)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:
@@ -149,7 +163,7 @@ class Attention(nn.Module):
         # graph and recompiled the frames after the break, one step at a time (seen on an H200).
         causal = mask is None and (cache is None or T > 1)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal,
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
             enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -188,8 +202,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # Gemma's gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gelu:
+            return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
         return self.down_proj(SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -210,16 +227,33 @@ def tiled(fn, x: torch.Tensor, tile: int) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
+    """Attention then MLP, each with a residual. Llama's norms: one before each. Gemma 3's
+    (``sandwich_norms``): one before and one after each, ``post_attention_layernorm`` being
+    the one after attention there. ``ffn_norm`` is the norm the feed-forward starts with."""
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_plus_one)  # noqa: E731
+        self.input_layernorm = norm()
         self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm()
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.sandwich = config.sandwich_norms
+        types = config.layer_types
+        # attends within the sliding window (Gemma 3 as layer_types says, Mistral every layer)
+        self.sliding = bool(config.sliding_window) and (types is None or types[layer_idx] == "sliding_attention")
         self.mlp = MLP(config)
         # Set by nbtune.activations: recompute this layer in backward instead of saving.
         self.checkpointed = False
         # Set by nbtune.activations: run the norm + MLP this many tokens at a time (0: whole).
         self.tile_tokens = 0
+
+    @property
+    def ffn_norm(self) -> RMSNorm:
+        """The norm the feed-forward starts with (where a tiled pass begins)."""
+        return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
 
     def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None) -> torch.Tensor:
         if self.checkpointed and torch.is_grad_enabled():
@@ -227,10 +261,13 @@ class DecoderLayer(nn.Module):
         return self._forward(x, cos, sin, mask, cache)
 
     def _forward(self, x, cos, sin, mask, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        x = x + (self.post_attention_layernorm(attended) if self.sandwich else attended)
         return x + tiled(self._feed_forward, x, self.tile_tokens)
 
     def _feed_forward(self, x):
+        if self.sandwich:
+            return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return self.mlp(self.post_attention_layernorm(x))
 
 
@@ -241,7 +278,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_plus_one)
 
 
 class CausalLM(nn.Module):
@@ -267,7 +304,7 @@ class CausalLM(nn.Module):
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+                module.weight.fill_(0.0 if module.plus_one else 1.0)
 
     def hidden_states(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
                       document_ids: torch.Tensor | None = None,
@@ -284,17 +321,24 @@ class CausalLM(nn.Module):
         index = torch.arange(past, past + T, device=input_ids.device)
         if positions is None:
             positions = index
+        if document_ids is not None and past:
+            raise ValueError("Packed sequences (document_ids) cannot extend a KV cache.")
+        keys = torch.arange(past + T, device=input_ids.device)
         window = self.config.sliding_window
-        mask = None  # plain causal attention, the fast path
-        if document_ids is not None or (past and T > 1) or (window and past + T > window):
-            if document_ids is not None and past:
-                raise ValueError("Packed sequences (document_ids) cannot extend a KV cache.")
-            mask = attention_mask(index, torch.arange(past + T, device=input_ids.device),
-                                  document_ids, window)
+        # None: plain causal attention, the fast path; one mask for the full layers and one for
+        # the sliding ones, each made once per forward and shared by the layers of its kind
+        full = (attention_mask(index, keys, document_ids)
+                if document_ids is not None or (past and T > 1) else None)
+        local = (attention_mask(index, keys, document_ids, window)
+                 if window and past + T > window else full)
         h = self.model.embed_tokens(input_ids)
-        cos, sin = rope_tables(self.config, positions, h.dtype)
+        if self.config.embed_scale:  # Gemma: sqrt(hidden) rounded to the weights' dtype first
+            h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)
+        tables = {False: rope_tables(self.config, positions, h.dtype)}
+        tables[True] = (rope_tables(local_rope(self.config), positions, h.dtype)
+                        if self.config.rope_local_theta is not None else tables[False])
         for layer in self.model.layers:
-            h = layer(h, cos, sin, mask, cache)
+            h = layer(h, *tables[layer.sliding], local if layer.sliding else full, cache)
         return self.model.norm(h) if normed else h
 
     def forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:

@@ -17,7 +17,19 @@ HELD_BY = {"other": "other (the step's temporaries: attention and MLP scratch, t
 @dataclass(frozen=True)
 class FitBadge:
     """Whether a step's memory fits a budget, on the card and (where known) on the host: for
-    the panel's badge (no widgets here)."""
+    the panel's badge (no widgets here).
+
+    Attributes:
+        need: Bytes the step needs on the card.
+        budget: The card's bytes asked about.
+        usable: What of them a step may use.
+        largest: The category holding most at the peak.
+        at_peak: The categories at the peak moment, in bytes.
+        host_need: Host bytes the run needs without the undo copy, where predicted.
+        host_budget: The host's bytes, where known.
+        host_usable: What of them the run may use.
+        undo: Host bytes of the undo copy "auto" would keep (dropped where it does not fit).
+    """
 
     need: int  # bytes the step needs
     budget: int
@@ -31,14 +43,17 @@ class FitBadge:
 
     @property
     def fits_card(self) -> bool:
+        """The step fits the card's usable bytes."""
         return self.need <= self.usable
 
     @property
     def fits_host(self) -> bool:
+        """The run fits the host (True where the host is not checked)."""
         return self.host_need is None or self.host_usable is None or self.host_need <= self.host_usable
 
     @property
     def fits(self) -> bool:
+        """Fits the card and the host."""
         return self.fits_card and self.fits_host
 
     @property
@@ -58,6 +73,7 @@ class FitBadge:
 
     @property
     def text(self) -> str:
+        """The badge's words: fits or not, by how much, what holds most."""
         room = format_bytes(self.usable)
         if self.usable != self.budget:
             room += f" usable of {format_bytes(self.budget)}"

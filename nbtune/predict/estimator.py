@@ -216,7 +216,7 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     shape = (batch_size or t.batch_size, seq_len or t.seq_len)
     spread = Ranks.of(ranks, sharding, machines)
     with torch.device("meta"):
-        built = CausalLM(config.replace(num_layers=min(config.num_layers, 1)))
+        built = CausalLM(config.with_layers(min(config.num_layers, 1)))
     problems = check(t.replace(seq_len=min(t.seq_len, config.max_position_embeddings)), built, target)
     if spread is not None:
         problems += check_sharding(spread.sharding, built, t, target, spread.world)
@@ -230,7 +230,7 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     step = None
     if period is not None:
         shallow, deeper, front, back = shallow_units(t, spread is not None)
-        step = _extrapolated(*(_traced(config.replace(num_layers=units * period), t, target,
+        step = _extrapolated(*(_traced(config.with_layers(units * period), t, target,
                                        shape, True, tiles, traces, spread, recompute_loss)
                                for units in (shallow, deeper)),
                              shallow * period, deeper * period, config.num_layers, period,
@@ -448,9 +448,10 @@ def _largest_adapted(config: ModelConfig, t: Techniques) -> int:
 
 def layer_period(config: ModelConfig, t: Techniques, sharded: bool = False) -> int | None:
     """How many decoder layers repeat as one unit in a step (checkpointing every N-th layer
-    makes N), or None where the depth is not a whole number of units, or too shallow for two
+    makes N; Gemma 3's sliding and global layers their pattern, 6), or None where the depth is not a whole number of units, or too shallow for two
     shallow runs (``shallow_units``) to be cheaper than one whole one."""
-    period = t.checkpoint_every or 1
+    every = t.checkpoint_every or 1
+    period = every * config.layer_pattern // math.gcd(every, config.layer_pattern)
     if config.num_layers % period or config.num_layers <= shallow_units(t, sharded)[1] * period:
         return None
     return period
@@ -544,7 +545,7 @@ def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int
         options = StepOptions.of(t, compile=False, offload_to="meta" if target == "cuda" else None,
                                  recompute_loss=recompute_loss)
         _make_state(optimizer)  # as after a first step, without running one
-        marks = [layer.post_attention_layernorm for layer in built.model.layers] if tiles[0] else []
+        marks = [layer.ffn_norm for layer in built.model.layers] if tiles[0] else []
         marks += [built.model.norm] if tiles[1] else []
         memory = CpuStepMemory(built, optimizer, *inputs, by_layer=by_layer, tiles=tuple(marks))
         with memory:

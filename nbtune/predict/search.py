@@ -161,7 +161,18 @@ def _bundle(group: list[Candidate], i: int, estimated) -> Candidate | None:
 
 @dataclass(frozen=True)
 class FitRow:
-    """One combination the search estimated."""
+    """One combination the search estimated.
+
+    Attributes:
+        label: The changes in words.
+        changes: The toggle changes from the start.
+        peak: Bytes the step needs; None when the estimate failed.
+        fits: On the card and (where checked) on the host.
+        cost: Time per step relative to the start's method and dtype.
+        exact: It keeps the start's maths.
+        error: Why the estimate failed, if it did.
+        host: Host bytes the run needs (``HostMemory.without_undo``).
+    """
 
     label: str
     changes: dict

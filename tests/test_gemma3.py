@@ -1,0 +1,117 @@
+"""Gemma 3 (``gemma3_text``) with the toggles: a tiny random checkpoint made by transformers,
+trained by a session. The techniques that keep the maths give the plain run's losses; the
+estimate equals the measured step; a config the decoder cannot run is refused by name.
+
+``test_families.py`` proves its logits (fp32 and bf16) and cached generation against
+transformers; ``test_family_paths.py`` its LoRA merge, merged save, PEFT export and QLoRA;
+``test_estimate_depth.py`` its extrapolated estimate over a pattern of sliding and global
+layers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import nbtune as nt
+from nbtune.models.config import ConfigError, ModelConfig
+from nbtune.models.tiny import byte_tokenizer
+
+from test_families import build
+
+ROWS = [{"instruction": f"Spell {w}.", "output": " ".join(w)} for w in
+        ("gemma", "window", "global", "sliding", "norm", "scale", "query", "tanh")]
+SAME = 1e-5  # fp32, the same maths regrouped
+
+
+def session(folder, **changes) -> nt.Session:
+    t = nt.Techniques(**{"batch_size": 4, "seq_len": 128, "lr": 1e-3, "optimizer": "sgd", **changes})
+    s = nt.Session(nt.load_model(folder), byte_tokenizer(), ROWS, techniques=t, device="cpu")
+    s.echo = False
+    return s
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3")
+    build(path, "gemma3", tie=True)
+    return path
+
+
+def losses(folder, steps=3, **changes) -> list[float]:
+    torch.manual_seed(0)
+    s = session(folder, **changes)
+    return [s.step().loss for _ in range(steps)]
+
+
+@pytest.mark.parametrize("changes", [
+    dict(activation_checkpointing=True),
+    dict(activation_offloading=True),
+    dict(chunked_loss=4),
+    dict(tile_tokens=8),
+    dict(batch_size=2, grad_accum=2),
+    dict(optimizer_in_backward=True),
+], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_each_exact_technique_gives_the_plain_runs_losses(folder, changes):
+    plain = losses(folder)
+    assert plain[-1] < plain[0]  # it trains
+    got = losses(folder, **changes)
+    assert max(abs(a - b) for a, b in zip(got, plain)) < SAME, (got, plain)
+
+
+def test_lora_trains_and_the_estimate_equals_the_measured_step(folder):
+    s = session(folder, method="lora", activation_checkpointing=True, chunked_loss=2)
+    s.memory_tracking = "every_step"
+    reports = [s.step() for _ in range(3)]
+    assert reports[-1].loss < reports[0].loss
+    shape = reports[-1].shape
+    predicted = s.estimate(batch_size=shape[0], seq_len=shape[1])
+    assert abs(predicted.peak - reports[-1].memory.peak) <= 0.02 * reports[-1].memory.peak
+
+
+def test_the_sliding_layers_see_only_their_window_and_the_global_ones_everything(folder):
+    """A token beyond reach of the windows changes the last position only through the global
+    layer: with that layer's attention confined to the window too, the output would not move
+    (two sliding layers of 24 reach 46 tokens back)."""
+    model = nt.load_model(folder).eval()
+    ids = torch.randint(0, 101, (1, 60))
+    changed = ids.clone()
+    changed[0, 0] = (ids[0, 0] + 1) % 101  # 59 tokens before the last
+    with torch.no_grad():
+        moved = (model(ids)[0, -1] - model(changed)[0, -1]).abs().max()
+        for layer in model.model.layers:
+            layer.sliding = True
+        still = (model(ids)[0, -1] - model(changed)[0, -1]).abs().max()
+    assert moved > 1e-4 and still == 0
+
+
+def test_a_gemma3_config_the_decoder_cannot_run_is_refused_by_name(folder, tmp_path):
+    hf = json.loads((folder / "config.json").read_text())
+    for key, value in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
+                       ("use_bidirectional_attention", True)):
+        with pytest.raises(ConfigError, match=key.split("_")[0]):
+            ModelConfig.from_hf({**hf, key: value}, source="config.json")
+    bad = {**hf, "layer_types": ["sliding_attention"]}  # one kind for two layers
+    with pytest.raises(ConfigError, match="layer_types"):
+        ModelConfig.from_hf(bad, source="config.json")
+
+
+def test_an_older_gemma3_config_reads_as_the_new_one(folder):
+    """Checkpoints written before transformers 5 give rope_theta, rope_local_base_freq,
+    rope_scaling and sliding_window_pattern instead of per-layer-type rope_parameters."""
+    hf = json.loads((folder / "config.json").read_text())
+    new = ModelConfig.from_hf(hf)
+    old = {k: v for k, v in hf.items() if k not in ("rope_parameters", "layer_types")}
+    old.update(rope_theta=1000000.0, rope_local_base_freq=10000.0,
+               rope_scaling={"rope_type": "linear", "factor": 4.0}, sliding_window_pattern=2)
+    assert ModelConfig.from_hf(old) == new
+    again = ModelConfig.from_hf(new.to_hf())  # and what nbtune writes reads back the same
+    assert again == new
+
+
+def test_a_multimodal_gemma3_checkpoint_is_refused_with_what_is_read_instead():
+    hf = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+          "text_config": {"hidden_size": 64}}
+    with pytest.raises(ConfigError, match="gemma3_text checkpoints"):
+        ModelConfig.from_hf(hf, source="config.json")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import math
 import re
 from dataclasses import dataclass, fields
@@ -411,16 +412,18 @@ def as_techniques(value, base: "Techniques | None" = None) -> Techniques:
                     f"{type(value).__name__}: write techniques=nt.Techniques(method='lora', ...).")
 
 
-def _attributes(doc: str) -> dict[str, str]:
-    """A Google-style docstring's Attributes section: name -> its text on one line."""
-    section = doc.split("Attributes:\n", 1)[1]
+def _attributes(doc: str | None) -> dict[str, str]:
+    """A Google-style docstring's Attributes section: name -> its text on one line. Read
+    from the cleaned docstring (Python 3.13 dedents docstrings itself); none under -OO."""
+    lines = inspect.cleandoc(doc or "").splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip() == "Attributes:"), len(lines))
     found, name = {}, None
-    for line in section.splitlines():
-        entry = re.match(r"^ {8}(\w+): (.*)$", line)
+    for line in lines[start + 1:]:
+        entry = re.match(r"^ {4}(\w+): (.*)$", line)
         if entry:
             name = entry.group(1)
             found[name] = entry.group(2)
-        elif line.startswith(" " * 12) and name:
+        elif line.startswith(" " * 8) and name:
             found[name] += " " + line.strip()
         elif line.strip():
             break
@@ -429,4 +432,4 @@ def _attributes(doc: str) -> dict[str, str]:
 
 # One line per toggle, what it trades: the panel's tooltips, written once in the docstring
 # above, which help() and the API reference show.
-HELP = _attributes(Techniques.__doc__)
+HELP = {f.name: _attributes(Techniques.__doc__).get(f.name, "") for f in fields(Techniques)}

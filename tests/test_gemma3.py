@@ -95,6 +95,11 @@ def test_a_gemma3_config_the_decoder_cannot_run_is_refused_by_name(folder, tmp_p
     bad = {**hf, "layer_types": ["sliding_attention"]}  # one kind for two layers
     with pytest.raises(ConfigError, match="layer_types"):
         ModelConfig.from_hf(bad, source="config.json")
+    crafted = {k: v for k, v in hf.items() if k != "layer_types"}  # a layer kind list made from it
+    with pytest.raises(ConfigError, match="num_hidden_layers is 10000000000"):
+        ModelConfig.from_hf({**crafted, "num_hidden_layers": 10**10}, source="config.json")
+    with pytest.raises(ConfigError, match="sliding_window_pattern"):
+        ModelConfig.from_hf({**crafted, "sliding_window_pattern": "6"}, source="config.json")
 
 
 def test_an_older_gemma3_config_reads_as_the_new_one(folder):
@@ -108,6 +113,10 @@ def test_an_older_gemma3_config_reads_as_the_new_one(folder):
     assert ModelConfig.from_hf(old) == new
     again = ModelConfig.from_hf(new.to_hf())  # and what nbtune writes reads back the same
     assert again == new
+    legacy = {**old, "rope_scaling": {"type": "linear", "factor": 4.0}}  # the older key name
+    written = ModelConfig.from_hf(legacy).to_hf()["rope_parameters"]["full_attention"]
+    assert written == {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}
+    assert ModelConfig.from_hf(ModelConfig.from_hf(legacy).to_hf()).rope_scaling["factor"] == 4.0
 
 
 def test_a_multimodal_gemma3_checkpoint_is_refused_with_what_is_read_instead():
@@ -115,3 +124,28 @@ def test_a_multimodal_gemma3_checkpoint_is_refused_with_what_is_read_instead():
           "text_config": {"hidden_size": 64}}
     with pytest.raises(ConfigError, match="gemma3_text checkpoints"):
         ModelConfig.from_hf(hf, source="config.json")
+
+
+def test_packed_rows_give_the_unpacked_loss_with_the_window_and_the_document_mask(folder):
+    """Packing on Gemma 3: the sliding layers' window and the document mask together, each
+    example restarting its positions, give each example's own loss."""
+    from nbtune.data import collate, pack, tokenize_all
+
+    from test_packing import loss_of
+
+    s = session(folder)
+    samples, _ = tokenize_all(s.train_examples, s.tokenizer, 128)
+    packed = pack(samples, seq_len=256)
+    assert len(packed) < len(samples) // 2 and max(len(r.input_ids) for r in packed) > 24  # past the window
+    model = s.model.eval()
+    with torch.no_grad():
+        plain = loss_of(model, collate(samples, s.tokenizer.pad_id))
+        together = loss_of(model, collate(packed, s.tokenizer.pad_id))
+    torch.testing.assert_close(together, plain, atol=1e-5, rtol=0)
+
+
+def test_the_config_counts_the_parameters_the_model_has(folder):
+    """Four norms a layer, q/k norms and a tied head: what ``num_parameters`` (the host
+    estimate's and the CLI's count) says is what the model holds."""
+    model = nt.load_model(folder)
+    assert model.config.num_parameters == sum(p.numel() for p in model.parameters())

@@ -95,8 +95,14 @@ def _gemma3(hf: dict, source: str) -> dict:
     else:
         theta, local_theta = hf.get("rope_theta", 1e6), hf.get("rope_local_base_freq", 10000.0)
         scaling = hf.get("rope_scaling")
-    layers = hf["num_hidden_layers"]
+    layers, (cap, why) = hf["num_hidden_layers"], files.LIMITS["num_hidden_layers"]
+    if layers > cap:  # before a list of that length is made
+        raise ConfigError(f"{source}: num_hidden_layers is {layers}, larger than any real model's "
+                          f"(limit {cap}: {why}); the config is damaged or crafted.")
     pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
+        raise ConfigError(f"{source}: sliding_window_pattern is {pattern!r}, but it must be a "
+                          "positive whole number of layers.")
     types = hf.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else
                                       "sliding_attention" for i in range(layers)]
     if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
@@ -267,7 +273,7 @@ class ModelConfig:
             attn += q + 2 * kv
         if self.qk_norm:
             attn += 2 * self.head_dim
-        layer = attn + 3 * d * self.intermediate_size + 2 * d
+        layer = attn + 3 * d * self.intermediate_size + (4 if self.sandwich_norms else 2) * d
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_layers * layer + d + head
 
@@ -426,7 +432,9 @@ class ModelConfig:
         for old in ("rope_theta", "rope_scaling", "rope_local_base_freq", "sliding_window_pattern",
                     "_sliding_window_pattern", "hidden_act"):
             out.pop(old, None)
-        full = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        scaling = {k: v for k, v in (self.rope_scaling or {}).items() if k not in ("type", "rope_type")}
+        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        full = {"rope_type": kind, **scaling, "rope_theta": self.rope_theta}
         out.update({
             "layer_types": list(self.layer_types or ()), "sliding_window": self.sliding_window,
             "query_pre_attn_scalar": self.query_pre_attn_scalar, "hidden_activation": self.hidden_act,

@@ -432,4 +432,5 @@ def _attributes(doc: str | None) -> dict[str, str]:
 
 # One line per toggle, what it trades: the panel's tooltips, written once in the docstring
 # above, which help() and the API reference show.
-HELP = {f.name: _attributes(Techniques.__doc__).get(f.name, "") for f in fields(Techniques)}
+_FIELD_LINES = _attributes(Techniques.__doc__)
+HELP = {f.name: _FIELD_LINES.get(f.name, "") for f in fields(Techniques)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import os
 import re
 import shutil
 import subprocess
@@ -29,7 +30,7 @@ def build_site(into: Path) -> Path:
         pytest.fail("mkdocs is not installed: pip install -e '.[test]' (the docs extra comes with it)")
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(into)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"})
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert done.returncode == 0, done.stdout + done.stderr
     return into
 
@@ -251,13 +252,9 @@ def public_name_problems() -> list[str]:
         elif callable(obj):
             problems += _undocumented(name, obj, skip_self=False)
         else:  # a table: its assignment carries a docstring (what the reference shows)
-            module = PACKAGE.joinpath(*nt._EXPORTS[name].split(".")).with_suffix(".py")
-            if not module.exists():
-                module = module.with_suffix("") / "__init__.py"
-            text = module.read_text()
-            source = next((p for p in PACKAGE.rglob("*.py") if re.search(rf"^{name}(: .*)? = ", p.read_text(), re.M)), None)
-            tree = ast.parse(source.read_text()) if source else ast.parse(text)
-            body = tree.body
+            source = next(p for p in PACKAGE.rglob("*.py")  # where it is assigned, not re-exported
+                          if re.search(rf"^{name}(: .*)? = ", p.read_text(), re.M))
+            body = ast.parse(source.read_text()).body
             documented = any(isinstance(node, (ast.Assign, ast.AnnAssign))
                              and name in [getattr(t, "id", None) for t in getattr(node, "targets", [getattr(node, "target", None)])]
                              and isinstance(after, ast.Expr) and isinstance(getattr(after, "value", None), ast.Constant)

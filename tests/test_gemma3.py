@@ -149,3 +149,39 @@ def test_the_config_counts_the_parameters_the_model_has(folder):
     estimate's and the CLI's count) says is what the model holds."""
     model = nt.load_model(folder)
     assert model.config.num_parameters == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_train_gemma3_as_one_process_does(folder, tmp_path):
+    """The user's way: a folder they did not make (transformers wrote it, a tokenizer beside
+    it), one JSONL, no held-out split, a run file from the session; then nbtune train in one
+    process and on 2 ranks (each building only its share of the sliding and global layers):
+    the same losses, adapters and merged weights."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from nbtune import cli
+    from nbtune.models import demo_model_dir
+
+    from helpers import torchrun
+
+    model = tmp_path / "gemma"
+    shutil.copytree(folder, model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_model_dir() / name, model / name)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    s = nt.Session.from_pretrained(model, str(data), techniques=nt.Techniques(
+        method="lora", batch_size=4, seq_len=128, lr=1e-3, activation_checkpointing=True))
+    path = s.save_config(tmp_path / "run.yaml", steps=3, save=["hf", "merged"])
+    assert cli.main(["train", str(path), "--out", str(tmp_path / "one")]) == 0
+    torchrun(path, tmp_path / "two")
+    one, two = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+                for run in ("one", "two"))
+    assert (tmp_path / "two" / "metrics.rank1.jsonl").exists()  # two ranks really ran
+    assert len(one) == len(two) == 3 and one[-1]["loss"] < one[0]["loss"]
+    assert all(abs(a["loss"] - b["loss"]) <= 1e-5 for a, b in zip(one, two)), (one, two)
+    for folder_name, file in (("final", "adapter_model.safetensors"), ("merged", "model.safetensors")):
+        a, b = (load_file(str(tmp_path / run / folder_name / file)) for run in ("one", "two"))
+        assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5

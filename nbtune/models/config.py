@@ -148,7 +148,7 @@ class ModelConfig:
         num_heads: Query heads.
         num_kv_heads: Key and value heads (grouped-query attention when fewer).
         head_dim: Each head's width.
-        model_type: The family: "llama", "mistral", "qwen2" or "qwen3".
+        model_type: The family: "llama", "mistral", "qwen2", "qwen3" or "gemma3_text".
         rms_norm_eps: RMSNorm's epsilon.
         rope_theta: The rotary embedding's base.
         rope_scaling: Llama 3.1's or linear RoPE scaling, as config.json gives it.
@@ -422,9 +422,9 @@ class ModelConfig:
         Returns:
             The new ``ModelConfig``.
         """
-        types = self.layer_types
+        types, period = self.layer_types, self.layer_pattern
         if types is not None:
-            types = tuple(types[i % self.layer_pattern] for i in range(n))
+            types = tuple(types[i % period] for i in range(n))
         return dataclasses.replace(self, num_layers=n, layer_types=types)
 
     def _gemma3_hf(self, out: dict) -> dict:

@@ -14,9 +14,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .activations import set_activation_checkpointing, set_compiled, set_tiling
 from .models.filling import DTYPES
-from .peft import (NF4_BLOCK, apply_lora, cast_model, has_lora, is_nf4, merge_lora,
+from .peft import (NF4_BLOCK, LoRALinear, apply_lora, cast_model, has_lora, is_nf4, merge_lora,
                    replace_adapters, set_lora_options)
-from .techniques import Techniques
+from .techniques import LORA_TARGETS, Techniques
 
 # Which built component each toggle invalidates. Anything not listed is read live each step.
 REBUILDS_MODEL = frozenset({"dtype", "method", "lora_rank", "lora_targets"})
@@ -33,6 +33,12 @@ SHARDED_REASON = ("the model is sharded over ranks as these made it (compile wou
                   "FSDP2 put on each layer): change it in the run file and start the ranks again")
 
 
+def projections(model: nn.Module) -> set[str]:
+    """The names of the projections ``model`` has that LoRA can adapt (adapted or not)."""
+    return {name.rpartition(".")[2] for name, m in model.named_modules()
+            if isinstance(m, (nn.Linear, LoRALinear))} & set(LORA_TARGETS)
+
+
 def check(t: Techniques, model: nn.Module, device: str) -> list[str]:
     """Every reason ``t`` cannot be built on ``model`` on ``device``, each naming the fix."""
     problems = [rule.reason for rule in t.conflicts(device)]
@@ -43,8 +49,10 @@ def check(t: Techniques, model: nn.Module, device: str) -> list[str]:
     if t.method in ("lora", "qlora"):
         targeted = [(name, m) for name, m in model.named_modules()
                     if isinstance(m, nn.Linear) and name.rpartition(".")[2] in t.lora_targets]
-        if not targeted and not has_lora(model):
-            problems.append(f"lora_targets={t.lora_targets} names no Linear layer of this model.")
+        has = projections(model)
+        if not has & set(t.lora_targets):
+            problems.append(f"lora_targets={t.lora_targets} names no projection of this model; "
+                            f"it has {', '.join(p for p in LORA_TARGETS if p in has)}: name some of those.")
         if t.method == "qlora":
             bad = [name for name, m in targeted
                    if not is_nf4(m.weight) and (m.weight.dim() != 2 or m.weight.numel() % NF4_BLOCK)]

@@ -21,7 +21,10 @@ DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit", "paged_adamw8bit", "paged_adamw", "ao_adamw8bit",
               "ao_adamw4bit")
 PAGED_OPTIMIZERS = ("paged_adamw8bit", "paged_adamw")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Every projection name a family has; a model adapts those of them it has (Phi-3's fused
+# qkv_proj and gate_up_proj in place of q/k/v and gate/up).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj",
+                "gate_up_proj", "down_proj")
 
 # One sentence per dropdown choice: what it does and what it costs. The panel shows the
 # current choice's sentence under its dropdown and in the dropdown's hover text.

@@ -309,3 +309,32 @@ def test_each_toggles_tooltip_is_its_whole_line_in_the_techniques_docstring():
     from nbtune.techniques import _attributes
 
     assert _attributes(inspect.cleandoc(Techniques.__doc__)) == HELP and _attributes(None) == {}
+
+
+def family_table() -> str:
+    """The family predictions' table as the README and the families page quote it, made from
+    the committed results file (``benchmarks/family_predictions.py``)."""
+    import json
+
+    result = json.loads((ROOT / "benchmarks/results/families/predictions.json").read_text())
+    lines = ["| preset | parameters | QLoRA step on the card | host | longest context on an RTX 3090 |",
+             "|---|---|---|---|---|"]
+    for m in result["models"]:
+        lines.append(f"| `{m['model']}` | {m['parameters'] / 1e9:.2f} B | {m['predicted_gib']:.2f} GiB | "
+                     f"{m['host_gib']:.2f} GiB | {m['longest_context_rtx3090']:,} tokens ({m['longest_limit']}) |")
+    return "\n".join(lines)
+
+
+def test_the_family_predictions_quoted_are_the_committed_results():
+    """Rerun the benchmark when the estimator changes, and the quotes follow its file; the
+    parameter counts are the presets' own."""
+    import json
+
+    from nbtune.models.presets import preset_config
+
+    table = family_table()
+    for page in ("README.md", "docs/guides/families-and-objectives.md"):
+        assert table in (ROOT / page).read_text(), f"{page} quotes other figures than the results file"
+    result = json.loads((ROOT / "benchmarks/results/families/predictions.json").read_text())
+    for m in result["models"]:
+        assert m["parameters"] == preset_config(m["model"]).num_parameters

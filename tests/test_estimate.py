@@ -116,15 +116,25 @@ PUBLISHED_PARAMETERS = {  # from each model card / safetensors index
     "llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3.1-8b": 8_030_261_248,
     "llama-3.1-70b": 70_553_706_496, "llama-2-70b": 68_976_648_192,
     "qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-7b": 7_615_616_512,
-    "mistral-7b": 7_248_023_552,
+    "mistral-7b": 7_248_023_552, "gemma-3-270m": 268_098_176, "gemma-3-1b": 999_885_952,
+    "phi-4": 14_659_507_200, "phi-4-mini": 3_836_021_760,
 }
+# The multimodal Gemma 3 checkpoints' published totals: the language model the preset describes,
+# the same SigLIP vision tower in each, and a projector from its 1,152 features to the text width.
+MULTIMODAL_PARAMETERS = {"gemma-3-4b": 4_300_079_472, "gemma-3-12b": 12_187_325_040,
+                         "gemma-3-27b": 27_432_406_640}
+SIGLIP = 416_866_032
 
 
 def test_presets_have_the_published_parameter_counts():
-    assert set(PRESETS) == set(PUBLISHED_PARAMETERS)
+    assert set(PRESETS) == set(PUBLISHED_PARAMETERS) | set(MULTIMODAL_PARAMETERS)
     for name, count in PUBLISHED_PARAMETERS.items():
         assert preset_config(name).num_parameters == count, name
         assert PRESETS[name][1].startswith("https://huggingface.co/")
+    for name, count in MULTIMODAL_PARAMETERS.items():
+        config = preset_config(name)
+        projector = 1152 * config.hidden_size + 1152  # its weight and the vision features' norm
+        assert config.num_parameters + SIGLIP + projector == count, name
 
 
 def test_llama_8b_qlora_on_24_gb_is_one_call_without_the_memory():

@@ -89,9 +89,11 @@ def test_extrapolated_equals_every_layer_run(calls, number):
     assert shallow.peak > shallow.parameters > 0
 
 
-# A preset of each family (llama untied and tied, qwen2, mistral; qwen3 has no preset).
+# A preset of each family (llama untied and tied, qwen2, mistral, gemma 3's 26 layers not a
+# pattern of five sliding layers and a global one, phi's fused projections; qwen3 has no preset).
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.2-1b", "qwen2.5-0.5b", "mistral-7b"])
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.2-1b", "qwen2.5-0.5b", "mistral-7b",
+                                  "gemma-3-12b", "phi-4-mini"])
 def test_extrapolated_equals_every_layer_run_on_a_preset_of_each_family(calls, name):
     # Short rows: the layers' structure, not their length, is what the extrapolation relies on.
     config = preset_config(name)

@@ -1,5 +1,7 @@
 """One decoder, every family: logits equal to transformers' reference implementations."""
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -20,6 +22,13 @@ GEMMA3 = {"head_dim": 16, "sliding_window": 24, "query_pre_attn_scalar": 24,
                               "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                  "rope_theta": 1000000.0}}}
 
+# Phi-3.5 / Phi-4-mini: LongRoPE (the long factors past 32 tokens), a quarter of each head
+# unrotated, a window; q/k/v and gate/up fused
+PHI3 = {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 32, "sliding_window": 40,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                         "long_factor": [2.0 + i for i in range(6)]},
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "llama3.1-rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
@@ -34,6 +43,7 @@ FAMILIES = {
     # (1 + weight) norms before and after attention and the MLP, q/k norms, the query scale,
     # GELU-tanh, the embedding scaled by sqrt(hidden)
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, GEMMA3),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, PHI3),
 }
 SEQ = 48  # longer than Mistral's window and Llama 3.1's original context above
 
@@ -41,7 +51,8 @@ SEQ = 48  # longer than Mistral's window and Llama 3.1's original context above
 def build(folder, family, tie, dtype=torch.float32):
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(3)
-    ref = model_cls(config_cls(**COMMON, **extra, tie_word_embeddings=tie)).eval()
+    # a copy: transformers' config classes write into the dicts they are given
+    ref = model_cls(config_cls(**COMMON, **copy.deepcopy(extra), tie_word_embeddings=tie)).eval()
     with torch.no_grad():  # random biases / norm weights, so a missed one shows
         for name, p in ref.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -85,7 +96,12 @@ def test_family_features_are_really_exercised(tmp_path):
                            and m.config.rope_local_theta == 10000.0 and m.config.embed_scale
                            and m.model.layers[0].sandwich and m.model.norm.plus_one
                            and m.model.layers[0].self_attn.scale == 24 ** -0.5
-                           and m.model.layers[0].mlp.gelu)):
+                           and m.model.layers[0].mlp.gelu),
+                          ("phi3", lambda m: m.config.rotary_dim == 12 < m.config.head_dim
+                           and m.config.rope_scaling["rope_type"] == "longrope"
+                           and m.model.layers[0].self_attn.qkv_proj.out_features == 128
+                           and m.model.layers[0].mlp.gate_up_proj.out_features == 288
+                           and m.model.layers[0].sliding)):
         build(tmp_path / family, family, tie=False)
         assert check(nt.load_model(tmp_path / family)), family
 
@@ -128,3 +144,50 @@ def test_gemma3_generates_with_the_cache_as_it_scores_the_whole_sequence(tmp_pat
         prefix = model(ids[:, :10], cache=cache)
         steps = [model(ids[:, i:i + 1], cache=cache) for i in range(10, SEQ)]
     torch.testing.assert_close(torch.cat([prefix, *steps], dim=1), whole, atol=1e-5, rtol=0)
+
+
+def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_gradients_match_reference_full_and_lora(tmp_path, family):
+    """Backward too: every weight's gradient (full finetuning) and every adapter's (LoRA on
+    every projection the family has, as PEFT wraps them) equal transformers' and PEFT's."""
+    import peft
+
+    from nbtune.peft import apply_lora
+    from nbtune.techniques import LORA_TARGETS
+
+    ref = build(tmp_path, family, tie=False)
+    ours = nt.load_model(tmp_path)
+    # not the pad token (0 here): transformers freezes its embedding row (padding_idx); nbtune
+    # trains it, as torchtune does, since Phi's pad is its end-of-text, which rows contain
+    ids = torch.randint(3, 101, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    _loss(ours(ids), ids).backward()
+    _loss(ref(ids).logits, ids).backward()
+    theirs = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, theirs[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+
+    ours, ref = nt.load_model(tmp_path), build(tmp_path / "again", family, tie=False)
+    targets = sorted({n.rpartition(".")[2] for n, m in ours.named_modules()
+                      if isinstance(m, torch.nn.Linear) and n.rpartition(".")[2] in LORA_TARGETS})
+    apply_lora(ours, tuple(targets), rank=4, alpha=8.0, dropout=0.0)
+    ref = peft.get_peft_model(ref, peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=targets))
+    adapters = {n: p for n, p in ours.named_parameters() if "lora_" in n}
+    with torch.no_grad():  # the same adapters on both sides, B non-zero so A gets a gradient
+        for name, p in ref.named_parameters():
+            if "lora_" in name:
+                mine = adapters[name.removeprefix("base_model.model.").replace(".default", "")]
+                mine.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+                p.copy_(mine)
+    _loss(ours(ids), ids).backward()
+    _loss(ref(ids).logits, ids).backward()
+    found = 0
+    for name, p in ref.named_parameters():
+        if "lora_" in name:
+            mine = adapters[name.removeprefix("base_model.model.").replace(".default", "")]
+            torch.testing.assert_close(mine.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+            found += 1
+    assert found == len(adapters) == 2 * len(targets) * COMMON["num_hidden_layers"]

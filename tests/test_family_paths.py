@@ -30,7 +30,8 @@ from nbtune.techniques import LORA_TARGETS
 
 from test_families import SEQ, build
 
-FAMILIES = ["llama3.1-rope", "qwen2", "qwen3", "mistral", "gemma3"]  # llama 3, bias, q/k norm, window, Gemma
+# llama 3, bias, q/k norm, window, Gemma, fused projections
+FAMILIES = ["llama3.1-rope", "qwen2", "qwen3", "mistral", "gemma3", "phi3"]
 FP32_ATOL = 1e-4  # as test_families: two implementations of the same fp32 maths
 SAME_ATOL = 1e-5  # one implementation, the same weights regrouped (merged or not)
 ADAPTER_EFFECT = 1e-2  # the adapters must move the logits far beyond both tolerances
@@ -75,7 +76,9 @@ def randomize_adapters(model) -> dict[str, LoRALinear]:
     """Random lora_B (fresh adapters add zero), so the adapters change the output."""
     generator = torch.Generator().manual_seed(2)
     found = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
-    assert {name.rpartition(".")[2] for name in found} == set(LORA_TARGETS)
+    fused = model.config.fused_projections  # Phi-3: qkv_proj and gate_up_proj, PEFT's names
+    assert {name.rpartition(".")[2] for name in found} == set(LORA_TARGETS) - (
+        {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"} if fused else {"qkv_proj", "gate_up_proj"})
     with torch.no_grad():
         for m in found.values():
             m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=generator) * 0.05)

@@ -10,18 +10,19 @@ from pathlib import Path
 from .. import files
 
 # HF `model_type` values this decoder implements, and what each one switches on.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-ROPE_TYPES = ("default", "linear", "llama3", None)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", None)
 # The transformers class each model_type is saved as (config.json's "architectures").
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM"}
+                 "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # What each rope_scaling type needs (transformers' rope initialisers read these).
 ROPE_FACTORS = {"linear": ("factor",),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                           "original_max_position_embeddings")}
+                           "original_max_position_embeddings"),
+                "longrope": ("original_max_position_embeddings",)}
 # Field -> the limit in files.LIMITS that bounds it (no real model is larger).
 DIMENSION_LIMITS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
                     "intermediate_size": "intermediate_size", "num_layers": "num_hidden_layers",
@@ -116,6 +117,28 @@ def _gemma3(hf: dict, source: str) -> dict:
             "tie_word_embeddings": hf.get("tie_word_embeddings", True)}
 
 
+def _phi3(hf: dict, source: str, scaling: dict | None) -> dict:
+    """Phi-3 / Phi-4's switches: fused projections, partial rotary, LongRoPE (named "su" or
+    "yarn" by older Phi-3 configs, read as transformers reads them)."""
+    rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if isinstance(scaling, dict):
+        kind = scaling.get("rope_type", scaling.get("type"))
+        scaling = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
+        scaling["rope_type"] = "longrope" if kind in ("su", "yarn") else kind
+        if scaling["rope_type"] == "longrope":
+            scaling.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+    return {"fused_projections": True, "partial_rotary_factor": partial, "rope_scaling": scaling,
+            "sliding_window": hf.get("sliding_window"), "hidden_act": hf.get("hidden_act", "silu"),
+            "attention_bias": False}
+
+
+def _shown(value) -> str:
+    """A value for an error message, cut short (a crafted list may be long)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _check_fields(hf: dict, source: str) -> None:
     missing = [k for k in REQUIRED_KEYS if hf.get(k) is None]
     if missing:
@@ -134,7 +157,7 @@ def _check_fields(hf: dict, source: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a decoder-only transformer (Llama, Qwen2, Qwen3, Mistral, Gemma 3 families).
+    """Shape of a decoder-only transformer (Llama, Qwen2, Qwen3, Mistral, Gemma 3, Phi-3 families).
 
     Made from a transformers ``config.json`` (``from_file``, ``from_hf``) and checked whole: a
     family nbtune does not implement, a size no real model has or heads that do not divide are
@@ -148,10 +171,11 @@ class ModelConfig:
         num_heads: Query heads.
         num_kv_heads: Key and value heads (grouped-query attention when fewer).
         head_dim: Each head's width.
-        model_type: The family: "llama", "mistral", "qwen2", "qwen3" or "gemma3_text".
+        model_type: The family: "llama", "mistral", "qwen2", "qwen3", "gemma3_text" or "phi3".
         rms_norm_eps: RMSNorm's epsilon.
         rope_theta: The rotary embedding's base.
-        rope_scaling: Llama 3.1's or linear RoPE scaling, as config.json gives it.
+        rope_scaling: Llama 3.1's, linear or LongRoPE (Phi-3.5, Phi-4-mini) scaling, as
+            config.json gives it.
         max_position_embeddings: The model's context length.
         tie_word_embeddings: The head shares the embedding's weight.
         attention_bias: q/k/v projections carry a bias (Qwen2).
@@ -167,6 +191,9 @@ class ModelConfig:
         query_pre_attn_scalar: Attention scores scaled by its inverse square root rather than
             the head size's (Gemma 3).
         hidden_act: The MLP's gate activation: "silu" or "gelu_pytorch_tanh" (Gemma).
+        fused_projections: Queries, keys and values come from one ``qkv_proj``, the MLP's gate
+            and up from one ``gate_up_proj`` (Phi-3); LoRA adapts each fused weight whole.
+        partial_rotary_factor: The share of each head's width RoPE rotates (Phi-4-mini: 0.75).
         bos_token_id: The beginning-of-sequence token.
         eos_token_id: The end-of-sequence token or tokens.
         pad_token_id: The padding token.
@@ -200,6 +227,10 @@ class ModelConfig:
     sandwich_norms: bool = False
     query_pre_attn_scalar: float | None = None
     hidden_act: str = "silu"
+    # Phi-3's switches: q/k/v in one qkv_proj and gate/up in one gate_up_proj (PEFT's names
+    # for its adapters), and RoPE on the first part of each head only.
+    fused_projections: bool = False
+    partial_rotary_factor: float = 1.0
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -248,6 +279,11 @@ class ModelConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value <= 0):
                 raise ValueError(f"{name} is {value!r}, but it must be a positive finite number.")
+        value = self.partial_rotary_factor
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1 \
+                or self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor is {value!r}, but it must be in (0, 1] and "
+                             f"rotate an even number of the head's {self.head_dim} dimensions.")
         if self.rope_scaling is not None:
             if not isinstance(self.rope_scaling, dict):
                 raise ValueError(f"rope_scaling is {self.rope_scaling!r}, not a mapping of settings.")
@@ -262,6 +298,30 @@ class ModelConfig:
                         or not math.isfinite(value) or value <= 0:
                     raise ValueError(f"rope_scaling ({kind}) needs {name} as a positive number, "
                                      f"but it is {value!r}.")
+            if kind == "longrope":
+                self._check_longrope()
+
+    def _check_longrope(self) -> None:
+        """LongRoPE's short and long factors: one positive number per rotated frequency."""
+        half = self.rotary_dim // 2
+        for name in ("short_factor", "long_factor"):
+            value = self.rope_scaling.get(name)
+            if not isinstance(value, list) or len(value) != half or not all(
+                    not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+                    for x in value):
+                raise ValueError(f"rope_scaling (longrope) needs {name} as a list of {half} positive "
+                                 f"numbers (one per rotated frequency); got {_shown(value)}.")
+        for name in ("factor", "attention_factor"):
+            value = self.rope_scaling.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"rope_scaling (longrope) {name} is {value!r}, but it must be a "
+                                 "positive number.")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head RoPE rotates (all of them unless ``partial_rotary_factor``)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def num_parameters(self) -> int:
@@ -335,6 +395,8 @@ class ModelConfig:
             known["sliding_window"] = hf.get("sliding_window")
         if model_type == "gemma3_text":
             known.update(_gemma3(hf, source))
+        if model_type == "phi3":
+            known.update(_phi3(hf, source, rope_scaling))
         try:
             return cls(**known, extra=dict(hf))
         except ValueError as err:  # the checks of __post_init__, told which file they are about
@@ -402,6 +464,8 @@ class ModelConfig:
             out["rope_scaling"] = self.rope_scaling
         if self.model_type in ("llama", "qwen3"):
             out["attention_bias"] = self.attention_bias
+        if self.model_type == "phi3":
+            out.update(sliding_window=self.sliding_window, partial_rotary_factor=self.partial_rotary_factor)
         return out
 
     @property

@@ -1,4 +1,4 @@
-"""One config-driven decoder for the Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 families.
+"""One config-driven decoder for the Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 / Phi-3 families.
 
 Module names mirror the Hugging Face checkpoints (``model.layers.0.self_attn.q_proj``...),
 so a safetensors file loads with no key mapping and LoRA adapters export under PEFT's
@@ -35,13 +35,18 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
-    """Inverse rotary frequencies [head_dim / 2], with the checkpoint's rope scaling applied."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (
-        torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+def rope_frequencies(config: ModelConfig, device=None, long: bool = False) -> torch.Tensor:
+    """Inverse rotary frequencies [rotary_dim / 2], with the checkpoint's rope scaling applied
+    (LongRoPE: its short factors, or with ``long`` its long ones)."""
+    dim = config.rotary_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "longrope":  # each frequency divided by its own factor
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"],
+                               dtype=torch.float32, device=device)
+        return 1.0 / (factors * config.rope_theta ** exponents)
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":
@@ -55,6 +60,19 @@ def rope_frequencies(config: ModelConfig, device=None) -> torch.Tensor:
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, blended, scaled)
     return inv_freq
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What LongRoPE multiplies cos and sin by: sqrt(1 + ln(s) / ln(original context)) for a
+    context stretched s times, or the config's own ``attention_factor``; 1 otherwise."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def rope_divisors(config: ModelConfig) -> torch.Tensor:
@@ -72,15 +90,27 @@ def local_rope(config: ModelConfig) -> ModelConfig:
 def rope_tables(config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
     """cos/sin tables for ``positions`` [T] or [B, T] -> [T, D] or [B, 1, T, D] (rotate-half)."""
     inv_freq = rope_frequencies(config, positions.device)
+    scale = rope_attention_factor(config)
+    if (config.rope_scaling or {}).get("rope_type") == "longrope":
+        # the long factors once any position is past the original context (as transformers:
+        # chosen on the device, no sync)
+        beyond = positions.max() + 1 > config.rope_scaling["original_max_position_embeddings"]
+        inv_freq = torch.where(beyond, rope_frequencies(config, positions.device, long=True), inv_freq)
     angles = positions.float()[..., None] * inv_freq  # [..., T, D/2]
     angles = torch.cat([angles, angles], dim=-1)  # [..., T, D]
     if angles.dim() == 3:
         angles = angles[:, None]  # broadcast over heads
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, T, D]; cos/sin: [T, D] or [B, 1, T, D]
+    # x: [B, H, T, D]; cos/sin: [T, R] or [B, 1, T, R], R < D rotating the first R only (Phi-4-mini)
+    if cos.shape[-1] < x.shape[-1]:
+        rot = cos.shape[-1]
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -131,9 +161,14 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
         bias = config.attention_bias
-        self.q_proj = nn.Linear(d, config.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(d, config.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(d, config.num_kv_heads * hd, bias=bias)
+        self.widths = [config.num_heads * hd, config.num_kv_heads * hd, config.num_kv_heads * hd]
+        if config.fused_projections:  # Phi-3: one weight, split after the matmul
+            self.qkv_proj = nn.Linear(d, sum(self.widths), bias=bias)
+        else:
+            self.q_proj = nn.Linear(d, self.widths[0], bias=bias)
+            self.k_proj = nn.Linear(d, self.widths[1], bias=bias)
+            self.v_proj = nn.Linear(d, self.widths[2], bias=bias)
+        self.fused = config.fused_projections
         self.o_proj = nn.Linear(config.num_heads * hd, d, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.rms_norm_eps, config.norm_plus_one)
@@ -148,9 +183,13 @@ class Attention(nn.Module):
                 mask: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # [B, T, H*D] -> [B, H, T, D]
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.fused:
+            q, k, v = self.qkv_proj(x).split(self.widths, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
@@ -199,15 +238,20 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
+        if config.fused_projections:  # Phi-3: gate then up in one weight
+            self.gate_up_proj = nn.Linear(d, 2 * f, bias=False)
+        else:
+            self.gate_proj = nn.Linear(d, f, bias=False)
+            self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
+        self.fused = config.fused_projections
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # Gemma's gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1) if self.fused else (self.gate_proj(x), self.up_proj(x))
         if self.gelu:
-            return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
-        return self.down_proj(SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(SiluMul.apply(gate, up))
 
 
 def tiled(fn, x: torch.Tensor, tile: int) -> torch.Tensor:

@@ -444,6 +444,10 @@ def write_gguf(path: str | os.PathLike, weights, config: ModelConfig,
     if quantization not in QUANTIZATIONS:
         raise GGUFError(f"quantization={quantization!r} is not one nbtune writes; pass one of "
                         f"{', '.join(map(repr, QUANTIZATIONS))}.")
+    if config.model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise GGUFError(f"{config.model_type} models are not written to GGUF by nbtune yet; save "
+                        "with session.save(folder, merge=True) and convert with llama.cpp's "
+                        "convert_hf_to_gguf.py.")
     arch = config.model_type if config.model_type in ("qwen2", "qwen3") else "llama"  # Mistral too
     kind = (config.rope_scaling or {}).get("rope_type", (config.rope_scaling or {}).get("type"))
     if kind not in (None, "default", "linear") and not (kind == "llama3" and arch == "llama"):

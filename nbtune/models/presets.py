@@ -70,6 +70,48 @@ PRESETS: dict[str, tuple[dict, str]] = {
         "https://huggingface.co/mistralai/Mistral-7B-v0.3/blob/main/config.json"),
 }
 
+# Gemma 3: five sliding layers then a global one; the 4B, 12B and 27B are multimodal
+# checkpoints whose language model (text_config) is what nbtune trains and these describe.
+_GEMMA_3 = dict(model_type="gemma3_text", rms_norm_eps=1e-6, rope_theta=1000000.0,
+                rope_local_base_freq=10000.0, sliding_window_pattern=6, query_pre_attn_scalar=256,
+                tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+_GEMMA_3_LONG = dict(_GEMMA_3, vocab_size=262208, sliding_window=1024, max_position_embeddings=131072,
+                     rope_scaling={"rope_type": "linear", "factor": 8.0})
+_GEMMA_3_SMALL = dict(_GEMMA_3, vocab_size=262144, sliding_window=512, max_position_embeddings=32768)
+PRESETS.update({
+    "gemma-3-270m": (dict(_GEMMA_3_SMALL, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                          num_attention_heads=4, num_key_value_heads=1, head_dim=256),
+                     "https://huggingface.co/google/gemma-3-270m/blob/main/config.json"),
+    "gemma-3-1b": (dict(_GEMMA_3_SMALL, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                        num_attention_heads=4, num_key_value_heads=1, head_dim=256),
+                   "https://huggingface.co/google/gemma-3-1b-pt/blob/main/config.json"),
+    "gemma-3-4b": (dict(_GEMMA_3_LONG, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256),
+                   "https://huggingface.co/google/gemma-3-4b-pt/blob/main/config.json (text_config)"),
+    "gemma-3-12b": (dict(_GEMMA_3_LONG, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=256),
+                    "https://huggingface.co/google/gemma-3-12b-pt/blob/main/config.json (text_config)"),
+    "gemma-3-27b": (dict(_GEMMA_3_LONG, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                         num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+                         query_pre_attn_scalar=168),
+                    "https://huggingface.co/google/gemma-3-27b-pt/blob/main/config.json (text_config)"),
+    "phi-4": (dict(
+        model_type="phi3", vocab_size=100352, hidden_size=5120, intermediate_size=17920,
+        num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10, rms_norm_eps=1e-5,
+        rope_theta=250000.0, max_position_embeddings=16384, tie_word_embeddings=False,
+        bos_token_id=100257, eos_token_id=100265, pad_token_id=100349),
+        "https://huggingface.co/microsoft/phi-4/blob/main/config.json"),
+    # Its LongRoPE factors (48 numbers each) are left out: they change no tensor's size, and
+    # up to its original 4,096-token context it runs without them.
+    "phi-4-mini": (dict(
+        model_type="phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192,
+        num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8, rms_norm_eps=1e-5,
+        partial_rotary_factor=0.75, rope_theta=10000.0, max_position_embeddings=131072,
+        original_max_position_embeddings=4096, sliding_window=262144, tie_word_embeddings=True,
+        bos_token_id=199999, eos_token_id=199999, pad_token_id=199999),
+        "https://huggingface.co/microsoft/Phi-4-mini-instruct/blob/main/config.json"),
+})
+
 
 def preset_config(name: str) -> ModelConfig:
     """The ``ModelConfig`` of a named preset (case-insensitive)."""

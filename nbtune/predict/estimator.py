@@ -415,17 +415,18 @@ def _weight_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     layer has under ``lora_targets``' names."""
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    return {"embed_tokens": (v, d), "lm_head": (v, d), "q_proj": (q, d), "k_proj": (kv, d),
-            "v_proj": (kv, d), "o_proj": (d, q), "gate_proj": (f, d), "up_proj": (f, d),
-            "down_proj": (d, f)}
+    if config.fused_projections:
+        layer = {"qkv_proj": (q + 2 * kv, d), "gate_up_proj": (2 * f, d)}
+    else:
+        layer = {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "gate_proj": (f, d),
+                 "up_proj": (f, d)}
+    return {"embed_tokens": (v, d), "lm_head": (v, d), **layer, "o_proj": (d, q), "down_proj": (d, f)}
 
 
 def _projections(config: ModelConfig) -> dict[str, int]:
     """Weights in each projection a layer has, by ``lora_targets``' names."""
-    d, f = config.hidden_size, config.intermediate_size
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    return {"q_proj": d * q, "k_proj": d * kv, "v_proj": d * kv, "o_proj": q * d,
-            "gate_proj": d * f, "up_proj": d * f, "down_proj": f * d}
+    return {name: rows * cols for name, (rows, cols) in _weight_shapes(config).items()
+            if name not in ("embed_tokens", "lm_head")}
 
 
 def _adapted_weights(config: ModelConfig, t: Techniques) -> int:

@@ -25,7 +25,7 @@ import ipywidgets as w
 from ..runner import (Message, PendingChanged, Refused, RunFinished, RunStarted, StepDone,
                       TechniquesChanged)
 from ..techniques import CHOICE_HELP, DTYPES, HELP, LORA_TARGETS, METHODS, NO_EFFECT, OPTIMIZERS
-from ..plan import SHARDED_FIELDS, SHARDED_REASON
+from ..plan import SHARDED_FIELDS, SHARDED_REASON, projections
 from ..units import format_bytes
 from .charts import draw_memory, figure_png
 from ..predict import APPLY_IN_CODE, CARDS, HOST_RAM, Predictor
@@ -83,7 +83,8 @@ def _controls(session) -> dict[str, w.ValueWidget]:
         "lora_rank": slider(w.IntSlider, "LoRA rank", min=1, max=64),
         "lora_alpha": slider(w.FloatSlider, "LoRA alpha", min=1.0, max=128.0, step=1.0),
         "lora_dropout": slider(w.FloatSlider, "LoRA dropout", min=0.0, max=0.5, step=0.05),
-        "lora_targets": w.SelectMultiple(options=LORA_TARGETS, description="LoRA targets",
+        "lora_targets": w.SelectMultiple(options=[p for p in LORA_TARGETS if p in projections(session.model)],
+                                         description="LoRA targets",
                                          style=style, layout=w.Layout(width="440px", height="130px"),
                                          description_allow_html=True),
         # memory
@@ -126,8 +127,11 @@ PROBES = {"optimizer_in_backward": True, "cpu_offload_optimizer": True, "compile
           "activation_offloading": True, "packing": True, "grad_accum": 2, "max_grad_norm": 1.0}
 
 
-def _widget_value(name: str, value):
-    # activation_checkpointing is True/False/N in Techniques and 0..N on the slider.
+def _widget_value(name: str, value, control):
+    # activation_checkpointing is True/False/N in Techniques and 0..N on the slider; the
+    # targets list offers only the projections this model has (the default names them all).
+    if name == "lora_targets":
+        return tuple(v for v in value if v in control.options)
     return int(value) if name == "activation_checkpointing" else value
 
 
@@ -178,7 +182,7 @@ class Panel(w.VBox):
         self.controls = _controls(session)
         self._labels = {name: control.description for name, control in self.controls.items()}
         for name, control in self.controls.items():
-            control.value = _widget_value(name, getattr(session.techniques, name))
+            control.value = _widget_value(name, getattr(session.techniques, name), control)
             control.observe(self._on_control, names="value")
         self._make_run_controls()
         self._make_fit_controls()
@@ -543,7 +547,7 @@ class Panel(w.VBox):
         try:
             for name, control in self.controls.items():
                 value = getattr(techniques, name)
-                control.value = _widget_value(name, value)
+                control.value = _widget_value(name, value, control)
                 reason = _blocked_reason(techniques, name, self.session.device.type,
                                          sharded=self.session.parallel is not None)
                 control.disabled = reason is not None

@@ -358,10 +358,18 @@ def set_lora_options(model: nn.Module, alpha: float, dropout: float) -> None:
         module.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
 
+def peft_key(model: nn.Module, name: str, part: str) -> str:
+    """PEFT's file name of LoRA module ``name``'s ``part`` (``base_model.model.<module>.lora_A.weight``);
+    a multimodal checkpoint's language model is ``model.language_model.`` in transformers."""
+    if getattr(getattr(model, "config", None), "multimodal", False) and name.startswith("model."):
+        name = "model.language_model." + name.removeprefix("model.")
+    return f"base_model.model.{name}.{part}.weight"
+
+
 def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The adapters' parameters under PEFT's file names (``base_model.model.<module>.lora_A.weight``):
-    what a saved adapter holds, and where a loaded one goes."""
-    return {f"base_model.model.{name}.{part}.weight": getattr(module, part).weight
+    """The adapters' parameters under PEFT's file names (``peft_key``): what a saved adapter
+    holds, and where a loaded one goes."""
+    return {peft_key(model, name, part): getattr(module, part).weight
             for name, module in _lora_modules(model) for part in ("lora_A", "lora_B")}
 
 
@@ -377,6 +385,8 @@ def adapter_config(model: nn.Module, base_model: str | None) -> dict:
         raise ValueError("The model has no LoRA adapters to describe.")
     first = found[0][1]
     dropout = first.lora_dropout.p if isinstance(first.lora_dropout, nn.Dropout) else 0.0
+    # a multimodal base: its vision tower's q/k/v are not these adapters' places
+    multimodal = getattr(getattr(model, "config", None), "multimodal", False)
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": first.rank, "lora_alpha": first.alpha, "lora_dropout": dropout,
@@ -385,6 +395,7 @@ def adapter_config(model: nn.Module, base_model: str | None) -> dict:
         "init_lora_weights": True, "use_rslora": False, "use_dora": False,
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
         "rank_pattern": {}, "alpha_pattern": {},
+        **({"exclude_modules": r".*(vision_tower|multi_modal_projector).*"} if multimodal else {}),
     }
 
 
@@ -435,7 +446,7 @@ class AdapterWeights:
     when asked for; ``described`` and ``modules`` as ``DenseWeights`` has them."""
 
     def __init__(self, model: nn.Module):
-        self._sources = {f"base_model.model.{name}.{part}.weight": (getattr(module, part), name)
+        self._sources = {peft_key(model, name, part): (getattr(module, part), name)
                          for name, module in _lora_modules(model) for part in ("lora_A", "lora_B")}
         self.modules = {key: name for key, (_, name) in self._sources.items()}
         self.described = {key: torch.empty(linear.weight.shape, dtype=linear.weight.dtype, device="meta")

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .peft import adapter_state_dict, is_nf4
+from .peft import adapter_parameters, adapter_state_dict, is_nf4
 
 
 def rng_state() -> dict[str, torch.Tensor]:
@@ -176,9 +176,9 @@ def _same_kind(template, value) -> bool:
 def write_weights(model: nn.Module, weights: dict, full: bool) -> None:
     """Copy checked weights into the model's own tensors (no allocation)."""
     if not full:
-        params = dict(model.named_parameters())
+        params = adapter_parameters(model)  # the names adapter_state_dict gave them
         for key, value in weights.items():
-            params[key.removeprefix("base_model.model.")].copy_(value)
+            params[key].copy_(value)
         return
     for name, value in model.state_dict(keep_vars=True).items():
         if is_nf4(value):

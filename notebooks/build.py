@@ -381,6 +381,20 @@ longest = nt.longest_context("qwen2.5-7b", "RTX 3090 + 64 GB RAM", long_rows)
 print(longest)
 print(f"{longest.tokens / plain.tokens:.1f}x the context of checkpointing alone; the host holds "
       f"{longest.memory.host.offloaded / 2**30:.1f} GiB of layer inputs")"""),
+    ("md", """Which model? The same question for the other families nbtune reads, with the same
+settings and one row of 2,048 tokens: Gemma 3 (its text part; sliding and global layers, a
+262k vocabulary) and Phi-4 (fused projections). The estimate needs only each model's shape,
+so these run here too:"""),
+    ("code", """row = qlora.replace(batch_size=1, seq_len=2048)
+choices = {name: nt.estimate(name, row, device="cuda")
+           for name in ("qwen2.5-7b", "gemma-3-4b", "gemma-3-12b", "phi-4-mini", "phi-4")}
+for name, g in choices.items():
+    print(f"{name:>12}: {g.peak / 2**30:5.2f} GiB on the card, {g.host.peak / 2**30:4.1f} GiB of host")"""),
+    ("md", """And how long may a row be on each of the two larger ones? Gemma 3's sliding layers
+need a mask once a row passes their window (1,024 tokens), which grows with the square of
+the row; Phi-4 stops at its own context of 16k tokens:"""),
+    ("code", """for name in ("gemma-3-12b", "phi-4"):
+    print(name, "-", nt.longest_context(name, "RTX 3090", row))"""),
     ("md", """Load the model. `from_pretrained` quantizes each projection to NF4 as it is read,
 so the dense 7B weights are never all in memory. On the CPU bf16 is slow on many processors
 (nbtune tells you), so the CPU path trains in fp32 with shorter rows.
@@ -425,12 +439,15 @@ print(session.generate("Give the country card for Peru."))"""),
     ("md", "The outcomes this notebook promises, checked:"),
     ("code", """# NBVAL_CHECK_OUTPUT
 print("7B QLoRA predicted to fit in 24 GiB:", guess.peak < 24 * 2**30)
+print("Gemma-3-12B and Phi-4 QLoRA predicted to fit too:",
+      all(choices[n].peak < 24 * 2**30 for n in ("gemma-3-12b", "phi-4")))
 print("tiling + offloading more than triple the longest context:", longest.tokens > 3 * plain.tokens)
 print("base stored in NF4, adapters trained:", quantized > 0 and 0 < trainable < quantized / 10)
 print("learned the schema:", before == 0 and after >= 0.75)"""),
 ]
 
 QLORA_8B_CHECK = ("7B QLoRA predicted to fit in 24 GiB: True\n"
+                  "Gemma-3-12B and Phi-4 QLoRA predicted to fit too: True\n"
                   "tiling + offloading more than triple the longest context: True\n"
                   "base stored in NF4, adapters trained: True\n"
                   "learned the schema: True\n")

@@ -54,11 +54,6 @@ def _model_type(hf: dict, source: str) -> str:
                 f"{source}: architecture {', '.join(map(repr, archs))} is not supported; nbtune "
                 f"implements {_supported()}. Pick a checkpoint of one of these families.")
         model_type = known[0] if known else "llama"  # older Llama conversions wrote neither
-    if model_type == "gemma3":
-        raise ConfigError(
-            f"{source}: a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration: the 4B, "
-            "12B and 27B) is not read yet; nbtune reads the text-only gemma3_text checkpoints "
-            "(Gemma3ForCausalLM: gemma-3-270m, gemma-3-1b and their -it versions).")
     if model_type not in SUPPORTED_MODEL_TYPES:
         named = f" (architecture {', '.join(map(repr, archs))})" if archs else ""
         raise ConfigError(
@@ -71,6 +66,32 @@ def _model_type(hf: dict, source: str) -> str:
             f"head; nbtune finetunes {ARCHITECTURES[model_type]} checkpoints. Pick the base or "
             "instruct checkpoint of the model rather than a classification or other head.")
     return model_type
+
+
+# Gemma3TextConfig's defaults: a multimodal checkpoint's text_config gives only what differs
+# (gemma-3-4b's: its width, depth, window and RoPE scaling).
+GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4,
+                        "head_dim": 256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+                        "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                        "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                        "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+                        "pad_token_id": 0}
+
+
+def _language_model(hf: dict, source: str) -> dict:
+    """The text_config of a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration),
+    completed with transformers' defaults and the token ids given beside it, as a
+    ``gemma3_text`` config.json: the language model nbtune trains."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict) or text.get("model_type", "gemma3_text") != "gemma3_text":
+        raise ConfigError(f"{source}: a multimodal Gemma 3 config needs a text_config object of "
+                          f"model_type gemma3_text, but it holds {_shown(text)}. Download "
+                          "config.json again.")
+    ids = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
+    if hf.get("tie_word_embeddings") is False:
+        ids["tie_word_embeddings"] = False
+    return {**GEMMA3_TEXT_DEFAULTS, **ids, **text, "model_type": "gemma3_text",
+            "architectures": ["Gemma3ForCausalLM"]}
 
 
 def _gemma3(hf: dict, source: str) -> dict:
@@ -194,6 +215,9 @@ class ModelConfig:
         fused_projections: Queries, keys and values come from one ``qkv_proj``, the MLP's gate
             and up from one ``gate_up_proj`` (Phi-3); LoRA adapts each fused weight whole.
         partial_rotary_factor: The share of each head's width RoPE rotates (Phi-4-mini: 0.75).
+        multimodal: The language model of a multimodal checkpoint (Gemma 3 4B, 12B, 27B), read
+            from under its prefix; the vision tower is left unread, and a merged save writes
+            the language model as a text-only checkpoint.
         bos_token_id: The beginning-of-sequence token.
         eos_token_id: The end-of-sequence token or tokens.
         pad_token_id: The padding token.
@@ -231,6 +255,10 @@ class ModelConfig:
     # for its adapters), and RoPE on the first part of each head only.
     fused_projections: bool = False
     partial_rotary_factor: float = 1.0
+    # The language model of a multimodal checkpoint (Gemma 3 4B-27B): its weights are read
+    # from under language_model prefixes and written back there by adapters; the vision tower
+    # is not read. A merged save writes the language model alone.
+    multimodal: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -354,6 +382,9 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise ConfigError(f"{source} must hold a JSON object of model settings, not a "
                               f"{type(hf).__name__}. Download the checkpoint's config.json again.")
+        if hf.get("model_type") == "gemma3":  # multimodal: its language model, whose weights
+            text = cls.from_hf(_language_model(hf, source), source)  # sit under a prefix
+            return dataclasses.replace(text, multimodal=True)
         model_type = _model_type(hf, source)
         _check_fields(hf, source)
         heads = hf["num_attention_heads"]

@@ -141,6 +141,23 @@ def load_folder(folder: Path, dtype: torch.dtype, device, quantize: Collection[s
     return fill_model(model, loaded, quantized, expected, str(folder))
 
 
+# Where a multimodal checkpoint keeps its language model: the Hub's files (and transformers'
+# saves) under language_model.model., transformers' modules under model.language_model.
+_LANGUAGE_MODEL = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                   ("language_model.lm_head.", "lm_head."))
+
+
+def decoder_key(key: str, config: ModelConfig) -> str | None:
+    """The decoder's name of a stored tensor, or None for one it does not read (a multimodal
+    checkpoint's vision tower and projector)."""
+    if not config.multimodal:
+        return key
+    for stored, ours in _LANGUAGE_MODEL:
+        if key.startswith(stored):
+            return ours + key[len(stored):]
+    return "lm_head.weight" if key == "lm_head.weight" else None
+
+
 def folder_weights(folder: Path, config: ModelConfig, expected: dict, dtype: torch.dtype,
                    device: str | torch.device, rows: Callable[[str], tuple[int, int] | None] | None = None):
     """(name, tensor in ``dtype`` on ``device``) for each weight of a safetensors folder, one
@@ -150,7 +167,8 @@ def folder_weights(folder: Path, config: ModelConfig, expected: dict, dtype: tor
     None for all of it. A row-major tensor's rows are one run of bytes, so only they are read."""
     buffer = [None]  # the cast's chunk, made if a weight is stored in another dtype
     for file in _weight_files(folder):
-        entries = _entries(file)
+        entries = [(decoder_key(key, config), *rest) for key, *rest in _entries(file)]
+        entries = [entry for entry in entries if entry[0] is not None]
         for key, *_ in entries:
             if key not in expected and not (key == "lm_head.weight" and config.tie_word_embeddings):
                 raise ValueError(

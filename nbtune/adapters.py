@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from . import files
+from .peft import target_of
 from .techniques import LORA_TARGETS, Techniques, as_techniques
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -81,7 +82,7 @@ def read_adapter(folder) -> Adapter:
     if not (isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)):
         raise bad(f"target_modules is {config.get('target_modules')!r}, not a list of module names.")
     base = config.get("base_model_name_or_path")
-    names = {t.rpartition(".")[2] for t in targets}  # in the order nbtune lists them
+    names = {target_of(t) for t in targets}  # in the order nbtune lists them
     order = sorted(names, key=lambda n: (LORA_TARGETS.index(n) if n in LORA_TARGETS else len(LORA_TARGETS), n))
     return Adapter(folder, base if isinstance(base, str) and base else None, rank, float(alpha),
                    float(dropout), tuple(order))

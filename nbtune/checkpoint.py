@@ -315,8 +315,9 @@ def _history(rows: list, path) -> list[StepReport]:
             raise refused(path, f"the field 'history[{i}]' is {shown(row)}, but it must be an object")
         for name, kind in _ROW_FIELDS:
             state_field(row, name, kind, path, where)
-        if "eval_loss" in row:
-            state_field(row, "eval_loss", "a number or null", path, where)
+        for name in ("eval_loss", "router_loss"):
+            if name in row:
+                state_field(row, name, "a number or null", path, where)
         if "shape" in row:
             shape = state_field(row, "shape", "a list", path, where)
             if len(shape) != 2 or not all(_is_int(n) for n in shape):

@@ -259,11 +259,11 @@ def check_sharding(sharding: Sharding, model: nn.Module, techniques, device: str
 def _nf4_splits(model: nn.Module, targets, world: int) -> list[str]:
     """FSDP2 gives each rank whole rows of an NF4 weight and equal parts of its 4-bit codes
     and of its two levels of scales (torchao's dim-0 split): each must divide by ``world``."""
-    from .peft import NF4_BLOCK, nf4_parts
+    from .peft import NF4_BLOCK, nf4_parts, target_of
 
     bad = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and name.rpartition(".")[2] in targets:
+        if isinstance(module, nn.Linear) and target_of(name) in targets:
             rows, size = module.weight.shape[0], module.weight.numel()
             if size % NF4_BLOCK == 0 and (rows % world or any(n % world for n in nf4_parts(size))):
                 bad.append(f"{name} {tuple(module.weight.shape)}")

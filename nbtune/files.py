@@ -44,6 +44,7 @@ LIMITS: dict[str, tuple[int, str]] = {
     "num_attention_heads": (1024, "Llama 3.1 405B: 128"),
     "num_key_value_heads": (1024, "at most the attention heads"),
     "head_dim": (1024, "real models use 64-256"),
+    "num_experts": (1024, "DeepSeek-V3 and Qwen3-MoE: 256 and 128"),
     "max_position_embeddings": (1 << 24, "1M-token context models: 1048576"),
     # chat templates (nbtune/template/): code from the Hub, run in jinja's sandbox, which
     # bounds what a template may reach but not how long it runs or how much it builds

@@ -43,7 +43,8 @@ def metrics_row(report, rank: int = 0) -> dict:
             "trained_tokens": report.trained_tokens, "seconds": report.seconds,
             "tokens_per_second": report.tokens_per_second, "lr": report.lr,
             "peak_bytes": memory.peak, "memory_measured": memory.measured,
-            "memory": memory.categories, "eval_loss": report.eval_loss, "rank": rank}
+            "memory": memory.categories, "eval_loss": report.eval_loss, "rank": rank,
+            **({"router_loss": report.router_loss} if report.router_loss is not None else {})}
 
 
 def checkpoints(out: Path) -> list[Path]:
@@ -101,6 +102,8 @@ class _Loggers:
                 self.tensorboard.add_scalar(f"train/{key}", row[key], report.step)
             if report.eval_loss is not None:
                 self.tensorboard.add_scalar("eval/loss", report.eval_loss, report.step)
+            if report.router_loss is not None:
+                self.tensorboard.add_scalar("train/router_loss", report.router_loss, report.step)
 
     def close(self) -> None:
         self.file.close()
@@ -148,6 +151,7 @@ def _line(report) -> str:
     memory = report.memory
     mark = "" if memory.measured else " (last measured)"
     eval_part = f"  eval {report.eval_loss:.3f}" if report.eval_loss is not None else ""
+    eval_part += f"  balance {report.router_loss:.3f}" if report.router_loss is not None else ""
     return (f"step {report.step:5d}  loss {report.loss:7.4f}{eval_part}  "
             f"{report.tokens_per_second:7.0f} tok/s  peak {format_bytes(memory.peak)}{mark}")
 

@@ -232,7 +232,7 @@ def _trial(trainer, techniques: Techniques):
     from .trainer import Trainer
 
     if trainer.base is not None:
-        quantize = techniques.lora_targets if techniques.method == "qlora" else ()
+        quantize = techniques.nf4_targets
         model = load_model(trainer.base, dtype=techniques.dtype, device=trainer.device,
                            quantize=quantize)
     else:  # built in code: the same shapes with fresh weights (memory does not depend on values)

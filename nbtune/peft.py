@@ -293,6 +293,12 @@ class LoRALinear(nn.Module):
         return base
 
 
+def target_of(name: str) -> str:
+    """The ``lora_targets`` name of the Linear module ``name``: "experts" for any projection of
+    a mixture-of-experts layer's experts, else its own last name part ("q_proj", "down_proj")."""
+    return "experts" if ".experts." in name else name.rpartition(".")[2]
+
+
 def _lora_modules(model: nn.Module):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
 
@@ -315,9 +321,13 @@ def apply_lora(model: nn.Module, targets: tuple[str, ...], rank: int, alpha: flo
     """
     model.requires_grad_(False)
     chosen = [(name, m) for name, m in model.named_modules()
-              if isinstance(m, nn.Linear) and name.rpartition(".")[2] in targets]
+              if isinstance(m, nn.Linear) and target_of(name) in targets]
     if not chosen:
         raise ValueError(f"No Linear layer is named one of {targets}; nothing to adapt.")
+    if quantize_base:  # a mixture of experts' experts are NF4 under QLoRA, adapted or not
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Linear) and target_of(name) == "experts":
+                quantize_weight_(m, f"{name}.weight")
     for name, linear in chosen:
         if quantize_base:
             quantize_weight_(linear, f"{name}.weight")
@@ -390,13 +400,30 @@ def adapter_config(model: nn.Module, base_model: str | None) -> dict:
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": first.rank, "lora_alpha": first.alpha, "lora_dropout": dropout,
-        "target_modules": sorted({name.rpartition(".")[2] for name, _ in found}),
+        "target_modules": _target_modules(model, [name for name, _ in found]),
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
         "init_lora_weights": True, "use_rslora": False, "use_dora": False,
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
         "rank_pattern": {}, "alpha_pattern": {},
         **({"exclude_modules": r".*(vision_tower|multi_modal_projector).*"} if multimodal else {}),
     }
+
+
+def _target_modules(model: nn.Module, names: list[str]) -> list[str]:
+    """PEFT's ``target_modules`` for the adapted modules ``names``: their last name parts.
+
+    A mixture-of-experts model's adapters must be on attention only: PEFT on transformers 5
+    reads gate_proj, up_proj and down_proj as that model's fused 3-D experts, so an adapter on
+    nbtune's per-expert or dense MLP projections would be loaded onto other weights."""
+    moe = any(name.endswith(".experts") for name, _ in model.named_modules())
+    mlp = sorted({target_of(n) for n in names} - {"q_proj", "k_proj", "v_proj", "o_proj"})
+    if moe and mlp:
+        raise ValueError(
+            f"An adapter on a mixture-of-experts model's {', '.join(mlp)} cannot be saved for PEFT: "
+            "PEFT on transformers 5 reads those names as the model's fused experts and would load "
+            "it onto other weights. Save with merge=True, or train with lora_targets=('q_proj', "
+            "'k_proj', 'v_proj', 'o_proj').")
+    return sorted({target_of(name) for name in names})
 
 
 class DenseWeights:

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from .activations import set_activation_checkpointing, set_compiled, set_tiling
 from .models.filling import DTYPES
 from .peft import (NF4_BLOCK, LoRALinear, apply_lora, cast_model, has_lora, is_nf4, merge_lora,
-                   replace_adapters, set_lora_options)
+                   replace_adapters, set_lora_options, target_of)
 from .techniques import LORA_TARGETS, Techniques
 
 # Which built component each toggle invalidates. Anything not listed is read live each step.
@@ -35,7 +35,7 @@ SHARDED_REASON = ("the model is sharded over ranks as these made it (compile wou
 
 def projections(model: nn.Module) -> set[str]:
     """The names of the projections ``model`` has that LoRA can adapt (adapted or not)."""
-    return {name.rpartition(".")[2] for name, m in model.named_modules()
+    return {target_of(name) for name, m in model.named_modules()
             if isinstance(m, (nn.Linear, LoRALinear))} & set(LORA_TARGETS)
 
 
@@ -48,7 +48,7 @@ def check(t: Techniques, model: nn.Module, device: str) -> list[str]:
                         f"(max_position_embeddings): set seq_len <= {limit}.")
     if t.method in ("lora", "qlora"):
         targeted = [(name, m) for name, m in model.named_modules()
-                    if isinstance(m, nn.Linear) and name.rpartition(".")[2] in t.lora_targets]
+                    if isinstance(m, nn.Linear) and target_of(name) in t.lora_targets]
         has = projections(model)
         if not has & set(t.lora_targets):
             problems.append(f"lora_targets={t.lora_targets} names no projection of this model; "

@@ -229,7 +229,7 @@ def from_pretrained(path_or_id: str | os.PathLike, data=None, *, heldout=None,
         base = resolve_model_folder(path_or_id, revision)
         tokenizer = Tokenizer.from_folder(base)
     check_renderable((train or []) + (held or []), tokenizer)
-    quantize = techniques.lora_targets if techniques.method == "qlora" else ()
+    quantize = techniques.nf4_targets
     if parallel is not None:  # each rank reads its rows of every weight, nothing whole
         config = read_config(base)
         fitted, _ = _fit_context(given if adapter is None else techniques, config.max_position_embeddings)

@@ -75,6 +75,9 @@ class StepReport:
         shape: [batch, sequence] of the longest micro-batch, padding included.
         eval_loss: The held-out loss after this step (``eval_every``), else None.
         usage: The cheap figure metered on every step (``memory.usage``).
+        router_loss: A mixture-of-experts model's load-balancing loss (1 when balanced; its
+            ``router_aux_loss_coef`` times it is added to ``loss`` in training, not in
+            ``loss`` as reported), the mean over micro-batches; None for a dense model.
     """
 
     step: int
@@ -87,6 +90,7 @@ class StepReport:
     shape: tuple[int, int] = (0, 0)  # [batch, sequence] of the longest micro-batch, padding included
     eval_loss: float | None = None  # held-out loss after this step (``eval_every``), else None
     usage: Usage | None = None  # the cheap figure metered on every step (``memory.usage``)
+    router_loss: float | None = None  # mixture of experts: the load-balancing loss (1: balanced)
 
     @property
     def tokens_per_second(self) -> float:
@@ -98,6 +102,7 @@ class StepReport:
         from .units import format_bytes
 
         held_out = f", held-out loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""
+        held_out += f", router balance {self.router_loss:.3f}" if self.router_loss is not None else ""
         return (f"StepReport(step {self.step}: loss {self.loss:.4f}{held_out}, {self.tokens:,} tokens "
                 f"in {self.seconds:.2f} s, lr {self.lr:.3g}, peak {format_bytes(self.memory.peak)}"
                 f"{'' if self.memory.measured else ' (carried)'})")
@@ -207,13 +212,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     tracker = track_step(model, optimizer, *inputs) if track else _Untracked()
     meter = UsageMeter(next(model.parameters()).device) if usage else None
     with meter or contextlib.nullcontext(), _Phases(tracker, context.phase) as memory:
-        total = update(model, optimizer, micro_batches, trained, memory, options,
-                       replace(context, guard=finite_guard(step, lr)))
+        total, balance = update(model, optimizer, micro_batches, trained, memory, options,
+                                replace(context, guard=finite_guard(step, lr)))
     shape = max((tuple(b["input_ids"].shape) for b in micro_batches), key=lambda s: s[0] * s[1])
     measured = memory.result()
     return StepReport(step=step, loss=float(total), tokens=read, trained_tokens=trained, shape=shape,
                       seconds=time.perf_counter() - started,
-                      lr=lr, memory=measured, usage=meter.settle(measured) if meter else None)
+                      lr=lr, memory=measured, usage=meter.settle(measured) if meter else None,
+                      router_loss=None if balance is None else float(balance))
 
 
 class _Phases:
@@ -266,8 +272,10 @@ class _Untracked(contextlib.nullcontext):
 
 def update(model: nn.Module, optimizer: torch.optim.Optimizer,
            micro_batches: list[dict[str, torch.Tensor]], trained: int, memory,
-           options: StepOptions, context: StepContext = NO_CONTEXT) -> torch.Tensor:
-    """The step's tensor work, telling ``memory`` its phases; returns the loss (a tensor).
+           options: StepOptions, context: StepContext = NO_CONTEXT):
+    """The step's tensor work, telling ``memory`` its phases; returns the loss (a tensor) and
+    a mixture-of-experts model's mean load-balancing loss (``CausalLM.router_loss``; None for
+    a dense one), whose ``router_aux_loss_coef`` share of each micro-batch's backward is added.
 
     ``context.guard(loss, grad_norm)`` runs before the optimizer changes anything (after
     backward; with the optimizer stepped in backward, on the loss alone before backward); it
@@ -279,6 +287,8 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
     guard, critical, parallel, undo = context.guard, context.critical, context.parallel, context.undo
     in_backward = isinstance(optimizer, OptimizerInBackward)
     total = torch.zeros((), dtype=torch.float32)
+    balances = []  # each micro-batch's load-balancing loss (mixture of experts)
+    coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", 0.0)
     for batch in micro_batches:
         memory.before_forward()
         offload = (OffloadActivations(model, to=options.offload_to)
@@ -302,6 +312,11 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
                                      recompute=options.recompute_loss or bool(options.tile_tokens),
                                      divisor=trained)
         del hidden  # what backward needs of it, the loss holds (pieces with gradients made: nothing)
+        balance = model.router_loss() if coef else None
+        reported = loss.detach()
+        if balance is not None:  # trained on, reported apart (the mean over micro-batches)
+            balances.append(balance.detach().float().cpu())
+            loss = loss + balance * (coef / len(micro_batches))
         memory.after_forward()
         if undo is not None:
             undo.stage()
@@ -316,8 +331,8 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
             # FSDP averages gradients over ranks; scaled by N, the average is the ranks' sum.
             (loss if parallel is None else loss * parallel.world).backward()
         memory.after_backward()
-        total += loss.detach().cpu()
-        del loss
+        total += reported.cpu()
+        del loss, balance
     if parallel is not None:  # every rank checks and reports the global loss
         parallel.sum_(total)
     grads = [p for p in model.parameters() if p.grad is not None]
@@ -334,7 +349,10 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
     with critical() if critical is not None and not in_backward else contextlib.nullcontext():
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total
+    if not balances:
+        return total, None
+    balance = torch.stack(balances).mean()
+    return total, (balance if parallel is None else parallel.sum_(balance) / parallel.world)
 
 
 @contextlib.contextmanager

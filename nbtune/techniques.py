@@ -22,9 +22,11 @@ OPTIMIZERS = ("adamw", "sgd", "adamw8bit", "paged_adamw8bit", "paged_adamw", "ao
               "ao_adamw4bit")
 PAGED_OPTIMIZERS = ("paged_adamw8bit", "paged_adamw")
 # Every projection name a family has; a model adapts those of them it has (Phi-3's fused
-# qkv_proj and gate_up_proj in place of q/k/v and gate/up).
+# qkv_proj and gate_up_proj in place of q/k/v and gate/up). "experts": every projection of a
+# mixture-of-experts layer's experts, left out by default (attention and dense MLPs only).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj",
-                "gate_up_proj", "down_proj")
+                "gate_up_proj", "down_proj", "experts")
+DEFAULT_LORA_TARGETS = LORA_TARGETS[:-1]
 
 # One sentence per dropdown choice: what it does and what it costs. The panel shows the
 # current choice's sentence under its dropdown and in the dropdown's hover text.
@@ -103,7 +105,8 @@ class Techniques:
         lora_rank: Rank of the LoRA adapters: more capacity, more trainable weights.
         lora_alpha: LoRA scaling numerator (updates are scaled by alpha / rank).
         lora_dropout: Dropout on the LoRA input path.
-        lora_targets: Which projections get LoRA adapters.
+        lora_targets: Which projections get LoRA adapters (each model adapts those it has;
+            "experts": a mixture of experts' experts too, off by default).
         seed: Seed of the data order and dropout.
         eval_every: Held-out loss every N steps (0 = off), plotted beside the training loss; its
             memory (a whole batch of logits) is measured and estimated too.
@@ -130,7 +133,7 @@ class Techniques:
     lora_rank: int = 8
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
-    lora_targets: tuple[str, ...] = LORA_TARGETS
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
     seed: int = 0
     eval_every: int = 0  # held-out loss every N steps; 0 = off
 
@@ -252,6 +255,14 @@ class Techniques:
     def checkpoint_every(self) -> int:
         """0 when activation checkpointing is off, else the layer interval."""
         return int(self.activation_checkpointing)
+
+    @property
+    def nf4_targets(self) -> tuple[str, ...]:
+        """What QLoRA stores as NF4: the adapted projections, and a mixture of experts' experts
+        whether adapted or not (they are most of its weights); nothing for other methods."""
+        if self.method != "qlora":
+            return ()
+        return self.lora_targets + (() if "experts" in self.lora_targets else ("experts",))
 
     @property
     def loss_always_recomputed(self) -> bool:

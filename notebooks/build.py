@@ -383,11 +383,13 @@ print(f"{longest.tokens / plain.tokens:.1f}x the context of checkpointing alone;
       f"{longest.memory.host.offloaded / 2**30:.1f} GiB of layer inputs")"""),
     ("md", """Which model? The same question for the other families nbtune reads, with the same
 settings and one row of 2,048 tokens: Gemma 3 (its text part; sliding and global layers, a
-262k vocabulary) and Phi-4 (fused projections). The estimate needs only each model's shape,
-so these run here too:"""),
+262k vocabulary), Phi-4 (fused projections) and Qwen3-30B-A3B (a mixture of 128 experts, 8 a
+token: 30.5 B weights, 3.3 B used per token; QLoRA stores every expert in NF4). The
+estimate needs only each model's shape, so these run here too:"""),
     ("code", """row = qlora.replace(batch_size=1, seq_len=2048)
 choices = {name: nt.estimate(name, row, device="cuda")
-           for name in ("qwen2.5-7b", "gemma-3-4b", "gemma-3-12b", "phi-4-mini", "phi-4")}
+           for name in ("qwen2.5-7b", "gemma-3-4b", "gemma-3-12b", "phi-4-mini", "phi-4",
+                        "qwen3-30b-a3b")}
 for name, g in choices.items():
     print(f"{name:>12}: {g.peak / 2**30:5.2f} GiB on the card, {g.host.peak / 2**30:4.1f} GiB of host")"""),
     ("md", """And how long may a row be on each of the two larger ones? Gemma 3's sliding layers
@@ -395,6 +397,12 @@ need a mask once a row passes their window (1,024 tokens), which grows with the 
 the row; Phi-4 stops at its own context of 16k tokens:"""),
     ("code", """for name in ("gemma-3-12b", "phi-4"):
     print(name, "-", nt.longest_context(name, "RTX 3090", row))"""),
+    ("md", """A mixture of experts routes by the data, which fake tensors do not have: the estimate
+assumes each expert gets an equal share of the tokens. The larger one, Qwen3-235B-A22B, is over
+120 GB in NF4 alone, more than an 80 GB card holds; sharded with FSDP2 over two of them (one
+row each):"""),
+    ("code", """big = nt.estimate("qwen3-235b-a22b", row.replace(batch_size=2), device="cuda", ranks=2)
+print(f"qwen3-235b-a22b on 2 ranks: {big.peak / 2**30:.1f} GiB on each card")"""),
     ("md", """Load the model. `from_pretrained` quantizes each projection to NF4 as it is read,
 so the dense 7B weights are never all in memory. On the CPU bf16 is slow on many processors
 (nbtune tells you), so the CPU path trains in fp32 with shorter rows.
@@ -439,15 +447,17 @@ print(session.generate("Give the country card for Peru."))"""),
     ("md", "The outcomes this notebook promises, checked:"),
     ("code", """# NBVAL_CHECK_OUTPUT
 print("7B QLoRA predicted to fit in 24 GiB:", guess.peak < 24 * 2**30)
-print("Gemma-3-12B and Phi-4 QLoRA predicted to fit too:",
-      all(choices[n].peak < 24 * 2**30 for n in ("gemma-3-12b", "phi-4")))
+print("Gemma-3-12B, Phi-4 and Qwen3-30B-A3B QLoRA predicted to fit too:",
+      all(choices[n].peak < 24 * 2**30 for n in ("gemma-3-12b", "phi-4", "qwen3-30b-a3b")))
+print("Qwen3-235B-A22B fits two 80 GB cards:", big.peak < 75 * 2**30)
 print("tiling + offloading more than triple the longest context:", longest.tokens > 3 * plain.tokens)
 print("base stored in NF4, adapters trained:", quantized > 0 and 0 < trainable < quantized / 10)
 print("learned the schema:", before == 0 and after >= 0.75)"""),
 ]
 
 QLORA_8B_CHECK = ("7B QLoRA predicted to fit in 24 GiB: True\n"
-                  "Gemma-3-12B and Phi-4 QLoRA predicted to fit too: True\n"
+                  "Gemma-3-12B, Phi-4 and Qwen3-30B-A3B QLoRA predicted to fit too: True\n"
+                  "Qwen3-235B-A22B fits two 80 GB cards: True\n"
                   "tiling + offloading more than triple the longest context: True\n"
                   "base stored in NF4, adapters trained: True\n"
                   "learned the schema: True\n")

@@ -338,3 +338,16 @@ def test_the_family_predictions_quoted_are_the_committed_results():
     result = json.loads((ROOT / "benchmarks/results/families/predictions.json").read_text())
     for m in result["models"]:
         assert m["parameters"] == preset_config(m["model"]).num_parameters
+    moe, row = result["moe"], {m["model"]: m for m in result["models"]}["qwen3-30b-a3b"]
+    readme, page = ((ROOT / p).read_text() for p in ("README.md", "docs/guides/families-and-objectives.md"))
+    quoted = {readme: [f"{row['predicted_gib']:.2f} GiB sits beside the {moe['unsloth_30b_a3b_gb']} GB",
+                       f"{moe['qwen3_30b_a3b_experts_adapted_gib']:.2f} GiB",
+                       f"({moe['qwen3_235b_a22b_ranks']['per_card_gib']:.2f} GiB each)"],
+              page: [f"predicted {row['predicted_gib']:.2f} GiB",
+                     f"experts adapted too: {moe['qwen3_30b_a3b_experts_adapted_gib']:.2f} GiB",
+                     f"{moe['qwen3_235b_a22b_ranks']['per_card_gib']:.2f} GiB on each",
+                     f"{result['moe_speed_cpu']['ratio']:.2f}x of the tokens"]}
+    for text, figures in quoted.items():
+        for figure in figures:
+            assert figure in " ".join(text.split()), figure
+    assert moe["qwen3_235b_a22b_ranks"]["cards"] == 2  # the pages say two

@@ -118,6 +118,7 @@ PUBLISHED_PARAMETERS = {  # from each model card / safetensors index
     "qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-7b": 7_615_616_512,
     "mistral-7b": 7_248_023_552, "gemma-3-270m": 268_098_176, "gemma-3-1b": 999_885_952,
     "phi-4": 14_659_507_200, "phi-4-mini": 3_836_021_760,
+    "qwen3-30b-a3b": 30_532_122_624, "qwen3-235b-a22b": 235_093_634_560,
 }
 # The multimodal Gemma 3 checkpoints' published totals: the language model the preset describes,
 # the same SigLIP vision tower in each, and a projector from its 1,152 features to the text width.

@@ -89,7 +89,7 @@ def count_forwards(session, ctx: Context) -> list[int]:
 # ---- the checks, one per row -----------------------------------------------------------
 
 # the demo model's projections: every target but Phi's fused ones
-LLAMA_PROJECTIONS = set(LORA_TARGETS) - {"qkv_proj", "gate_up_proj"}
+LLAMA_PROJECTIONS = set(LORA_TARGETS) - {"qkv_proj", "gate_up_proj", "experts"}
 
 
 def check_method(session, ctx):

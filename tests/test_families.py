@@ -29,6 +29,10 @@ PHI3 = {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 32, "
                          "long_factor": [2.0 + i for i in range(6)]},
         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
+# Qwen3-MoE: 4 experts, each token to 2 (renormalised), the second layer dense
+QWEN3_MOE = {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "norm_topk_prob": True, "mlp_only_layers": [1], "router_aux_loss_coef": 0.01}
+
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "llama3.1-rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
@@ -44,6 +48,7 @@ FAMILIES = {
     # GELU-tanh, the embedding scaled by sqrt(hidden)
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, GEMMA3),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, PHI3),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, QWEN3_MOE),
 }
 SEQ = 48  # longer than Mistral's window and Llama 3.1's original context above
 
@@ -146,6 +151,20 @@ def test_gemma3_generates_with_the_cache_as_it_scores_the_whole_sequence(tmp_pat
     torch.testing.assert_close(torch.cat([prefix, *steps], dim=1), whole, atol=1e-5, rtol=0)
 
 
+def their_grad(theirs: dict, name: str) -> torch.Tensor:
+    """transformers' gradient of our weight ``name``: the same name, or for an expert's
+    projection its slice of transformers 5's fused [experts, 2 x width, hidden] gate_up_proj
+    or [experts, hidden, width] down_proj."""
+    if ".experts." not in name:
+        return theirs[name].grad
+    layer, _, rest = name.partition(".experts.")
+    expert, projection, _ = rest.split(".")
+    if projection == "down_proj":
+        return theirs[f"{layer}.experts.down_proj"].grad[int(expert)]
+    fused = theirs[f"{layer}.experts.gate_up_proj"].grad[int(expert)]
+    return fused.chunk(2, dim=0)[projection == "up_proj"]
+
+
 def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
@@ -156,7 +175,7 @@ def test_gradients_match_reference_full_and_lora(tmp_path, family):
     every projection the family has, as PEFT wraps them) equal transformers' and PEFT's."""
     import peft
 
-    from nbtune.peft import apply_lora
+    from nbtune.peft import adapter_config, apply_lora, target_of
     from nbtune.techniques import LORA_TARGETS
 
     ref = build(tmp_path, family, tie=False)
@@ -168,13 +187,18 @@ def test_gradients_match_reference_full_and_lora(tmp_path, family):
     _loss(ref(ids).logits, ids).backward()
     theirs = dict(ref.named_parameters())
     for name, p in ours.named_parameters():
-        torch.testing.assert_close(p.grad, theirs[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(p.grad, their_grad(theirs, name), atol=1e-5, rtol=1e-4, msg=name)
 
     ours, ref = nt.load_model(tmp_path), build(tmp_path / "again", family, tie=False)
-    targets = sorted({n.rpartition(".")[2] for n, m in ours.named_modules()
-                      if isinstance(m, torch.nn.Linear) and n.rpartition(".")[2] in LORA_TARGETS})
+    # every projection (a mixture of experts: attention only, as PEFT on transformers 5 reads
+    # the MLP names as its fused 3-D experts)
+    targets = sorted({target_of(n) for n, m in ours.named_modules()
+                      if isinstance(m, torch.nn.Linear) and target_of(n) in LORA_TARGETS})
+    if ours.config.num_experts:
+        targets = ["k_proj", "o_proj", "q_proj", "v_proj"]
     apply_lora(ours, tuple(targets), rank=4, alpha=8.0, dropout=0.0)
-    ref = peft.get_peft_model(ref, peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=targets))
+    ref = peft.get_peft_model(ref, peft.LoraConfig(r=4, lora_alpha=8.0,
+                                                   target_modules=adapter_config(ours, None)["target_modules"]))
     adapters = {n: p for n, p in ours.named_parameters() if "lora_" in n}
     with torch.no_grad():  # the same adapters on both sides, B non-zero so A gets a gradient
         for name, p in ref.named_parameters():

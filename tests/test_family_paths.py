@@ -26,7 +26,7 @@ import transformers
 import nbtune as nt
 from nbtune.models.tiny import byte_tokenizer
 from nbtune.peft import LoRALinear, is_nf4
-from nbtune.techniques import LORA_TARGETS
+from nbtune.techniques import DEFAULT_LORA_TARGETS, LORA_TARGETS
 
 from test_families import SEQ, build
 
@@ -77,7 +77,7 @@ def randomize_adapters(model) -> dict[str, LoRALinear]:
     generator = torch.Generator().manual_seed(2)
     found = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
     fused = model.config.fused_projections  # Phi-3: qkv_proj and gate_up_proj, PEFT's names
-    assert {name.rpartition(".")[2] for name in found} == set(LORA_TARGETS) - (
+    assert {name.rpartition(".")[2] for name in found} == set(DEFAULT_LORA_TARGETS) - (
         {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"} if fused else {"qkv_proj", "gate_up_proj"})
     with torch.no_grad():
         for m in found.values():

@@ -10,12 +10,13 @@ from pathlib import Path
 from .. import files
 
 # HF `model_type` values this decoder implements, and what each one switches on.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "qwen3_moe")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", None)
 # The transformers class each model_type is saved as (config.json's "architectures").
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # What each rope_scaling type needs (transformers' rope initialisers read these).
@@ -154,6 +155,25 @@ def _phi3(hf: dict, source: str, scaling: dict | None) -> dict:
             "attention_bias": False}
 
 
+def _qwen3_moe(hf: dict, source: str) -> dict:
+    """Qwen3-MoE's switches: the experts (``num_experts``, or transformers 5's
+    ``num_local_experts``), how many each token takes, their width, which layers have them."""
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list) or len(only) > files.LIMITS["num_hidden_layers"][0] or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ConfigError(f"{source}: mlp_only_layers is {_shown(only)}, not a list of layer numbers.")
+    if hf.get("use_sliding_window"):
+        raise ConfigError(f"{source}: qwen3_moe with use_sliding_window=true is not supported; the "
+                          "released Qwen checkpoints leave it off.")
+    return {"num_experts": experts, "num_experts_per_tok": hf.get("num_experts_per_tok"),
+            "moe_intermediate_size": hf.get("moe_intermediate_size"),
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+            "decoder_sparse_step": hf.get("decoder_sparse_step", 1), "mlp_only_layers": tuple(only),
+            "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001), "qk_norm": True,
+            "attention_bias": bool(hf.get("attention_bias", False))}
+
+
 def _shown(value) -> str:
     """A value for an error message, cut short (a crafted list may be long)."""
     text = repr(value)
@@ -192,7 +212,8 @@ class ModelConfig:
         num_heads: Query heads.
         num_kv_heads: Key and value heads (grouped-query attention when fewer).
         head_dim: Each head's width.
-        model_type: The family: "llama", "mistral", "qwen2", "qwen3", "gemma3_text" or "phi3".
+        model_type: The family: "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3" or
+            "qwen3_moe".
         rms_norm_eps: RMSNorm's epsilon.
         rope_theta: The rotary embedding's base.
         rope_scaling: Llama 3.1's, linear or LongRoPE (Phi-3.5, Phi-4-mini) scaling, as
@@ -215,6 +236,13 @@ class ModelConfig:
         fused_projections: Queries, keys and values come from one ``qkv_proj``, the MLP's gate
             and up from one ``gate_up_proj`` (Phi-3); LoRA adapts each fused weight whole.
         partial_rotary_factor: The share of each head's width RoPE rotates (Phi-4-mini: 0.75).
+        num_experts: Experts in each sparse layer (Qwen3-MoE); 0: a dense model.
+        num_experts_per_tok: The experts each token is routed to (top-k of the router).
+        moe_intermediate_size: Each expert's MLP width.
+        norm_topk_prob: The chosen experts' router probabilities are renormalised to sum to 1.
+        decoder_sparse_step: Every this-many-th layer has experts (1: all of them).
+        mlp_only_layers: Layers with a dense MLP whatever ``decoder_sparse_step`` says.
+        router_aux_loss_coef: The weight of the load-balancing loss added in training.
         multimodal: The language model of a multimodal checkpoint (Gemma 3 4B, 12B, 27B), read
             from under its prefix; the vision tower is left unread, and a merged save writes
             the language model as a text-only checkpoint.
@@ -259,6 +287,16 @@ class ModelConfig:
     # from under language_model prefixes and written back there by adapters; the vision tower
     # is not read. A merged save writes the language model alone.
     multimodal: bool = False
+    # Qwen3-MoE's switches: each token's feed-forward is the weighted sum of the
+    # num_experts_per_tok experts (of num_experts, each a SwiGLU MLP moe_intermediate_size
+    # wide) its router scores highest, on every decoder_sparse_step-th layer but mlp_only_layers.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -307,6 +345,8 @@ class ModelConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value <= 0):
                 raise ValueError(f"{name} is {value!r}, but it must be a positive finite number.")
+        if self.num_experts:
+            self._check_experts()
         value = self.partial_rotary_factor
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1 \
                 or self.rotary_dim < 2 or self.rotary_dim % 2:
@@ -328,6 +368,39 @@ class ModelConfig:
                                      f"but it is {value!r}.")
             if kind == "longrope":
                 self._check_longrope()
+
+    def _check_experts(self) -> None:
+        """The experts' counts and width: whole numbers a real model could have, top-k of them."""
+        cap, why = files.LIMITS["num_experts"]
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} is {value!r}, but it must be a positive whole number.")
+        if self.num_experts > cap:
+            raise ValueError(f"num_experts is {self.num_experts}, more than any real model's (limit "
+                             f"{cap}: {why}); the config is damaged or crafted.")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) is more than the "
+                             f"{self.num_experts} experts.")
+        if self.moe_intermediate_size > files.LIMITS["intermediate_size"][0]:
+            raise ValueError(f"moe_intermediate_size is {self.moe_intermediate_size}, larger than any "
+                             "real model's; the config is damaged or crafted.")
+        value = self.router_aux_loss_coef
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value < 0:
+            raise ValueError(f"router_aux_loss_coef is {value!r}, but it must be a number >= 0.")
+
+    def sparse(self, layer: int) -> bool:
+        """Whether a decoder layer routes to experts (else it has a dense MLP).
+
+        Args:
+            layer: The layer's index, from 0.
+
+        Returns:
+            True for a mixture-of-experts layer.
+        """
+        return bool(self.num_experts) and layer not in self.mlp_only_layers \
+            and (layer + 1) % self.decoder_sparse_step == 0
 
     def _check_longrope(self) -> None:
         """LongRoPE's short and long factors: one positive number per rotated frequency."""
@@ -361,9 +434,12 @@ class ModelConfig:
             attn += q + 2 * kv
         if self.qk_norm:
             attn += 2 * self.head_dim
-        layer = attn + 3 * d * self.intermediate_size + (4 if self.sandwich_norms else 2) * d
+        layer = attn + (4 if self.sandwich_norms else 2) * d
+        experts = self.num_experts * (3 * d * self.moe_intermediate_size + d)  # and the router's row
+        feed_forward = sum(experts if self.sparse(i) else 3 * d * self.intermediate_size
+                           for i in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
-        return self.vocab_size * d + self.num_layers * layer + d + head
+        return self.vocab_size * d + self.num_layers * layer + feed_forward + d + head
 
     @classmethod
     def from_hf(cls, hf: dict, source: str = "config.json") -> "ModelConfig":
@@ -428,6 +504,8 @@ class ModelConfig:
             known.update(_gemma3(hf, source))
         if model_type == "phi3":
             known.update(_phi3(hf, source, rope_scaling))
+        if model_type == "qwen3_moe":
+            known.update(_qwen3_moe(hf, source))
         try:
             return cls(**known, extra=dict(hf))
         except ValueError as err:  # the checks of __post_init__, told which file they are about
@@ -497,15 +575,26 @@ class ModelConfig:
             out["attention_bias"] = self.attention_bias
         if self.model_type == "phi3":
             out.update(sliding_window=self.sliding_window, partial_rotary_factor=self.partial_rotary_factor)
+        if self.model_type == "qwen3_moe":  # the Hub's key for the experts, as transformers 4 wrote it
+            out.pop("num_local_experts", None)
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=self.decoder_sparse_step,
+                       mlp_only_layers=list(self.mlp_only_layers),
+                       router_aux_loss_coef=self.router_aux_loss_coef, attention_bias=self.attention_bias)
         return out
 
     @property
     def layer_pattern(self) -> int:
         """How many layers repeat as one unit of ``layer_types`` (Gemma 3: 5 sliding, 1 global
         makes 6); 1 where every layer is alike."""
+        if self.mlp_only_layers and self.num_experts:  # dense layers anywhere: no repeating unit
+            return self.num_layers
         types = self.layer_types or ()
-        return next((p for p in range(1, len(types))
-                     if all(kind == types[i % p] for i, kind in enumerate(types))), max(1, len(types)))
+        pattern = next((p for p in range(1, len(types))
+                        if all(kind == types[i % p] for i, kind in enumerate(types))), max(1, len(types)))
+        step = self.decoder_sparse_step if self.num_experts else 1  # a sparse layer every step-th
+        return pattern * step // math.gcd(pattern, step)
 
     def with_layers(self, n: int) -> "ModelConfig":
         """The same model ``n`` layers deep, its layer kinds following the same pattern (the

@@ -1,4 +1,5 @@
-"""One config-driven decoder for the Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 / Phi-3 families.
+"""One config-driven decoder for the Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 / Phi-3 / Qwen3-MoE
+families.
 
 Module names mirror the Hugging Face checkpoints (``model.layers.0.self_attn.q_proj``...),
 so a safetensors file loads with no key mapping and LoRA adapters export under PEFT's
@@ -235,9 +236,9 @@ class SiluMul(torch.autograd.Function):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, width: int | None = None) -> None:
         super().__init__()
-        d, f = config.hidden_size, config.intermediate_size
+        d, f = config.hidden_size, width or config.intermediate_size
         if config.fused_projections:  # Phi-3: gate then up in one weight
             self.gate_up_proj = nn.Linear(d, 2 * f, bias=False)
         else:
@@ -252,6 +253,61 @@ class MLP(nn.Module):
         if self.gelu:
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj(SiluMul.apply(gate, up))
+
+
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's feed-forward: the router (``gate``) scores the experts for each token, the
+    top ``num_experts_per_tok`` run it, and their outputs are summed weighted by the router's
+    probabilities (renormalised over the chosen with ``norm_topk_prob``).
+
+    The tokens are sorted by expert once and each expert runs on its run of them (a loop over
+    experts, not tokens); the sum adds each token's contributions in expert order, as
+    transformers does. How many tokens each expert gets is known only from the data: on fake
+    tensors the estimator sets ``routing`` ("balanced": an equal share each; "worst": every
+    token to the same experts). ``stats`` keeps what the load-balancing loss needs of each
+    forward (``CausalLM.router_loss``)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size)
+                                     for _ in range(config.num_experts))
+        self.top_k, self.renormalise = config.num_experts_per_tok, config.norm_topk_prob
+        self.routing: str | None = None
+        self.stats: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        # set by CausalLM.hidden_states while its forward runs: a checkpointed layer's
+        # recompute in backward must not keep its graph here until the next step
+        self.recording = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.gate(flat)  # [N, E]
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+        if self.renormalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(logits.dtype)
+        assigned = chosen.reshape(-1)  # [N * k], token-major
+        if self.recording:
+            counts = torch.zeros(len(self.experts), device=x.device).index_add_(
+                0, assigned, torch.ones_like(assigned, dtype=torch.float))
+            self.stats.append((counts, probs.sum(dim=0), flat.shape[0]))
+        order = assigned.argsort(stable=True)  # by expert; within one, by token
+        tokens = order // self.top_k
+        parts = flat[tokens].split(self._counts(assigned, flat.shape[0]))
+        out = torch.cat([expert(part) for expert, part in zip(self.experts, parts)])
+        out = out * weights.reshape(-1)[order, None]
+        return torch.zeros_like(flat).index_add_(0, tokens, out).reshape(x.shape)
+
+    def _counts(self, assigned: torch.Tensor, tokens: int) -> list[int]:
+        """Tokens each expert runs: counted (a sync with the device), or as ``routing`` assumes."""
+        experts = len(self.experts)
+        if self.routing is None:
+            return torch.bincount(assigned, minlength=experts).tolist()
+        if self.routing == "worst":  # every token to the same top-k experts
+            return [tokens if e < self.top_k else 0 for e in range(experts)]
+        total = tokens * self.top_k
+        return [total // experts + (e < total % experts) for e in range(experts)]
 
 
 def tiled(fn, x: torch.Tensor, tile: int) -> torch.Tensor:
@@ -288,7 +344,7 @@ class DecoderLayer(nn.Module):
         types = config.layer_types
         # attends within the sliding window (Gemma 3 as layer_types says, Mistral every layer)
         self.sliding = bool(config.sliding_window) and (types is None or types[layer_idx] == "sliding_attention")
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config) if config.sparse(layer_idx) else MLP(config)
         # Set by nbtune.activations: recompute this layer in backward instead of saving.
         self.checkpointed = False
         # Set by nbtune.activations: run the norm + MLP this many tokens at a time (0: whole).
@@ -360,6 +416,17 @@ class CausalLM(nn.Module):
         and values of earlier tokens during generation. ``normed=False`` leaves the final
         norm to the caller (a chunked loss applies it chunk by chunk, with the head).
         """
+        blocks = self.sparse_blocks
+        for block in blocks:  # this forward's routing, for the balancing loss
+            block.stats.clear()
+            block.recording = True
+        try:
+            return self._hidden_states(input_ids, positions, document_ids, cache, normed)
+        finally:
+            for block in blocks:
+                block.recording = False
+
+    def _hidden_states(self, input_ids, positions, document_ids, cache, normed) -> torch.Tensor:
         T = input_ids.shape[1]
         past = cache.length if cache is not None else 0
         index = torch.arange(past, past + T, device=input_ids.device)
@@ -387,3 +454,20 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         return self.lm_head(self.hidden_states(input_ids, **kwargs))
+
+    @property
+    def sparse_blocks(self) -> list[SparseMoE]:
+        """The mixture-of-experts feed-forwards (none in a dense model)."""
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
+
+    def router_loss(self) -> torch.Tensor | None:
+        """The last forward's load-balancing loss (Switch Transformer's, as transformers sums it
+        over every sparse layer): experts x sum over experts of (share of the top-k choices it
+        got) x (its mean router probability); 1 when balanced. None for a dense model."""
+        stats = [s for block in self.sparse_blocks for s in block.stats]
+        if not stats:
+            return None
+        rows = sum(n for _, _, n in stats)
+        chosen = torch.stack([c for c, _, _ in stats]).sum(dim=0) / rows
+        probability = torch.stack([p for _, p, _ in stats]).sum(dim=0) / rows
+        return (chosen * probability).sum() * self.config.num_experts

@@ -10,6 +10,7 @@ from typing import Collection
 import torch
 from torch import nn
 
+from ..peft import target_of
 from .config import ModelConfig
 from .decoder import CausalLM
 
@@ -50,13 +51,14 @@ def release_freed_heap() -> None:
 
 
 def quantized_keys(model: CausalLM, names: Collection[str]) -> set[str]:
-    """State-dict keys of the decoder-layer Linear weights whose last name part is in ``names``.
+    """State-dict keys of the decoder-layer Linear weights ``names`` target (``peft.target_of``:
+    their last name part, or "experts" for every projection of the experts).
 
     Embeddings, norms and the head are never quantized (QLoRA keeps them in the model dtype).
     """
     keys = {f"{name}.weight" for name, module in model.named_modules()
             if isinstance(module, nn.Linear) and name.startswith("model.layers.")
-            and name.rpartition(".")[2] in names}
+            and target_of(name) in names}
     if not keys:
         raise ValueError(f"quantize={tuple(names)} names no Linear layer of the decoder layers; "
                          "use projection names such as q_proj, v_proj or down_proj.")

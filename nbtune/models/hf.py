@@ -158,6 +158,24 @@ def decoder_key(key: str, config: ModelConfig) -> str | None:
     return "lm_head.weight" if key == "lm_head.weight" else None
 
 
+def _per_expert(entry: tuple) -> list[tuple]:
+    """transformers 5's fused experts of a layer ([experts, 2 x width, hidden] gate_up_proj,
+    [experts, hidden, width] down_proj) as the Hub's one weight per expert and projection:
+    each a run of rows in the file, read where it lies. Any other entry as it is."""
+    key, dtype, shape, begin = entry
+    layer, found, name = key.rpartition(".experts.")
+    if not found or name not in ("gate_up_proj", "down_proj") or len(shape) != 3:
+        return [entry]
+    experts, rows, cols = shape
+    size = rows * cols * dtype.itemsize
+    if name == "down_proj":
+        return [(f"{layer}.experts.{e}.down_proj.weight", dtype, (rows, cols), begin + e * size)
+                for e in range(experts)]
+    half = rows // 2
+    return [(f"{layer}.experts.{e}.{part}.weight", dtype, (half, cols), begin + e * size + i * size // 2)
+            for e in range(experts) for i, part in enumerate(("gate_proj", "up_proj"))]
+
+
 def folder_weights(folder: Path, config: ModelConfig, expected: dict, dtype: torch.dtype,
                    device: str | torch.device, rows: Callable[[str], tuple[int, int] | None] | None = None):
     """(name, tensor in ``dtype`` on ``device``) for each weight of a safetensors folder, one
@@ -168,7 +186,7 @@ def folder_weights(folder: Path, config: ModelConfig, expected: dict, dtype: tor
     buffer = [None]  # the cast's chunk, made if a weight is stored in another dtype
     for file in _weight_files(folder):
         entries = [(decoder_key(key, config), *rest) for key, *rest in _entries(file)]
-        entries = [entry for entry in entries if entry[0] is not None]
+        entries = [part for entry in entries if entry[0] is not None for part in _per_expert(entry)]
         for key, *_ in entries:
             if key not in expected and not (key == "lm_head.weight" and config.tie_word_embeddings):
                 raise ValueError(

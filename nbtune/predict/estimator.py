@@ -180,7 +180,7 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
              seq_len: int | None = None, device: str | torch.device = "cpu",
              extrapolate: bool = True, traces: TraceCache | None = None, ranks: int = 1,
              sharding: Sharding | dict | None = None, machines: int = 1,
-             recompute_loss: bool = True) -> MemoryBreakdown:
+             recompute_loss: bool = True, routing: str = "balanced") -> MemoryBreakdown:
     """Predict one training step's memory without allocating the model.
 
     A deep model's step is extrapolated from two shallow ones (``layer_period``), and a step of
@@ -204,6 +204,9 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
             machines`` ranks, and on rank 0's a save being written).
         recompute_loss: False: a chunked loss's pieces make their gradients in forward instead
             of being recomputed in backward (what ``Predictor.keeps_loss_pieces`` weighs).
+        routing: A mixture-of-experts model's routing, which only the data decides: "balanced"
+            (each expert an equal share of the tokens) or "worst" (every token of the batch to
+            the same experts: the largest expert temporaries).
 
     Returns:
         The step's ``MemoryBreakdown`` (``.peak``, ``.loading``, ``.highest``; ``.host``).
@@ -214,6 +217,8 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     if target not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: nbtune estimates for 'cpu' or 'cuda'.")
     shape = (batch_size or t.batch_size, seq_len or t.seq_len)
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing={routing!r}: pass one of {', '.join(map(repr, ROUTINGS))}.")
     spread = Ranks.of(ranks, sharding, machines)
     with torch.device("meta"):
         built = CausalLM(config.with_layers(min(config.num_layers, 1)))
@@ -231,12 +236,12 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
     if period is not None:
         shallow, deeper, front, back = shallow_units(t, spread is not None)
         step = _extrapolated(*(_traced(config.with_layers(units * period), t, target,
-                                       shape, True, tiles, traces, spread, recompute_loss)
+                                       shape, True, tiles, traces, spread, recompute_loss, routing)
                                for units in (shallow, deeper)),
                              shallow * period, deeper * period, config.num_layers, period,
                              (front, back))
     if step is None:
-        step = _traced(config, t, target, shape, False, tiles, traces, spread, recompute_loss)
+        step = _traced(config, t, target, shape, False, tiles, traces, spread, recompute_loss, routing)
     offloaded = {}
     if spread is not None and spread.sharding.cpu_offload:
         step, offloaded = _offloaded(step)
@@ -372,7 +377,7 @@ def loading_peak(config: ModelConfig, t: Techniques, target: str, parameters: in
     if spread is not None and spread.sharding.cpu_offload and target == "cuda":
         return 0
     world, dtype = (spread.world if spread is not None else 1), _BYTES[t.dtype]
-    quantized = set(t.lora_targets) if t.method == "qlora" else set()
+    quantized = set(t.nf4_targets)
     flight = 0
     for name, (rows, cols) in _weight_shapes(config).items():
         n = -(-rows // world) * cols  # this rank's rows
@@ -397,6 +402,8 @@ def _rows_in_flight(config: ModelConfig, t: Techniques, world: int) -> int:
     return max(-(-rows // world) * cols for rows, cols in _weight_shapes(config).values()) * _BYTES[t.dtype]
 
 
+ROUTINGS = ("balanced", "worst")  # a mixture of experts' routing, as the estimate assumes it
+
 # torchao compares this many values with the 16 NF4 levels at once (its CHUNK_SIZE)
 _NF4_CHUNK = 1 << 20
 
@@ -420,13 +427,18 @@ def _weight_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     else:
         layer = {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "gate_proj": (f, d),
                  "up_proj": (f, d)}
+    if config.num_experts:  # one expert's projection at a time, all of them under "experts"
+        layer["experts"] = (config.moe_intermediate_size, d)
     return {"embed_tokens": (v, d), "lm_head": (v, d), **layer, "o_proj": (d, q), "down_proj": (d, f)}
 
 
 def _projections(config: ModelConfig) -> dict[str, int]:
     """Weights in each projection a layer has, by ``lora_targets``' names."""
-    return {name: rows * cols for name, (rows, cols) in _weight_shapes(config).items()
-            if name not in ("embed_tokens", "lm_head")}
+    sizes = {name: rows * cols for name, (rows, cols) in _weight_shapes(config).items()
+             if name not in ("embed_tokens", "lm_head")}
+    if config.num_experts:  # a layer's experts together
+        sizes["experts"] *= 3 * config.num_experts
+    return sizes
 
 
 def _adapted_weights(config: ModelConfig, t: Techniques) -> int:
@@ -488,20 +500,22 @@ class _FakeStep:
 
 def _traced(config: ModelConfig, t: Techniques, target: str, shape: tuple[int, int],
             by_layer: bool, tiles: tuple[int, bool] | None, traces: TraceCache | None,
-            spread: Ranks | None = None, recompute_loss: bool = True) -> _FakeStep:
+            spread: Ranks | None = None, recompute_loss: bool = True,
+            routing: str = "balanced") -> _FakeStep:
     """The fake step of ``shape``: traced, or where ``tiles`` says so (``carried_tiles``)
     carried from recordings at ``BASE`` and ``BASE + 1`` tiles (kept in ``traces``; tiles
     are always recomputed)."""
     if tiles is None:
         return _fake_step(config, t, target, shape, by_layer, spread=spread,
-                          recompute_loss=recompute_loss)
+                          recompute_loss=recompute_loss, routing=routing)
     n, loss_per_tile = tiles
     key = (config.num_layers, t.replace(seq_len=t.tile_tokens), target, shape[0], by_layer,
-           loss_per_tile, spread)
+           loss_per_tile, spread, routing)
     found = traces.get(key) if traces is not None else None
     if found is None:
         runs = [_fake_step(config, t.replace(seq_len=k * t.tile_tokens), target,
-                           (shape[0], k * t.tile_tokens), by_layer, (True, loss_per_tile), spread)
+                           (shape[0], k * t.tile_tokens), by_layer, (True, loss_per_tile), spread,
+                           routing=routing)
                 for k in (BASE, BASE + 1)]
         recorded = [(run.recorded, run.segments) for run in runs]
         drawn = lines(*recorded) if all(r for r, _ in recorded) else None
@@ -512,13 +526,14 @@ def _traced(config: ModelConfig, t: Techniques, target: str, shape: tuple[int, i
             traces.put(key, found)
     drawn, run = found
     if drawn is None:  # a condition failed: traced at this length
-        return _fake_step(config, t, target, shape, by_layer, spread=spread)
+        return _fake_step(config, t, target, shape, by_layer, spread=spread, routing=routing)
     return replace(run, segments=drawn.at(n), recorded=None)
 
 
 def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int, int],
                by_layer: bool, tiles: tuple[bool, bool] = (False, False),
-               spread: Ranks | None = None, recompute_loss: bool = True) -> _FakeStep:
+               spread: Ranks | None = None, recompute_loss: bool = True,
+               routing: str = "balanced") -> _FakeStep:
     """Build ``config`` of fake tensors the way a session would and track a steady step;
     ``tiles``: record every moment, apart per tile of the layers (and per loss piece);
     ``spread``: rank 0's step of several, sharded over a fake process group."""
@@ -528,6 +543,8 @@ def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int
     trained = real["labels"].numel() * t.grad_accum * world
     with torch.device("meta"):
         built = CausalLM(config)
+    for block in built.sparse_blocks:  # fake tensors hold no routing: assume it
+        block.routing = routing
     cast_model(built, DTYPES[t.dtype])
     with fake_group(world, spread.sharding) if spread is not None else contextlib.nullcontext() as mesh, \
             FakeTensorMode(allow_non_fake_inputs=True) as mode:

@@ -1,0 +1,195 @@
+"""What is Qwen3-MoE's own: the load-balancing loss against transformers' (alone and inside a
+training step), transformers 5's fused expert layout read as the Hub's, the experts as a LoRA
+target and NF4 under QLoRA, the estimate over routing it cannot see, and an adapter PEFT would
+misread refused. ``test_families.py`` proves its logits (fp32 and bf16) and gradients (full,
+and LoRA against PEFT) against transformers; ``test_family_toggles.py`` its toggles."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file, save_file
+
+import nbtune as nt
+from nbtune.models.decoder import SparseMoE
+from nbtune.models.tiny import byte_tokenizer
+from nbtune.peft import is_nf4
+
+from test_families import build, their_grad
+
+ROWS = [{"instruction": f"Spell {w}.", "output": " ".join(w)} for w in
+        ("expert", "router", "balance", "sparse", "topk", "gate", "token", "mixture")]
+IGNORE = -100
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    build(path, "qwen3_moe", tie=False)
+    return path
+
+
+def session(folder, **changes) -> nt.Session:
+    t = nt.Techniques(**{"batch_size": 4, "seq_len": 128, "lr": 1e-3, "optimizer": "sgd", **changes})
+    s = nt.Session(nt.load_model(folder), byte_tokenizer(), ROWS, techniques=t, device="cpu")
+    s.echo = False
+    return s
+
+
+def test_the_balancing_loss_is_transformers(folder):
+    """Summed over the sparse layers as transformers sums it (the dense second layer has none)."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    ours = nt.load_model(folder).eval()
+    ids = torch.randint(3, 250, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = ref(ids, output_router_logits=True).aux_loss
+        ours(ids)
+    assert len(ours.sparse_blocks) == 1 and expected > 1.0  # tiny random routers are unbalanced
+    torch.testing.assert_close(ours.router_loss(), expected, atol=1e-6, rtol=0)
+
+
+def test_a_step_adds_the_balancing_loss_as_transformers_does(folder, tmp_path):
+    """Two micro-batches, SGD: the report's loss is the cross-entropy, its router_loss the
+    mean balancing loss, and the weights after the step those of transformers' model trained
+    by hand on cross-entropy + coef x balancing loss (coef raised to 1 so a missing term shows)."""
+    heavy = tmp_path / "heavy"
+    shutil.copytree(folder, heavy)
+    config = json.loads((heavy / "config.json").read_text())
+    (heavy / "config.json").write_text(json.dumps({**config, "router_aux_loss_coef": 1.0}))
+    s, twin = session(heavy, grad_accum=2, batch_size=2, lr=0.5), session(heavy, grad_accum=2, batch_size=2)
+    batches = [twin.trainer.stream.next() for _ in range(2)]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(heavy).train()
+    trained = sum(int((b["labels"] != IGNORE).sum()) for b in batches)
+    losses, balances = [], []
+    for b in batches:
+        out = ref(b["input_ids"], output_router_logits=True)
+        ce = F.cross_entropy(out.logits.flatten(0, 1), b["labels"].flatten(), ignore_index=IGNORE,
+                             reduction="sum") / trained
+        (ce + out.aux_loss / len(batches)).backward()
+        losses.append(float(ce))
+        balances.append(float(out.aux_loss))
+    report = s.step()
+    assert report.loss == pytest.approx(sum(losses), abs=1e-6)
+    assert report.router_loss == pytest.approx(sum(balances) / 2, abs=1e-6)
+    theirs = dict(ref.named_parameters())
+    before = dict(nt.load_model(heavy).named_parameters())
+    for name, p in s.model.named_parameters():
+        expected = before[name].detach() - report.lr * their_grad(theirs, name)
+        torch.testing.assert_close(p.detach(), expected, atol=1e-6, rtol=0, msg=name)
+    assert "balance" in repr(report)
+
+
+def test_transformers_5s_fused_experts_read_as_the_hubs(folder, tmp_path):
+    """A file with each layer's experts as [experts, 2 x width, hidden] gate_up_proj and
+    [experts, hidden, width] down_proj (transformers 5's modules) gives the same model as the
+    Hub's one-weight-per-expert file; a merged save writes the Hub's layout."""
+    weights = load_file(str(folder / "model.safetensors"))
+    fused, experts = {}, 4
+    for key, value in weights.items():
+        if ".experts." not in key:
+            fused[key] = value
+        elif key.endswith(".experts.0.gate_proj.weight"):
+            layer = key.partition(".experts.")[0]
+            fused[f"{layer}.experts.gate_up_proj"] = torch.stack([
+                torch.cat([weights[f"{layer}.experts.{e}.gate_proj.weight"],
+                           weights[f"{layer}.experts.{e}.up_proj.weight"]]) for e in range(experts)])
+            fused[f"{layer}.experts.down_proj"] = torch.stack([
+                weights[f"{layer}.experts.{e}.down_proj.weight"] for e in range(experts)])
+    (tmp_path / "fused").mkdir()
+    shutil.copy(folder / "config.json", tmp_path / "fused" / "config.json")
+    save_file(fused, str(tmp_path / "fused" / "model.safetensors"))
+    hub, ours = nt.load_model(folder), nt.load_model(tmp_path / "fused")
+    for (name, a), (_, b) in zip(hub.state_dict().items(), ours.state_dict().items()):
+        assert torch.equal(a, b), name
+    nt.save_model(ours, tmp_path / "saved")
+    assert load_file(str(tmp_path / "saved" / "model.safetensors")).keys() == weights.keys()
+
+
+def test_experts_are_a_lora_target_off_by_default_and_nf4_under_qlora(folder):
+    """LoRA adapts attention and the dense layer's MLP by default, the experts only when
+    named; QLoRA stores every expert as NF4 either way (they are most of the weights)."""
+    def adapted(s):
+        return {n.split(".lora_A")[0] for n, _ in s.model.named_parameters() if "lora_A" in n}
+
+    plain = adapted(session(folder, method="lora"))
+    assert plain and not any(".experts." in n for n in plain)
+    assert any(".mlp.gate_proj" in n for n in plain)  # the dense layer's
+    both = adapted(session(folder, method="lora", lora_targets=("q_proj", "experts")))
+    assert sum(".experts." in n for n in both) == 4 * 3 and not any(".mlp.gate_proj" in n for n in both)
+    q = session(folder, method="qlora", optimizer="adamw", lr=1e-2)
+    experts = [m.weight for n, m in q.model.named_modules()
+               if isinstance(m, torch.nn.Linear) and ".experts." in n]
+    assert len(experts) == 12 and all(is_nf4(w) for w in experts)
+    assert not is_nf4(q.model.model.layers[0].mlp.gate.weight)  # the router stays dense
+    losses = [q.step().loss for _ in range(3)]
+    assert losses[-1] < losses[0]
+
+
+def test_an_adapter_on_the_mlps_is_refused_for_peft_and_attention_only_loads_there(folder, tmp_path):
+    import peft
+
+    s = session(folder, method="lora")
+    with pytest.raises(ValueError, match="fused experts.*merge=True"):
+        s.save(tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    s = session(folder, method="lora", lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    with torch.no_grad():
+        for n, p in s.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    ids = torch.randint(3, 250, (1, 30), generator=torch.Generator().manual_seed(4))
+    s.model.eval()
+    with torch.no_grad():
+        ours = s.model(ids)
+    s.save(tmp_path / "adapter")
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours, atol=1e-5, rtol=0)
+
+
+def test_the_estimate_assumes_balanced_routing_and_offers_the_worst(folder):
+    """The measured step (the real routing) equals the balanced estimate within 2 %; every
+    token to the same experts makes a larger expert temporary, never a smaller peak."""
+    s = session(folder, method="lora", activation_checkpointing=True)
+    s.memory_tracking = "every_step"
+    reports = [s.step() for _ in range(3)]
+    shape = reports[-1].shape
+    balanced = s.estimate(batch_size=shape[0], seq_len=shape[1])
+    assert abs(balanced.peak - reports[-1].memory.peak) <= 0.02 * reports[-1].memory.peak
+    t = s.techniques.replace(batch_size=shape[0], seq_len=shape[1])
+    worst = nt.estimate(s.model.config, t, routing="worst")
+    assert worst.peak >= balanced.peak
+    with pytest.raises(ValueError, match="routing='best'"):
+        nt.estimate(s.model.config, t, routing="best")
+
+
+def test_routing_sets_how_many_tokens_each_expert_runs():
+    block = SparseMoE(nt.ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1,
+                                     num_heads=2, num_kv_heads=2, head_dim=4, model_type="qwen3_moe",
+                                     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=4))
+    assigned = torch.tensor([0, 0, 0, 1, 1, 2])
+    assert block._counts(assigned, 3) == [3, 2, 1, 0]  # counted
+    block.routing = "balanced"
+    assert block._counts(assigned, 3) == [2, 2, 1, 1]
+    block.routing = "worst"
+    assert block._counts(assigned, 3) == [3, 3, 0, 0]
+    copy.deepcopy(block)  # plain module state
+
+
+def test_a_checkpointed_layers_recompute_keeps_no_routing_graph(folder):
+    """Backward recomputes a checkpointed layer's router: what it records there would hold
+    that layer's recomputed graph until the next step (115 MiB a layer at Qwen3-30B-A3B's
+    size, 5 GiB over 48 layers). Only the forward's own routing is kept."""
+    s = session(folder, activation_checkpointing=True, tile_tokens=16)
+    s.step()
+    for block in s.model.sparse_blocks:
+        tokens = sum(rows for _, _, rows in block.stats)
+        assert tokens == s.history[-1].shape[0] * s.history[-1].shape[1], len(block.stats)
+        assert not block.recording

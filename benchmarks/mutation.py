@@ -730,6 +730,11 @@ MUTANTS: list[Mutant] = [
            "            for e in range(experts) for i, part in enumerate((\"gate_proj\", \"up_proj\"))]",
            "            for e in range(experts) for i, part in enumerate((\"up_proj\", \"gate_proj\"))]",
            (T + "test_qwen3_moe.py::test_transformers_5s_fused_experts_read_as_the_hubs",)),
+    Mutant("wrong condition", "a sliding layer's KV cache keeps every key, growing with the text",
+           "nbtune/models/decoder.py",
+           "        if window is None:\n            self.keys[layer], self.values[layer] = k, v",
+           "        if True:\n            self.keys[layer], self.values[layer] = k, v",
+           (T + "test_families.py::test_a_sliding_layers_cache_keeps_only_its_window",)),
 ]
 
 

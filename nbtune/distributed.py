@@ -242,7 +242,7 @@ def check_sharding(sharding: Sharding, model: nn.Module, techniques, device: str
                         "machines, for one group a machine), or 1 for plain FSDP.")
         replicate = 1
     if techniques.method == "qlora":
-        problems += _nf4_splits(model, techniques.lora_targets, world // replicate)
+        problems += _nf4_splits(model, techniques.nf4_targets, world // replicate)
     if sharding.cpu_offload and device != "cuda":
         problems.append("distributed.cpu_offload moves the sharded weights, gradients and optimizer "
                         "state off a CUDA device; on this device they are already in CPU memory: "

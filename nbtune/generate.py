@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from .models.decoder import CausalLM, KVCache
+from .models.decoder import CausalLM
 
 
 class Reply(str):
@@ -81,7 +81,7 @@ def generate_ids(model: CausalLM, prompt_ids: list[int], *, max_new_tokens: int,
     if max_new_tokens == 0:
         return []
     device = next(model.parameters()).device
-    cache = KVCache(len(model.model.layers))
+    cache = model.new_cache()
     logits = model(torch.tensor([prompt_ids], device=device), cache=cache)[0, -1]
     out: list[int] = []
     while len(out) < max_new_tokens:

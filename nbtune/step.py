@@ -313,9 +313,10 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
                                      divisor=trained)
         del hidden  # what backward needs of it, the loss holds (pieces with gradients made: nothing)
         balance = model.router_loss() if coef else None
-        reported = loss.detach()
+        reported = None  # (none for a dense model: the loss's lifetime is the tracker's to see)
         if balance is not None:  # trained on, reported apart (the mean over micro-batches)
             balances.append(balance.detach().float().cpu())
+            reported = loss.detach()
             loss = loss + balance * (coef / len(micro_batches))
         memory.after_forward()
         if undo is not None:
@@ -331,8 +332,8 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
             # FSDP averages gradients over ranks; scaled by N, the average is the ranks' sum.
             (loss if parallel is None else loss * parallel.world).backward()
         memory.after_backward()
-        total += reported.cpu()
-        del loss, balance
+        total += (loss if reported is None else reported).detach().cpu()
+        del loss, balance, reported
     if parallel is not None:  # every rank checks and reports the global loss
         parallel.sum_(total)
     grads = [p for p in model.parameters() if p.grad is not None]

@@ -215,3 +215,24 @@ def test_gradients_match_reference_full_and_lora(tmp_path, family):
             torch.testing.assert_close(mine.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
             found += 1
     assert found == len(adapters) == 2 * len(targets) * COMMON["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])  # Phi's: test_phi3.py, against transformers
+def test_a_sliding_layers_cache_keeps_only_its_window(tmp_path, family):
+    """Generation's cache (``new_cache``): each sliding layer holds at most window - 1 keys
+    however long the text, the full layers every key, and each step's logits still equal the
+    whole sequence's, in one token at a time and in chunks of 5 past the window."""
+    build(tmp_path, family, tie=True)
+    model = nt.load_model(tmp_path).eval()
+    ids = torch.randint(3, 101, (1, SEQ), generator=torch.Generator().manual_seed(6))
+    window = model.config.sliding_window
+    with torch.no_grad():
+        whole = model(ids)
+        for step in (1, 5):
+            cache = model.new_cache()
+            parts = [model(ids[:, :10], cache=cache)]
+            parts += [model(ids[:, i:i + step], cache=cache) for i in range(10, SEQ, step)]
+            torch.testing.assert_close(torch.cat(parts, dim=1), whole, atol=1e-5, rtol=0)
+            for layer, keys in zip(model.model.layers, cache.keys):
+                assert keys.shape[-2] == (min(SEQ, window - 1) if layer.sliding else SEQ)
+            assert cache.length == SEQ

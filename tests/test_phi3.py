@@ -14,7 +14,6 @@ import transformers
 
 import nbtune as nt
 from nbtune.models.config import ConfigError, ModelConfig
-from nbtune.models.decoder import KVCache
 
 from test_families import PHI3, build
 
@@ -39,20 +38,22 @@ def test_short_factors_within_the_original_context_and_long_ones_past_it(folder)
 
 
 def test_cached_generation_across_the_original_context_follows_transformers(folder):
-    """Token by token through the KV cache from 20 to 40 tokens: the factors switch once the
+    """Token by token through the KV cache from 20 to 60 tokens: the factors switch once the
     positions pass 32 (keys cached before keep their short rotation, as in transformers'
-    cache): each step's logits equal transformers' cached step."""
+    cache), and past the 40-token window the cache keeps only the keys the window reaches:
+    each step's logits equal transformers' cached step."""
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     ours = nt.load_model(folder).eval()
-    ids = torch.randint(3, 101, (1, 40), generator=torch.Generator().manual_seed(2))
-    cache, theirs = KVCache(ours.config.num_layers), transformers.DynamicCache(config=ref.config)
+    ids = torch.randint(3, 101, (1, 60), generator=torch.Generator().manual_seed(2))
+    cache, theirs = ours.new_cache(), transformers.DynamicCache(config=ref.config)
     with torch.no_grad():
         mine = [ours(ids[:, :20], cache=cache)]
         expected = [ref(ids[:, :20], cache=theirs, use_cache=True).logits]
-        for i in range(20, 40):
+        for i in range(20, 60):
             mine.append(ours(ids[:, i:i + 1], cache=cache))
             expected.append(ref(ids[:, i:i + 1], cache=theirs, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(mine, 1), torch.cat(expected, 1), atol=1e-5, rtol=0)
+    assert all(keys.shape[-2] == 39 for keys in cache.keys)  # every Phi layer slides
 
 
 def test_an_older_phi3_config_reads_as_the_new_one(folder):

@@ -40,14 +40,17 @@ def rope_frequencies(config: ModelConfig, device=None, long: bool = False) -> to
     """Inverse rotary frequencies [rotary_dim / 2], with the checkpoint's rope scaling applied
     (LongRoPE: its short factors, or with ``long`` its long ones)."""
     dim = config.rotary_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "longrope":  # each frequency divided by its own factor
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"],
                                dtype=torch.float32, device=device)
-        return 1.0 / (factors * config.rope_theta ** exponents)
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
+        return 1.0 / (factors * config.rope_theta ** (
+            torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    # (one expression: with the exponents held in a name, the estimator's carry of a tiled
+    # step from 3 and 4 tiles no longer matched tracing every tile, tests/test_carry.py)
+    inv_freq = 1.0 / (config.rope_theta ** (
+        torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":
@@ -101,10 +104,9 @@ def rope_tables(config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype
     angles = torch.cat([angles, angles], dim=-1)  # [..., T, D]
     if angles.dim() == 3:
         angles = angles[:, None]  # broadcast over heads
-    cos, sin = angles.cos(), angles.sin()
     if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
-    return cos.to(dtype), sin.to(dtype)
+        return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -136,22 +138,35 @@ def attention_mask(q_index: torch.Tensor, k_index: torch.Tensor,
 
 
 class KVCache:
-    """Keys and values of the tokens seen so far, per layer, for incremental generation."""
+    """Keys and values of the tokens seen so far, per layer, for incremental generation.
 
-    def __init__(self, num_layers: int) -> None:
+    A layer given a window (``windows``: a sliding layer's, else None) keeps only the keys a
+    later query can reach, the last ``window - 1``: its cache stops growing there, as
+    transformers' sliding-window cache does. ``length``: the tokens seen."""
+
+    def __init__(self, num_layers: int, windows: list[int | None] | None = None) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.windows = list(windows) if windows is not None else [None] * num_layers
+        self.length = 0
 
-    @property
-    def length(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[-2]
+    def kept(self, window: int | None) -> int:
+        """How many of the tokens seen a layer with ``window`` still holds."""
+        return self.length if window is None or window not in self.windows \
+            else min(self.length, window - 1)
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Append this step's keys/values [B, Hkv, T, D]; return all of them."""
+        """Append this step's keys/values [B, Hkv, T, D]; return those this step attends to."""
         if self.keys[layer] is not None:
             k = torch.cat([self.keys[layer], k], dim=-2)
             v = torch.cat([self.values[layer], v], dim=-2)
-        self.keys[layer], self.values[layer] = k, v
+        window = self.windows[layer]
+        if window is None:
+            self.keys[layer], self.values[layer] = k, v
+        else:  # a copy: a view would keep the whole concatenation alive
+            keep = max(0, window - 1)
+            self.keys[layer] = k[..., k.shape[-2] - min(keep, k.shape[-2]):, :].clone()
+            self.values[layer] = v[..., v.shape[-2] - min(keep, v.shape[-2]):, :].clone()
         return k, v
 
 
@@ -279,6 +294,9 @@ class SparseMoE(nn.Module):
         # recompute in backward must not keep its graph here until the next step
         self.recording = False
 
+    # Eager under compile: how many tokens each expert gets is read back from the device, and
+    # a graph traced for one split of the tokens would be traced again for every other one.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         logits = self.gate(flat)  # [N, E]
@@ -438,9 +456,11 @@ class CausalLM(nn.Module):
         window = self.config.sliding_window
         # None: plain causal attention, the fast path; one mask for the full layers and one for
         # the sliding ones, each made once per forward and shared by the layers of its kind
+        # (whose cached keys may start later: a windowed cache keeps only what they reach)
         full = (attention_mask(index, keys, document_ids)
                 if document_ids is not None or (past and T > 1) else None)
-        local = (attention_mask(index, keys, document_ids, window)
+        first = past - cache.kept(window) if cache is not None else 0
+        local = (attention_mask(index, keys[first:], document_ids, window)
                  if window and past + T > window else full)
         h = self.model.embed_tokens(input_ids)
         if self.config.embed_scale:  # Gemma: sqrt(hidden) rounded to the weights' dtype first
@@ -450,7 +470,14 @@ class CausalLM(nn.Module):
                         if self.config.rope_local_theta is not None else tables[False])
         for layer in self.model.layers:
             h = layer(h, *tables[layer.sliding], local if layer.sliding else full, cache)
+        if cache is not None:
+            cache.length += T
         return self.model.norm(h) if normed else h
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache whose sliding layers keep only their window."""
+        return KVCache(len(self.model.layers), [self.config.sliding_window if layer.sliding else None
+                                                for layer in self.model.layers])
 
     def forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         return self.lm_head(self.hidden_states(input_ids, **kwargs))

@@ -712,7 +712,7 @@ MUTANTS: list[Mutant] = [
            (T + "test_qwen3_moe.py::test_a_checkpointed_layers_recompute_keeps_no_routing_graph",)),
     Mutant("dropped statement", "the load-balancing loss is reported but not trained on",
            "nbtune/step.py",
-           "            loss = loss + balance * (coef / len(micro_batches))",
+           "            loss = loss + balance * (coef / len(micro_batches) / (1 if parallel is None else parallel.world))",
            "            pass",
            (T + "test_qwen3_moe.py::test_a_step_adds_the_balancing_loss_as_transformers_does",)),
     Mutant("wrong scaling", "the routing weights are not renormalised over the chosen experts (norm_topk_prob)",
@@ -735,6 +735,11 @@ MUTANTS: list[Mutant] = [
            "        if window is None:\n            self.keys[layer], self.values[layer] = k, v",
            "        if True:\n            self.keys[layer], self.values[layer] = k, v",
            (T + "test_families.py::test_a_sliding_layers_cache_keeps_only_its_window",)),
+    Mutant("wrong scaling", "on ranks the balancing term is scaled by the ranks with the cross-entropy",
+           "nbtune/step.py",
+           "            loss = loss + balance * (coef / len(micro_batches) / (1 if parallel is None else parallel.world))",
+           "            loss = loss + balance * (coef / len(micro_batches))",
+           (T + "test_qwen3_moe.py::test_on_ranks_the_balancing_term_is_each_ranks_own_averaged",)),
 ]
 
 

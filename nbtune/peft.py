@@ -13,6 +13,7 @@ weight for backward, through ``dequantize``: torchao's values bit for bit, 6x fa
 from __future__ import annotations
 
 import math
+import re
 import sys
 
 import torch
@@ -293,10 +294,14 @@ class LoRALinear(nn.Module):
         return base
 
 
+_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)$")
+
+
 def target_of(name: str) -> str:
-    """The ``lora_targets`` name of the Linear module ``name``: "experts" for any projection of
-    a mixture-of-experts layer's experts, else its own last name part ("q_proj", "down_proj")."""
-    return "experts" if ".experts." in name else name.rpartition(".")[2]
+    """The ``lora_targets`` name of the Linear module ``name``: "experts" for a projection of
+    a mixture-of-experts layer's experts (not the adapters' own modules inside one), else its
+    own last name part ("q_proj", "down_proj", "lora_A")."""
+    return "experts" if _EXPERT.search(name) else name.rpartition(".")[2]
 
 
 def _lora_modules(model: nn.Module):

@@ -47,15 +47,14 @@ def check(t: Techniques, model: nn.Module, device: str) -> list[str]:
         problems.append(f"seq_len={t.seq_len} is beyond this model's context of {limit} tokens "
                         f"(max_position_embeddings): set seq_len <= {limit}.")
     if t.method in ("lora", "qlora"):
-        targeted = [(name, m) for name, m in model.named_modules()
-                    if isinstance(m, nn.Linear) and target_of(name) in t.lora_targets]
         has = projections(model)
         if not has & set(t.lora_targets):
             problems.append(f"lora_targets={t.lora_targets} names no projection of this model; "
                             f"it has {', '.join(p for p in LORA_TARGETS if p in has)}: name some of those.")
-        if t.method == "qlora":
-            bad = [name for name, m in targeted
-                   if not is_nf4(m.weight) and (m.weight.dim() != 2 or m.weight.numel() % NF4_BLOCK)]
+        if t.method == "qlora":  # what QLoRA stores as NF4: the targets, and any experts
+            bad = [name for name, m in model.named_modules()
+                   if isinstance(m, nn.Linear) and target_of(name) in t.nf4_targets
+                   and not is_nf4(m.weight) and (m.weight.dim() != 2 or m.weight.numel() % NF4_BLOCK)]
             if bad:
                 problems.append(
                     f"method='qlora' cannot store {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} "

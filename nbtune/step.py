@@ -75,7 +75,7 @@ class StepReport:
         shape: [batch, sequence] of the longest micro-batch, padding included.
         eval_loss: The held-out loss after this step (``eval_every``), else None.
         usage: The cheap figure metered on every step (``memory.usage``).
-        router_loss: A mixture-of-experts model's load-balancing loss (1 when balanced; its
+        router_loss: A mixture-of-experts model's load-balancing loss (top_k when balanced; its
             ``router_aux_loss_coef`` times it is added to ``loss`` in training, not in
             ``loss`` as reported), the mean over micro-batches; None for a dense model.
     """
@@ -90,7 +90,7 @@ class StepReport:
     shape: tuple[int, int] = (0, 0)  # [batch, sequence] of the longest micro-batch, padding included
     eval_loss: float | None = None  # held-out loss after this step (``eval_every``), else None
     usage: Usage | None = None  # the cheap figure metered on every step (``memory.usage``)
-    router_loss: float | None = None  # mixture of experts: the load-balancing loss (1: balanced)
+    router_loss: float | None = None  # mixture of experts: the load-balancing loss (top_k: balanced)
 
     @property
     def tokens_per_second(self) -> float:
@@ -317,7 +317,9 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
         if balance is not None:  # trained on, reported apart (the mean over micro-batches)
             balances.append(balance.detach().float().cpu())
             reported = loss.detach()
-            loss = loss + balance * (coef / len(micro_batches))
+            # (divided by the ranks: backward scales the loss by them for the cross-entropy,
+            # summed over ranks, while this is each rank's own, averaged)
+            loss = loss + balance * (coef / len(micro_batches) / (1 if parallel is None else parallel.world))
         memory.after_forward()
         if undo is not None:
             undo.stage()

@@ -139,3 +139,11 @@ def test_the_panel_offers_the_projections_phi_has(folder):
     assert control.value == control.options
     control.value = ("qkv_proj", "down_proj")
     assert s.techniques.lora_targets == ("qkv_proj", "down_proj")
+
+
+def test_a_longrope_original_context_its_logarithm_cannot_divide_by_is_refused(folder):
+    hf = json.loads((folder / "config.json").read_text())
+    for value in (1, 0.5, "4096", None):
+        broken = {**hf, "rope_parameters": {**hf["rope_parameters"], "original_max_position_embeddings": value}}
+        with pytest.raises(ConfigError, match="original_max_position_embeddings"):
+            ModelConfig.from_hf(broken, source="config.json")

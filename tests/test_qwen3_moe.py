@@ -193,3 +193,79 @@ def test_a_checkpointed_layers_recompute_keeps_no_routing_graph(folder):
         tokens = sum(rows for _, _, rows in block.stats)
         assert tokens == s.history[-1].shape[0] * s.history[-1].shape[1], len(block.stats)
         assert not block.recording
+
+
+def test_a_config_or_file_the_experts_cannot_come_from_is_refused_by_name(folder, tmp_path):
+    """No expert count, more experts over all layers than any real model (each a module to
+    build), and a fused experts tensor of another shape (a zero-byte one claiming 10**12
+    experts would otherwise be expanded one entry per expert) are refused with nbtune's own
+    error naming what is wrong, before anything is built."""
+    from nbtune.models.config import ConfigError, ModelConfig
+
+    hf = json.loads((folder / "config.json").read_text())
+    for key in ("num_experts", "num_local_experts"):
+        hf.pop(key, None)
+    with pytest.raises(ConfigError, match="num_experts"):
+        ModelConfig.from_hf(hf, source="config.json")
+    with pytest.raises(ConfigError, match="more than any real model has"):
+        ModelConfig.from_hf({**hf, "num_experts": 1024, "num_hidden_layers": 64, "mlp_only_layers": []},
+                            source="config.json")
+    crafted = tmp_path / "crafted"
+    crafted.mkdir()
+    shutil.copy(folder / "config.json", crafted / "config.json")
+    header = json.dumps({"model.layers.0.mlp.experts.down_proj": {
+        "dtype": "F32", "shape": [10**12, 0, 0], "data_offsets": [0, 0]}}).encode()
+    (crafted / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(ValueError, match="experts.down_proj"):
+        nt.load_model(crafted)
+
+
+def test_the_experts_target_is_the_experts_projections_not_the_adapters_inside_them():
+    from nbtune.peft import target_of
+
+    assert target_of("model.layers.3.mlp.experts.17.down_proj") == "experts"
+    assert target_of("model.layers.3.mlp.experts.17.down_proj.lora_A") == "lora_A"
+    assert target_of("model.layers.3.mlp.experts.17.gate_proj.base_layer") == "base_layer"
+    assert target_of("model.layers.3.mlp.gate_proj") == "gate_proj"
+
+
+def test_on_ranks_the_balancing_term_is_each_ranks_own_averaged(folder):
+    """Backward scales a rank's loss by the ranks (its cross-entropy is divided by the global
+    token count; FSDP averages the gradients): the balancing term, a rank's own mean, is
+    divided by them first, so its gradient is the ranks' average, not N times it. A stand-in
+    for two ranks (sums are the rank's own) against one process on the same rows: the
+    cross-entropy's gradient doubles, the balancing term's does not."""
+    from nbtune.step import StepContext, StepOptions, _Untracked, update
+
+    class TwoRanks:
+        world = 2
+
+        def sum_(self, tensor):
+            return tensor
+
+    class Keep:  # an optimizer that keeps the gradients it is given
+        param_groups = [{"lr": 0.0}]
+
+        def __init__(self, model):
+            self.model, self.grads = model, None
+
+        def step(self):
+            self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
+
+        def zero_grad(self, set_to_none=True):
+            self.model.zero_grad(set_to_none=set_to_none)
+
+    ids = torch.randint(3, 250, (2, 24), generator=torch.Generator().manual_seed(8))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+
+    def grads(coef, parallel):
+        model = nt.load_model(folder)
+        model.config = model.config.replace(router_aux_loss_coef=coef)
+        keep = Keep(model)
+        update(model, keep, [batch], int(ids.numel()), _Untracked(), StepOptions(),
+               StepContext(parallel=parallel))
+        return keep.grads["model.layers.0.mlp.gate.weight"]
+
+    ce, balance = grads(0.0, None), grads(1.0, None) - grads(0.0, None)
+    assert balance.abs().max() > 1e-4  # the term reaches the router
+    torch.testing.assert_close(grads(1.0, TwoRanks()), 2 * ce + balance, atol=1e-6, rtol=1e-4)

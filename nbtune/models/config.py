@@ -24,6 +24,8 @@ ROPE_FACTORS = {"linear": ("factor",),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                            "original_max_position_embeddings"),
                 "longrope": ("original_max_position_embeddings",)}
+# Experts over all sparse layers (DeepSeek-V3: 256 on 58, Qwen3-235B-A22B: 128 on 94).
+MAX_EXPERT_LAYERS = 1 << 15
 # Field -> the limit in files.LIMITS that bounds it (no real model is larger).
 DIMENSION_LIMITS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
                     "intermediate_size": "intermediate_size", "num_layers": "num_hidden_layers",
@@ -159,6 +161,11 @@ def _qwen3_moe(hf: dict, source: str) -> dict:
     """Qwen3-MoE's switches: the experts (``num_experts``, or transformers 5's
     ``num_local_experts``), how many each token takes, their width, which layers have them."""
     experts = hf.get("num_experts", hf.get("num_local_experts"))
+    for key, value in (("num_experts", experts), ("num_experts_per_tok", hf.get("num_experts_per_tok")),
+                       ("moe_intermediate_size", hf.get("moe_intermediate_size"))):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{source}: a qwen3_moe config needs {key} as a positive whole number, "
+                              f"but it is {_shown(value)}. Download config.json again.")
     only = hf.get("mlp_only_layers") or []
     if not isinstance(only, list) or len(only) > files.LIMITS["num_hidden_layers"][0] or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in only):
@@ -382,6 +389,11 @@ class ModelConfig:
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) is more than the "
                              f"{self.num_experts} experts.")
+        sparse = sum(self.sparse(i) for i in range(self.num_layers))
+        if self.num_experts * sparse > MAX_EXPERT_LAYERS:  # each one a module to build
+            raise ValueError(f"{self.num_experts} experts on each of {sparse} layers is more than any "
+                             f"real model has (limit {MAX_EXPERT_LAYERS}: Qwen3-235B-A22B has 128 on 94); "
+                             "the config is damaged or crafted.")
         if self.moe_intermediate_size > files.LIMITS["intermediate_size"][0]:
             raise ValueError(f"moe_intermediate_size is {self.moe_intermediate_size}, larger than any "
                              "real model's; the config is damaged or crafted.")
@@ -403,7 +415,12 @@ class ModelConfig:
             and (layer + 1) % self.decoder_sparse_step == 0
 
     def _check_longrope(self) -> None:
-        """LongRoPE's short and long factors: one positive number per rotated frequency."""
+        """LongRoPE's short and long factors: one positive number per rotated frequency; its
+        original context a whole number of at least 2 (its logarithm divides)."""
+        original = self.rope_scaling.get("original_max_position_embeddings")
+        if isinstance(original, bool) or not isinstance(original, int) or original < 2:
+            raise ValueError(f"rope_scaling (longrope) needs original_max_position_embeddings as a "
+                             f"whole number of tokens, at least 2; got {_shown(original)}.")
         half = self.rotary_dim // 2
         for name in ("short_factor", "long_factor"):
             value = self.rope_scaling.get(name)

@@ -489,8 +489,9 @@ class CausalLM(nn.Module):
 
     def router_loss(self) -> torch.Tensor | None:
         """The last forward's load-balancing loss (Switch Transformer's, as transformers sums it
-        over every sparse layer): experts x sum over experts of (share of the top-k choices it
-        got) x (its mean router probability); 1 when balanced. None for a dense model."""
+        over every sparse layer): experts x sum over experts of (its top-k choices per token)
+        x (its mean router probability); top_k when balanced. None for a dense model. Padding
+        positions count too (transformers' Trainer leaves them out)."""
         stats = [s for block in self.sparse_blocks for s in block.stats]
         if not stats:
             return None

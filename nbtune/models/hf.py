@@ -158,13 +158,16 @@ def decoder_key(key: str, config: ModelConfig) -> str | None:
     return "lm_head.weight" if key == "lm_head.weight" else None
 
 
-def _per_expert(entry: tuple) -> list[tuple]:
+def _per_expert(entry: tuple, config: ModelConfig) -> list[tuple]:
     """transformers 5's fused experts of a layer ([experts, 2 x width, hidden] gate_up_proj,
     [experts, hidden, width] down_proj) as the Hub's one weight per expert and projection:
-    each a run of rows in the file, read where it lies. Any other entry as it is."""
+    each a run of rows in the file, read where it lies. Any other entry as it is (one of
+    another shape is then refused by name, before anything is made of it)."""
     key, dtype, shape, begin = entry
     layer, found, name = key.rpartition(".experts.")
-    if not found or name not in ("gate_up_proj", "down_proj") or len(shape) != 3:
+    d, width = config.hidden_size, config.moe_intermediate_size
+    fused = {"gate_up_proj": (config.num_experts, 2 * width, d), "down_proj": (config.num_experts, d, width)}
+    if not found or not config.num_experts or fused.get(name) != tuple(shape):
         return [entry]
     experts, rows, cols = shape
     size = rows * cols * dtype.itemsize
@@ -186,7 +189,7 @@ def folder_weights(folder: Path, config: ModelConfig, expected: dict, dtype: tor
     buffer = [None]  # the cast's chunk, made if a weight is stored in another dtype
     for file in _weight_files(folder):
         entries = [(decoder_key(key, config), *rest) for key, *rest in _entries(file)]
-        entries = [part for entry in entries if entry[0] is not None for part in _per_expert(entry)]
+        entries = [part for entry in entries if entry[0] is not None for part in _per_expert(entry, config)]
         for key, *_ in entries:
             if key not in expected and not (key == "lm_head.weight" and config.tie_word_embeddings):
                 raise ValueError(

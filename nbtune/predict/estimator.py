@@ -427,9 +427,13 @@ def _weight_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     else:
         layer = {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "gate_proj": (f, d),
                  "up_proj": (f, d)}
+    layer.update(o_proj=(d, q), down_proj=(d, f))
     if config.num_experts:  # one expert's projection at a time, all of them under "experts"
         layer["experts"] = (config.moe_intermediate_size, d)
-    return {"embed_tokens": (v, d), "lm_head": (v, d), **layer, "o_proj": (d, q), "down_proj": (d, f)}
+        if all(config.sparse(i) for i in range(config.num_layers)):  # no dense MLP anywhere
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                layer.pop(name)
+    return {"embed_tokens": (v, d), "lm_head": (v, d), **layer}
 
 
 def _projections(config: ModelConfig) -> dict[str, int]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .files import FileRefused, inside, read_json
+from .files import FileRefused, inside, read_json, shown
 from .memory import MemoryBreakdown
 from .memory.usage import SOURCES, Usage
 from .models.filling import check_finite
@@ -231,11 +231,6 @@ AGAIN = "Nothing was loaded; resume from another checkpoint, or save this one ag
 
 def refused(path, problem: str) -> CheckpointRefused:
     return CheckpointRefused(f"{path}: {problem}. {AGAIN}")
-
-
-def shown(value) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def _is_int(value) -> bool:

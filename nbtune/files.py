@@ -69,6 +69,12 @@ LIMITS: dict[str, tuple[int, str]] = {
 }
 
 
+def shown(value) -> str:
+    """A value read from a file, for an error message: its type and its text, cut short (a
+    crafted one may be long)."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
 def limit(name: str) -> int:
     return LIMITS[name][0]
 

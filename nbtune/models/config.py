@@ -88,7 +88,7 @@ def _language_model(hf: dict, source: str) -> dict:
     text = hf.get("text_config")
     if not isinstance(text, dict) or text.get("model_type", "gemma3_text") != "gemma3_text":
         raise ConfigError(f"{source}: a multimodal Gemma 3 config needs a text_config object of "
-                          f"model_type gemma3_text, but it holds {_shown(text)}. Download "
+                          f"model_type gemma3_text, but it holds {files.shown(text)}. Download "
                           "config.json again.")
     ids = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
     if hf.get("tie_word_embeddings") is False:
@@ -165,11 +165,11 @@ def _qwen3_moe(hf: dict, source: str) -> dict:
                        ("moe_intermediate_size", hf.get("moe_intermediate_size"))):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{source}: a qwen3_moe config needs {key} as a positive whole number, "
-                              f"but it is {_shown(value)}. Download config.json again.")
+                              f"but it is {files.shown(value)}. Download config.json again.")
     only = hf.get("mlp_only_layers") or []
     if not isinstance(only, list) or len(only) > files.LIMITS["num_hidden_layers"][0] or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in only):
-        raise ConfigError(f"{source}: mlp_only_layers is {_shown(only)}, not a list of layer numbers.")
+        raise ConfigError(f"{source}: mlp_only_layers is {files.shown(only)}, not a list of layer numbers.")
     if hf.get("use_sliding_window"):
         raise ConfigError(f"{source}: qwen3_moe with use_sliding_window=true is not supported; the "
                           "released Qwen checkpoints leave it off.")
@@ -179,12 +179,6 @@ def _qwen3_moe(hf: dict, source: str) -> dict:
             "decoder_sparse_step": hf.get("decoder_sparse_step", 1), "mlp_only_layers": tuple(only),
             "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001), "qk_norm": True,
             "attention_bias": bool(hf.get("attention_bias", False))}
-
-
-def _shown(value) -> str:
-    """A value for an error message, cut short (a crafted list may be long)."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_fields(hf: dict, source: str) -> None:
@@ -420,7 +414,7 @@ class ModelConfig:
         original = self.rope_scaling.get("original_max_position_embeddings")
         if isinstance(original, bool) or not isinstance(original, int) or original < 2:
             raise ValueError(f"rope_scaling (longrope) needs original_max_position_embeddings as a "
-                             f"whole number of tokens, at least 2; got {_shown(original)}.")
+                             f"whole number of tokens, at least 2; got {files.shown(original)}.")
         half = self.rotary_dim // 2
         for name in ("short_factor", "long_factor"):
             value = self.rope_scaling.get(name)
@@ -428,7 +422,7 @@ class ModelConfig:
                     not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x > 0
                     for x in value):
                 raise ValueError(f"rope_scaling (longrope) needs {name} as a list of {half} positive "
-                                 f"numbers (one per rotated frequency); got {_shown(value)}.")
+                                 f"numbers (one per rotated frequency); got {files.shown(value)}.")
         for name in ("factor", "attention_factor"):
             value = self.rope_scaling.get(name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))

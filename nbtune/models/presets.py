@@ -78,6 +78,12 @@ _GEMMA_3 = dict(model_type="gemma3_text", rms_norm_eps=1e-6, rope_theta=1000000.
 _GEMMA_3_LONG = dict(_GEMMA_3, vocab_size=262208, sliding_window=1024, max_position_embeddings=131072,
                      rope_scaling={"rope_type": "linear", "factor": 8.0})
 _GEMMA_3_SMALL = dict(_GEMMA_3, vocab_size=262144, sliding_window=512, max_position_embeddings=32768)
+# Qwen3's mixtures of experts: 128 experts a layer, each token to 8 of them
+_QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=151936, num_key_value_heads=4, head_dim=128,
+                  num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                  mlp_only_layers=[], router_aux_loss_coef=0.001, rms_norm_eps=1e-6,
+                  rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+                  bos_token_id=151643, eos_token_id=151645)
 PRESETS.update({
     "gemma-3-270m": (dict(_GEMMA_3_SMALL, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
                           num_attention_heads=4, num_key_value_heads=1, head_dim=256),
@@ -110,23 +116,12 @@ PRESETS.update({
         original_max_position_embeddings=4096, sliding_window=262144, tie_word_embeddings=True,
         bos_token_id=199999, eos_token_id=199999, pad_token_id=199999),
         "https://huggingface.co/microsoft/Phi-4-mini-instruct/blob/main/config.json"),
-    # Qwen3's mixtures of experts: 128 experts a layer, each token to 8 of them
-    "qwen3-30b-a3b": (dict(
-        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-        head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
-        bos_token_id=151643, eos_token_id=151645),
-        "https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json"),
-    "qwen3-235b-a22b": (dict(
-        model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-        moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
-        head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001, rms_norm_eps=1e-6,
-        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
-        bos_token_id=151643, eos_token_id=151645),
-        "https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json"),
+    "qwen3-30b-a3b": (dict(_QWEN3_MOE, hidden_size=2048, intermediate_size=6144,
+                           moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32),
+                      "https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json"),
+    "qwen3-235b-a22b": (dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288,
+                             moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64),
+                        "https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json"),
 })
 
 

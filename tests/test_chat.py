@@ -143,6 +143,50 @@ MISTRAL_V3 = r"""{%- if messages[0]['role'] == 'system' %}
 {%- endfor %}
 """
 
+# Gemma 3's template (the -it checkpoints' tokenizer_config.json): no system role; a system
+# message is put before the first user turn's text, and the assistant is "model".
+GEMMA3 = r"""{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
 FAMILIES = {
     # name: (special tokens, tokenizer_config entries, template, Metaspace?, how a turn ends)
     "llama3": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -158,6 +202,9 @@ FAMILIES = {
                 False, "{}<|im_end|>\n"),
     "mistral": (["<unk>", "<s>", "</s>"],
                 {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, MISTRAL, True, "{}</s>"),
+    "gemma3": (["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],
+               {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"},
+               GEMMA3, True, "{}<end_of_turn>\n"),
 }
 
 CORPUS = ["You are a helpful assistant.", "What is 2+2?", "It is 4.", "And 3+3? It is 6.",
@@ -262,10 +309,31 @@ def test_only_assistant_turns_are_trained(family):
                 runs, current = runs + [current], []
         runs += [current] if current else []
         contents = [m["content"] for m in messages if m["role"] == "assistant"]
-        if name.startswith("llama"):
+        if name.startswith("llama") or name == "gemma3":
             contents = [c.strip() for c in contents]  # its template trims message content
         assert [tok.backend.decode(run, skip_special_tokens=False) for run in runs] == \
             [turn_end.format(c) for c in contents]
+
+
+def test_gemma3s_system_message_opens_the_first_user_turn_untrained(tmp_path):
+    """Gemma 3's template has no system role: the system text goes before the first user
+    turn's, in that turn, as the template writes it, and is not trained; two user turns in
+    a row are the template's own error, naming the row."""
+    tok = Tokenizer.from_folder(write_family(tmp_path / "g", "gemma3"))
+    messages = CONVERSATIONS[3]
+    text = tok.render_chat(messages)
+    assert text.startswith("<bos><start_of_turn>user\nBe brief.\n\nReverse the word: hello<end_of_turn>\n"
+                           "<start_of_turn>model\nolleh<end_of_turn>\n")
+    assert "system" not in text
+    sample = tokenize(example_of(messages), tok, seq_len=1024)
+    trained = tok.backend.decode(sample.labels[sample.labels != IGNORE].tolist(), skip_special_tokens=False)
+    assert "Be brief" not in trained and "olleh" in trained
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"messages": [SYSTEM, {"role": "user", "content": "a"},
+                                             {"role": "user", "content": "b"},
+                                             {"role": "assistant", "content": "c"}]}) + "\n")
+    with pytest.raises(DataError, match=r"line 1: .*template rejects .*Conversation roles must alternate"):
+        tokenize_all(load_examples(path), tok, 256)
 
 
 def test_generation_prompt_and_reference_match_transformers(family):

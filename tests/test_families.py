@@ -236,3 +236,27 @@ def test_a_sliding_layers_cache_keeps_only_its_window(tmp_path, family):
             for layer, keys in zip(model.model.layers, cache.keys):
                 assert keys.shape[-2] == (min(SEQ, window - 1) if layer.sliding else SEQ)
             assert cache.length == SEQ
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_windows_mask_is_kept_once_for_backward_not_once_a_layer(tmp_path, checkpointed):
+    """SDPA turns a boolean mask into a 0 / -inf bias in every layer's call and keeps that for
+    backward: Mistral's two sliding layers would keep two [T, T] biases. The decoder makes the
+    bias once a forward and shares it (one kept, the logits unchanged); with checkpointed
+    layers only the layer inputs are kept, of which the boolean is the smaller form."""
+    ref = build(tmp_path, "mistral", tie=False)
+    ours = nt.load_model(tmp_path)
+    for layer in ours.model.layers:
+        layer.checkpointed = checkpointed
+    ids = torch.randint(0, 259, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    kept = {}
+
+    def pack(t):
+        if t.shape[-2:] == (SEQ, SEQ):
+            kept[t.untyped_storage().data_ptr()] = t.dtype
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = ours(ids)
+    assert list(kept.values()) == [torch.bool if checkpointed else torch.float32]
+    torch.testing.assert_close(logits, ref(ids).logits, atol=1e-4, rtol=0)

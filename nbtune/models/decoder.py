@@ -137,6 +137,14 @@ def attention_mask(q_index: torch.Tensor, k_index: torch.Tensor,
     return (mask & same)[:, None]
 
 
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``mask`` as the 0 / -inf bias SDPA adds to the scores, in the attention's dtype: what
+    SDPA itself would make of a boolean mask in every layer's call (and keep for backward,
+    layer after layer), made once a forward and shared."""
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device),
+                       torch.full((), float("-inf"), dtype=dtype, device=mask.device))
+
+
 class KVCache:
     """Keys and values of the tokens seen so far, per layer, for incremental generation.
 
@@ -217,6 +225,8 @@ class Attention(nn.Module):
         # length ``T > 1`` is a symbolic bool, which SDPA refuses, so each new length broke the
         # graph and recompiled the frames after the break, one step at a time (seen on an H200).
         causal = mask is None and (cache is None or T > 1)
+        if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)  # a bias made in the hidden states' dtype, not the queries'
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
             enable_gqa=self.num_kv_heads != self.num_heads)
@@ -457,12 +467,18 @@ class CausalLM(nn.Module):
         # None: plain causal attention, the fast path; one mask for the full layers and one for
         # the sliding ones, each made once per forward and shared by the layers of its kind
         # (whose cached keys may start later: a windowed cache keeps only what they reach)
-        full = (attention_mask(index, keys, document_ids)
+        h = self.model.embed_tokens(input_ids)
+        # SDPA turns a boolean mask into a 0 / -inf bias in each layer's call and keeps that
+        # for backward: where layers keep their activations one bias shared is cheaper (Gemma-
+        # 3-1B at 8,192 tokens: 2.6 GiB less); checkpointed layers keep only their inputs,
+        # of which the boolean is half the bias's size
+        shared = torch.is_grad_enabled() and not all(layer.checkpointed for layer in self.model.layers)
+        kind = (lambda m: additive(m, h.dtype)) if shared else (lambda m: m)  # noqa: E731
+        full = (kind(attention_mask(index, keys, document_ids))
                 if document_ids is not None or (past and T > 1) else None)
         first = past - cache.kept(window) if cache is not None else 0
-        local = (attention_mask(index, keys[first:], document_ids, window)
+        local = (kind(attention_mask(index, keys[first:], document_ids, window))
                  if window and past + T > window else full)
-        h = self.model.embed_tokens(input_ids)
         if self.config.embed_scale:  # Gemma: sqrt(hidden) rounded to the weights' dtype first
             h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)
         tables = {False: rope_tables(self.config, positions, h.dtype)}

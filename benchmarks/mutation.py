@@ -764,7 +764,16 @@ MUTANTS: list[Mutant] = [
            "nbtune/models/decoder.py",
            "        shared = torch.is_grad_enabled() and not all(layer.checkpointed for layer in self.model.layers)",
            "        shared = False",
-           (T + "test_families.py::test_a_windows_mask_is_kept_once_for_backward_not_once_a_layer",)),
+           (T + "test_families.py::test_a_windows_mask_is_kept_once_for_backward_not_once_a_layer",)),    Mutant("wrong condition", "a fused gate_up adapter trained in PEFT split into gate and up halves anyway",
+           "nbtune/peft_experts.py",
+           "                if block[:width, r:].any() or block[width:, :r].any():",
+           "                if False:",
+           (T + "test_qwen3_moe.py::test_a_fused_expert_adapter_trained_in_peft_is_refused_by_name",)),
+    Mutant("wrong index", "the experts' fused down_proj B written expert-major, not as PEFT reshapes it",
+           "nbtune/peft_experts.py",
+           "        return torch.cat(parts) if part == \"lora_A\" else torch.stack(parts, -1).flatten(1)",
+           "        return torch.cat(parts) if part == \"lora_A\" else torch.stack(parts, 1).flatten(1)",
+           (T + "test_qwen3_moe.py::test_an_adapter_on_attention_and_experts_loads_in_peft_and_back",)),
 ]
 
 

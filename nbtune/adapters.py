@@ -21,6 +21,7 @@ from torch import nn
 
 from . import files
 from .peft import target_of
+from .peft_experts import DOWN, GATE_UP, ExpertAdapterError, expert_groups, peft_names, split
 from .techniques import LORA_TARGETS, Techniques, as_techniques
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -68,10 +69,22 @@ def read_adapter(folder) -> Adapter:
     if config.get("bias", "none") != "none" or config.get("modules_to_save"):
         raise bad("it trains biases or whole modules beside the adapters; nbtune loads plain "
                   "LoRA adapters (bias='none', no modules_to_save).")
-    if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("layers_to_transform"):
+    rank, alpha, dropout = config.get("r"), config.get("lora_alpha"), config.get("lora_dropout", 0.0)
+    experts = config.get("target_parameters") or []
+    if experts and sorted(experts) != sorted([GATE_UP, DOWN]):
+        raise bad(f"target_parameters is {files.shown(experts)}; nbtune adapts a mixture of "
+                  f"experts' {GATE_UP} and {DOWN} together, or neither.")
+    # the one pattern nbtune writes: the experts' fused gate and up, rank 2r (``peft_experts``)
+    expected = ({GATE_UP: 2 * rank}, {GATE_UP: 2 * alpha}) if experts else ({}, {})
+    patterns = (config.get("rank_pattern") or {}, config.get("alpha_pattern") or {})
+    if experts and patterns != expected and not any(k != GATE_UP for p in patterns for k in p):
+        raise bad(f"its experts' {GATE_UP} adapter is not the two rank-{rank} halves (gate and "
+                  "up) nbtune writes (rank_pattern 2r): an adapter trained in PEFT on the fused "
+                  "experts couples them, and nbtune adapts each on its own. Load it with PEFT, "
+                  "or merge it there.")
+    if patterns != expected or config.get("layers_to_transform"):
         raise bad("its rank or alpha differs by layer, or it adapts some layers only; nbtune's "
                   "adapters share one rank and alpha over every layer.")
-    rank, alpha, dropout = config.get("r"), config.get("lora_alpha"), config.get("lora_dropout", 0.0)
     if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 < rank <= 1 << 16):
         raise bad(f"r is {rank!r}, not a rank (a positive integer).")
     for name, value in (("lora_alpha", alpha), ("lora_dropout", dropout)):
@@ -79,10 +92,11 @@ def read_adapter(folder) -> Adapter:
             raise bad(f"{name} is {value!r}, not a number.")
     targets = config.get("target_modules")
     targets = [targets] if isinstance(targets, str) else targets
-    if not (isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)):
+    if not (isinstance(targets, list) and (targets or experts)
+            and all(isinstance(t, str) and t for t in targets)):
         raise bad(f"target_modules is {config.get('target_modules')!r}, not a list of module names.")
     base = config.get("base_model_name_or_path")
-    names = {target_of(t) for t in targets}  # in the order nbtune lists them
+    names = {target_of(t) for t in targets} | ({"experts"} if experts else set())  # in nbtune's order
     order = sorted(names, key=lambda n: (LORA_TARGETS.index(n) if n in LORA_TARGETS else len(LORA_TARGETS), n))
     return Adapter(folder, base if isinstance(base, str) and base else None, rank, float(alpha),
                    float(dropout), tuple(order))
@@ -162,14 +176,18 @@ def load_adapter_weights(model: nn.Module, adapter: Adapter) -> None:
     checked first: a mismatch changes nothing."""
     from safetensors import SafetensorError, safe_open
 
-    from .peft import adapter_parameters
+    from .peft import adapter_parameters, lora_modules, peft_key
 
     path = files.inside(adapter.folder, ADAPTER_WEIGHTS, "adapter weights", links=True)
     files.regular_file(path, "adapter weights", "weights_bytes")
-    targets = adapter_parameters(model)  # the names save writes
+    targets = adapter_parameters(model)  # the experts' own names; the rest as save writes them
+    fused = {key: (parent, entry) for parent, group in expert_groups(lora_modules(model)).items()
+             for entry, key in peft_names(parent, lambda n, p: peft_key(model, n, p)).items()}
     try:
         with safe_open(str(path), framework="pt") as f:
             names = set(f.keys())
+            split_up = _split_experts(model, f, fused, names & fused.keys(), path)
+            names = (names - fused.keys()) | split_up.keys()
             missing, extra = sorted(targets.keys() - names), sorted(names - targets.keys())
             if missing or extra:
                 raise AdapterError(
@@ -178,11 +196,11 @@ def load_adapter_weights(model: nn.Module, adapter: Adapter) -> None:
                     f"no place for{' (' + extra[0] + ', ...)' if extra else ''}. Is it this "
                     "base's adapter? Pass base= to load it on another.")
             for name, target in targets.items():
-                shape = tuple(f.get_slice(name).get_shape())
+                shape = tuple(split_up[name].shape if name in split_up else f.get_slice(name).get_shape())
                 if shape != tuple(target.shape):
                     raise AdapterError(f"{path}: {name} is {list(shape)}, but this base's adapter "
                                        f"there is {list(target.shape)}: another base or rank.")
-            loaded = {name: f.get_tensor(name) for name in targets}
+            loaded = {name: split_up[name] if name in split_up else f.get_tensor(name) for name in targets}
     except SafetensorError as err:
         raise AdapterError(f"{path} is damaged ({err}): save the adapter again.") from None
     bad = [name for name, value in loaded.items() if not torch.isfinite(value).all()]
@@ -190,3 +208,23 @@ def load_adapter_weights(model: nn.Module, adapter: Adapter) -> None:
         raise AdapterError(f"{path}: {bad[0]} holds NaN or infinite values: the adapter is damaged.")
     for name, target in targets.items():
         target.copy_(loaded[name].to(target.dtype))
+
+
+def _split_experts(model, f, fused: dict, present: set, path) -> dict:
+    """The experts' own adapters from the fused ones a PEFT file holds (``peft_experts``)."""
+    from .peft import lora_modules, peft_key
+
+    by_parent: dict[str, dict] = {}
+    for key in present:
+        parent, entry = fused[key]
+        by_parent.setdefault(parent, {})[entry] = f.get_tensor(key)
+    groups = expert_groups(lora_modules(model))
+    out = {}
+    for parent, weights in by_parent.items():
+        if len(weights) != 4:
+            continue  # incomplete: the names check says which are missing
+        try:
+            out.update(split(groups[parent], parent, weights, lambda n, p: peft_key(model, n, p)))
+        except ExpertAdapterError as err:
+            raise AdapterError(f"{path}: {err}") from None
+    return out

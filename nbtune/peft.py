@@ -304,12 +304,13 @@ def target_of(name: str) -> str:
     return "experts" if _EXPERT.search(name) else name.rpartition(".")[2]
 
 
-def _lora_modules(model: nn.Module):
+def lora_modules(model: nn.Module):
+    """Every LoRA module of ``model``, as (name, module)."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
 def has_lora(model: nn.Module) -> bool:
-    return bool(_lora_modules(model))
+    return bool(lora_modules(model))
 
 
 def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -348,7 +349,7 @@ def replace_adapters(model: nn.Module, targets: tuple[str, ...], rank: int, alph
     dequantizing and quantizing it again, each time adding rounding error. Base weights
     are kept as the very same tensors; only newly targeted layers are quantized.
     """
-    for name, module in _lora_modules(model):
+    for name, module in lora_modules(model):
         _swap(model, name, module.base_layer)
     return apply_lora(model, targets, rank, alpha, dropout, quantize_base)
 
@@ -359,7 +360,7 @@ def merge_lora(model: nn.Module) -> int:
     Every NF4 weight comes out dense in its dtype, adapted or not, so the merged model is
     a plain model again (it can be trained in full or saved).
     """
-    found = _lora_modules(model)
+    found = lora_modules(model)
     for name, module in found:
         _swap(model, name, module.merged())
     dequantize_model_(model)
@@ -368,7 +369,7 @@ def merge_lora(model: nn.Module) -> int:
 
 def set_lora_options(model: nn.Module, alpha: float, dropout: float) -> None:
     """Change scaling and dropout of the adapters in place (no retraining, no new weights)."""
-    for _, module in _lora_modules(model):
+    for _, module in lora_modules(model):
         module.alpha = alpha
         module.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
@@ -385,7 +386,7 @@ def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The adapters' parameters under PEFT's file names (``peft_key``): what a saved adapter
     holds, and where a loaded one goes."""
     return {peft_key(model, name, part): getattr(module, part).weight
-            for name, module in _lora_modules(model) for part in ("lora_A", "lora_B")}
+            for name, module in lora_modules(model) for part in ("lora_A", "lora_B")}
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -394,14 +395,19 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def adapter_config(model: nn.Module, base_model: str | None) -> dict:
-    """PEFT's adapter_config.json for the adapters on ``model`` (all share one rank and alpha)."""
-    found = _lora_modules(model)
+    """PEFT's adapter_config.json for the adapters on ``model`` (all share one rank and alpha;
+    a mixture of experts' as PEFT's ``target_parameters``: ``peft_experts``)."""
+    from .peft_experts import expert_groups, peft_config_entries
+
+    found = lora_modules(model)
     if not found:
         raise ValueError("The model has no LoRA adapters to describe.")
     first = found[0][1]
     dropout = first.lora_dropout.p if isinstance(first.lora_dropout, nn.Dropout) else 0.0
     # a multimodal base: its vision tower's q/k/v are not these adapters' places
     multimodal = getattr(getattr(model, "config", None), "multimodal", False)
+    groups = expert_groups(found)
+    experts = peft_config_entries(next(iter(groups.values())), first.alpha) if groups else {}
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": first.rank, "lora_alpha": first.alpha, "lora_dropout": dropout,
@@ -411,24 +417,27 @@ def adapter_config(model: nn.Module, base_model: str | None) -> dict:
         "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
         "rank_pattern": {}, "alpha_pattern": {},
         **({"exclude_modules": r".*(vision_tower|multi_modal_projector).*"} if multimodal else {}),
+        **experts,
     }
 
 
 def _target_modules(model: nn.Module, names: list[str]) -> list[str]:
-    """PEFT's ``target_modules`` for the adapted modules ``names``: their last name parts.
+    """PEFT's ``target_modules`` for the adapted modules ``names``: their last name parts (a
+    mixture of experts' experts go as ``target_parameters`` instead).
 
-    A mixture-of-experts model's adapters must be on attention only: PEFT on transformers 5
-    reads gate_proj, up_proj and down_proj as that model's fused 3-D experts, so an adapter on
-    nbtune's per-expert or dense MLP projections would be loaded onto other weights."""
+    A mixture-of-experts model's dense MLPs (``mlp_only_layers``) cannot be named: transformers
+    5 converts gate_proj, up_proj and down_proj targets of that family into its fused experts'
+    (it refuses gate_proj without up_proj, and would load the others onto the experts)."""
     moe = any(name.endswith(".experts") for name, _ in model.named_modules())
-    mlp = sorted({target_of(n) for n in names} - {"q_proj", "k_proj", "v_proj", "o_proj"})
-    if moe and mlp:
+    targets = {target_of(name) for name in names} - {"experts"}
+    dense = sorted(targets & {"gate_proj", "up_proj", "down_proj"})
+    if moe and dense:
         raise ValueError(
-            f"An adapter on a mixture-of-experts model's {', '.join(mlp)} cannot be saved for PEFT: "
-            "PEFT on transformers 5 reads those names as the model's fused experts and would load "
-            "it onto other weights. Save with merge=True, or train with lora_targets=('q_proj', "
-            "'k_proj', 'v_proj', 'o_proj').")
-    return sorted({target_of(name) for name in names})
+            f"An adapter on a mixture-of-experts model's dense {', '.join(dense)} cannot be saved "
+            "for PEFT: transformers 5 reads those names as the model's fused experts and would "
+            "load it onto other weights. Save with merge=True, or train with lora_targets="
+            "('q_proj', 'k_proj', 'v_proj', 'o_proj', 'experts').")
+    return sorted(targets)
 
 
 class DenseWeights:
@@ -440,7 +449,7 @@ class DenseWeights:
     (``shards.Gathered``) that is while FSDP2 holds them gathered."""
 
     def __init__(self, model: nn.Module):
-        lora = dict(_lora_modules(model))
+        lora = dict(lora_modules(model))
         self._sources: dict[str, tuple[nn.Module, str, nn.Module | None]] = {}
         self.modules: dict[str, str] = {}
         self.described: dict[str, torch.Tensor] = {}
@@ -475,17 +484,35 @@ class DenseWeights:
 
 class AdapterWeights:
     """The LoRA adapters under PEFT's file names (what a saved adapter holds), each looked up
-    when asked for; ``described`` and ``modules`` as ``DenseWeights`` has them."""
+    when asked for; ``described`` and ``modules`` as ``DenseWeights`` has them. A mixture of
+    experts' adapters are made in PEFT's fused form (``peft_experts``) from every expert's."""
 
     def __init__(self, model: nn.Module):
-        self._sources = {peft_key(model, name, part): (getattr(module, part), name)
-                         for name, module in _lora_modules(model) for part in ("lora_A", "lora_B")}
-        self.modules = {key: name for key, (_, name) in self._sources.items()}
-        self.described = {key: torch.empty(linear.weight.shape, dtype=linear.weight.dtype, device="meta")
-                          for key, (linear, _) in self._sources.items()}
+        from .peft_experts import expert_groups, fused, fused_shape, peft_names
+
+        found = lora_modules(model)
+        groups = expert_groups(found)
+        grouped = {id(m) for group in groups.values() for m in group.values()}
+        self._make = {}
+        self.modules, self.described = {}, {}
+        for name, module in found:
+            if id(module) in grouped:
+                continue
+            for part in ("lora_A", "lora_B"):
+                key, weight = peft_key(model, name, part), getattr(module, part).weight
+                # looked up when made: across ranks the gathered weight, not this shard
+                self._make[key] = lambda module=module, part=part: getattr(module, part).weight.detach()
+                self.modules[key] = name
+                self.described[key] = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+        for parent, group in groups.items():
+            dtype = next(iter(group.values())).lora_A.weight.dtype
+            for (proj, part), key in peft_names(parent, lambda n, p: peft_key(model, n, p)).items():
+                self._make[key] = lambda group=group, proj=proj, part=part: fused(group, proj, part)
+                self.modules[key] = parent
+                self.described[key] = torch.empty(fused_shape(group, proj, part), dtype=dtype, device="meta")
 
     def make(self, key: str) -> torch.Tensor:
-        return self._sources[key][0].weight.detach().contiguous()
+        return self._make[key]().contiguous()
 
 
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

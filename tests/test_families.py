@@ -190,8 +190,8 @@ def test_gradients_match_reference_full_and_lora(tmp_path, family):
         torch.testing.assert_close(p.grad, their_grad(theirs, name), atol=1e-5, rtol=1e-4, msg=name)
 
     ours, ref = nt.load_model(tmp_path), build(tmp_path / "again", family, tie=False)
-    # every projection (a mixture of experts: attention only, as PEFT on transformers 5 reads
-    # the MLP names as its fused 3-D experts)
+    # every projection (a mixture of experts: attention, the projections PEFT adapts as
+    # modules; its experts are PEFT's fused parameters, checked in test_qwen3_moe.py)
     targets = sorted({target_of(n) for n, m in ours.named_modules()
                       if isinstance(m, torch.nn.Linear) and target_of(n) in LORA_TARGETS})
     if ours.config.num_experts:

@@ -119,8 +119,9 @@ def test_two_gloo_ranks_train_as_one_process_does(folder, tmp_path):
         shutil.copy(demo_model_dir() / name, model / name)
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
-    # a mixture of experts' adapter for PEFT is on attention only (test_qwen3_moe.py)
-    targets = {"lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj")} if "moe" in folder.name else {}
+    # a mixture of experts' adapter for PEFT: attention and the experts (in PEFT's fused form,
+    # made from every rank's shards), not the dense layer's MLP (test_qwen3_moe.py)
+    targets = {"lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "experts")} if "moe" in folder.name else {}
     s = nt.Session.from_pretrained(model, str(data), techniques=nt.Techniques(
         method="lora", batch_size=4, seq_len=128, lr=1e-3, activation_checkpointing=True, **targets))
     path = s.save_config(tmp_path / "run.yaml", steps=3, save=["hf", "merged"])

@@ -22,7 +22,7 @@ LAYERS = [
     # 0. basics: words, sizes, the model and its files, data, memory accounting, techniques
     ["units", "files", "template", "techniques", "host", "hardware", "overhead", "atomic", "hub", "scoring",
      "generate", "models", "data", "memory.accounting", "memory.breakdown", "memory.tracker",
-     "memory.sampling", "memory.snapshot", "memory.usage", "memory", "peft", "adapters", "optim", "activations", "plan",
+     "memory.sampling", "memory.snapshot", "memory.usage", "memory", "peft", "peft_experts", "adapters", "optim", "activations", "plan",
      "step", "loss", "undo", "datasets", "quiet", "interrupts"],
     # 1. the model across ranks, and the state's forms on disk and across ranks
     ["distributed", "shards", "state", "checkpoint", "sharded_checkpoint"],

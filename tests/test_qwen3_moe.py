@@ -131,14 +131,30 @@ def test_experts_are_a_lora_target_off_by_default_and_nf4_under_qlora(folder):
     assert losses[-1] < losses[0]
 
 
-def test_an_adapter_on_the_mlps_is_refused_for_peft_and_attention_only_loads_there(folder, tmp_path):
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def with_tokenizer(folder, tmp_path):
+    """A copy of the base with the byte tokenizer beside it (what an adapter is loaded on)."""
+    base = tmp_path / "base"
+    shutil.copytree(folder, base)
+    byte_tokenizer().save(base)
+    return base
+
+
+@pytest.mark.parametrize("targets", [ATTENTION, ATTENTION + ("experts",)])
+def test_an_adapter_on_attention_and_experts_loads_in_peft_and_back(folder, tmp_path, targets):
+    """Attention only and the experts too: PEFT on transformers 5 loads the adapter, the
+    experts' onto its fused experts (``target_parameters``), with nbtune's logits, and nbtune
+    reads it back to the same adapters. The dense layer's MLP (the default targets) is refused
+    by name: transformers 5 reads those names as the fused experts'."""
     import peft
 
-    s = session(folder, method="lora")
-    with pytest.raises(ValueError, match="fused experts.*merge=True"):
-        s.save(tmp_path / "refused")
-    assert not (tmp_path / "refused").exists()
-    s = session(folder, method="lora", lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    if targets == ATTENTION:
+        with pytest.raises(ValueError, match="dense down_proj, gate_proj, up_proj.*fused experts.*merge=True"):
+            session(folder, method="lora").save(tmp_path / "refused")
+        assert not (tmp_path / "refused").exists()
+    s = session(folder, method="lora", lora_targets=targets)
     with torch.no_grad():
         for n, p in s.model.named_parameters():
             if "lora_B" in n:
@@ -148,10 +164,43 @@ def test_an_adapter_on_the_mlps_is_refused_for_peft_and_attention_only_loads_the
     with torch.no_grad():
         ours = s.model(ids)
     s.save(tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert ("target_parameters" in config) == ("experts" in targets)
     base = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, ours, atol=1e-5, rtol=0)
+    back = nt.Session.from_pretrained(tmp_path / "adapter", ROWS, base=with_tokenizer(folder, tmp_path),
+                                      device="cpu")
+    mine = dict(s.model.named_parameters())
+    for n, p in back.model.named_parameters():
+        if "lora_" in n:
+            assert torch.equal(p, mine[n]), n
+
+
+def test_a_fused_expert_adapter_trained_in_peft_is_refused_by_name(folder, tmp_path):
+    """PEFT adapts gate_up_proj as one fused weight; nbtune adapts gate and up each on its
+    own, so an update coupling them cannot be held: refused naming it, nothing loaded."""
+    import peft
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(tmp_path / "theirs")
+    base = with_tokenizer(folder, tmp_path)
+    with pytest.raises(ValueError, match="not the two rank-4 halves.*Load it with PEFT"):
+        nt.Session.from_pretrained(tmp_path / "theirs", ROWS, base=base, device="cpu")
+    settings = json.loads((tmp_path / "theirs" / "adapter_config.json").read_text())
+    settings.update(r=2, lora_alpha=4.0, rank_pattern={"mlp.experts.gate_up_proj": 4},
+                    alpha_pattern={"mlp.experts.gate_up_proj": 8.0})  # as nbtune writes its own
+    (tmp_path / "theirs" / "adapter_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match="not separate gate and up halves"):
+        nt.Session.from_pretrained(tmp_path / "theirs", ROWS, base=base, device="cpu")
 
 
 def test_the_estimate_assumes_balanced_routing_and_offers_the_worst(folder):

@@ -54,7 +54,7 @@ class SaveOnExit:
             self.run.thread.join()  # the step under way completes (or is undone if it fails)
             if not self.session.history:
                 return None
-            point = getattr(getattr(self.session, "trainer", None), "checkpoint", None)
+            point = self.session.trainer.checkpoint
             if point is not None and point.step == len(self.session.history) \
                     and point.folder is not None and Path(point.folder) == self.folder:
                 self.saved = self.folder  # the periodic save has just written this very step
@@ -132,7 +132,7 @@ def periodic_checkpoint(name: str, checkpoint, minutes, parts, say) -> PeriodicC
         return None
     from .distributed import Parallel
 
-    if isinstance(getattr(parts, "parallel", None), Parallel):  # each rank's clock would differ
+    if isinstance(parts.parallel, Parallel):  # each rank's clock would differ
         raise ValueError(f"{name}: checkpoint= is not taken under torchrun, where every rank must "
                          "save at the same step: set the run file's checkpoint_every instead.")
     if Path(checkpoint).exists() and not Path(checkpoint).is_dir():

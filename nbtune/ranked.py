@@ -51,6 +51,7 @@ class RanksTrainer:
     rollback = "none"  # a failed rank ends them all: recover() returns to the last checkpoint
     optimizer = None  # on the ranks
     base_changed = False
+    checkpoint = None  # the ranks keep theirs (``Processes.checkpoint``)
 
     def __init__(self, ranks: Processes) -> None:
         from .models.decoder import CausalLM
@@ -143,11 +144,12 @@ class RanksTrainer:
         for step in [step for step in self.rank_memory if step > self.ranks.step_number]:
             del self.rank_memory[step]
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         raise NotImplementedError("state_dict: the state lives on the ranks; use "
                                   "save_checkpoint(folder) and load_checkpoint(folder).")
 
-    load_state_dict = state_dict
+    def load_state_dict(self, state: dict) -> None:
+        self.state_dict()
 
 
 class RankedRun:

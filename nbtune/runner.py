@@ -445,19 +445,19 @@ class Runner:
     def _steps(self, sampled: bool, most: int = 1,
                until: Callable[[], bool] | None = None) -> list[StepReport]:
         """One step; or, where the trainer takes several to a command (the ranks'
-        ``RanksTrainer.steps``: one round trip for many short steps), up to ``most``, ended
-        at the first step boundary where ``until()`` (Stop, a queued change) is true. Right
-        after a change one at a time: the sampler decides each step's measurement."""
+        ``RanksTrainer.steps``: one round trip for many short steps; a ``Trainer`` takes one),
+        up to ``most``, ended at the first step boundary where ``until()`` (Stop, a queued
+        change) is true. Right after a change one at a time: the sampler decides each step's
+        measurement."""
         self._note_slow_dtype()
         device = self.trainer.device.type
         track = self.sampler.should_track(device, sampled)
-        several = getattr(self.trainer, "steps", None)
         try:
-            if several is not None and most > 1 and not (self.sampler.stale and self.sampler.mode != "off"):
+            if most > 1 and not (self.sampler.stale and self.sampler.mode != "off"):
                 rest = self.sampler.tracks_every_step(device)
-                reports = several(track, rest, most, until)
+                reports = self.trainer.steps(track, rest, most, until)
             else:
-                reports, rest = [self.trainer.step(track, usage=True)], track
+                reports, rest = self.trainer.steps(track, track, 1), track
         except BaseException as err:
             self.relay()
             report = getattr(err, "nbtune_report", None)  # the step stood, its evaluation failed

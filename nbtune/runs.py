@@ -60,6 +60,7 @@ class Run:
     demo_name: str | None = None
     settings: object = None
 
+    ranks = None  # a kernel driving ranks: ``ranked.RankedRun``
     data = property(lambda self: self.trainer.data)
     model = property(lambda self: self.trainer.model)
     techniques = property(lambda self: self.trainer.techniques)

@@ -125,7 +125,7 @@ class Session:
                         doc="What memory tracking and live charts may cost (OverheadBudget).")
     pending = property(lambda self: self.runner.pending,
                        doc="Changes made with set() during a background run, not applied yet.")
-    ranks_memory = property(lambda self: getattr(self.trainer, "rank_memory", None),
+    ranks_memory = property(lambda self: self.trainer.rank_memory,
                             doc="On several processes: step -> each rank's MemoryBreakdown.")
     current_run = property(lambda self: self.runner.current,
                            doc="The background run while it trains, else None.")
@@ -819,9 +819,7 @@ class Session:
 
     def __repr__(self) -> str:
         n = sum(p.numel() for p in self.model.parameters())
-        trainable = getattr(self.trainer, "trainable", None)  # on ranks: the kernel holds no weights
-        if trainable is None:
-            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        trainable = self.trainer.trainable  # (on ranks the kernel holds no weights: theirs)
         where = self.device if self.parallel is None else f"{self.device} x {self.parallel.world} ranks"
         changed = self.techniques.changed(Techniques())  # the defaults go without saying
         fields = ", ".join(f"{k}={getattr(self.techniques, k)!r}"
@@ -850,7 +848,7 @@ def _compare(session, configs, steps, estimate, progress):
     """``Session.compare``: on a trial trainer here, or on ranks of its own for ranks."""
     from .ladder import compare
 
-    ranks = getattr(session.parts, "ranks", None)
+    ranks = session.parts.ranks
     if ranks is not None:
         from .headless import compare_on_ranks
 

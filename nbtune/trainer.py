@@ -162,6 +162,13 @@ class Trainer:
         """``folder`` now holds this run's state at its current step (saved or loaded)."""
         self.checkpoint = RestorePoint(len(self.history), f"the checkpoint in {folder}", str(folder))
 
+    rank_memory = None  # each rank's breakdowns: the ranks' trainer has them (``RanksTrainer``)
+
+    @property
+    def trainable(self) -> int:
+        """Weights trained (a sharded parameter counts whole)."""
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
     def take_notes(self) -> list[str]:
         """What the trainer had to say since last asked, oldest first (then forgotten)."""
         notes, self.notes = self.notes, []
@@ -271,6 +278,10 @@ class Trainer:
             self._interrupted = False
             raise KeyboardInterrupt
         return report
+
+    def steps(self, track: bool, track_rest: bool, most: int, until=None) -> list[StepReport]:
+        """One step: each step here is its own command (``TrainerProtocol.steps``)."""
+        return [self.step(track, usage=True)]
 
     def _evaluate(self, report: StepReport, track: bool, t: Techniques) -> StepReport:
         """Held-out loss after a completed step, recorded on its report. The step stands if

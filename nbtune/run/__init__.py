@@ -1,0 +1,1 @@
+"""The run: what drives training (the contract a trainer and a run provide, ``protocol``)."""

@@ -449,6 +449,36 @@ def gguf_absurd_layer_count(folder):
     nt.load_model(_gguf(folder, gguf_bytes(entries, [])))
 
 
+@case("refused:ConfigError", "model.gguf", "num_attention_heads")
+def gguf_phi3_without_heads(folder):
+    """(Its head width divides by the head count: a zero there raised ZeroDivisionError.)"""
+    entries = [kv_string("general.architecture", "phi3"), kv_u32("phi3.block_count", 2),
+               kv_u32("phi3.embedding_length", 32), kv_u32("phi3.feed_forward_length", 64),
+               kv_u32("phi3.attention.head_count", 0), kv_u32("phi3.rope.dimension_count", 8),
+               kv_u32("phi3.vocab_size", 64)]
+    nt.load_model(_gguf(folder, gguf_bytes(entries, [])))
+
+
+@case("refused:GGUFError", "model.gguf", "rope_factors_long", "at most")
+def gguf_phi3_rope_factors_of_a_million(folder):
+    """Read into a list of Python floats: bounded before (1M of them would be 32 MB)."""
+    entries = [kv_string("general.architecture", "phi3"), kv_u32("phi3.block_count", 2),
+               kv_u32("phi3.embedding_length", 32), kv_u32("phi3.feed_forward_length", 64),
+               kv_u32("phi3.attention.head_count", 4), kv_u32("phi3.vocab_size", 64)]
+    tensors = [("rope_factors_long.weight", [1 << 20], 0, 0), ("rope_factors_short.weight", [4], 0, 4 << 20)]
+    nt.load_model(_gguf(folder, gguf_bytes(entries, tensors, b"\0" * ((4 << 20) + 32))))
+
+
+@case("refused:ConfigError", "model.gguf", "num_experts", "limit")
+def gguf_qwen3moe_with_a_billion_experts(folder):
+    entries = [kv_string("general.architecture", "qwen3moe"), kv_u32("qwen3moe.block_count", 2),
+               kv_u32("qwen3moe.embedding_length", 32), kv_u32("qwen3moe.feed_forward_length", 64),
+               kv_u32("qwen3moe.attention.head_count", 4), kv_u32("qwen3moe.vocab_size", 64),
+               kv_u32("qwen3moe.expert_count", 10**9), kv_u32("qwen3moe.expert_used_count", 2),
+               kv_u32("qwen3moe.expert_feed_forward_length", 16)]
+    nt.load_model(_gguf(folder, gguf_bytes(entries, [])))
+
+
 @case("refused:GGUFError", "model.gguf", "pipe")
 def gguf_is_a_fifo(folder):
     nt.load_model(fifo(folder / "model.gguf"))

@@ -62,6 +62,7 @@ ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # Gemma's RMSNorm scales by 1 + weight; llama.cpp's by the weight: its files hold weight + 1.
 NORM_SHIFT = {"gemma3": 1.0}
 GEMMA3_PATTERN, GEMMA3_LOCAL_THETA = 6, 10000.0  # llama.cpp's gemma3: fixed in its code
+MAX_ROPE_FACTORS = 1 << 12  # LongRoPE factors (one per rotated frequency: head_dim / 2, 48 at Phi-4-mini)
 
 
 def hf_name(arch: str, name: str) -> str | None:
@@ -161,7 +162,7 @@ def check_writable(config: ModelConfig) -> str:
 def gemma3_query_scalar(layers: int, hidden: int, heads: int, head_dim: int) -> float:
     """What llama.cpp divides Gemma 3's queries by the root of (fixed in its code, as the
     released checkpoints set query_pre_attn_scalar: 27B's 62 layers hidden / heads)."""
-    return hidden // heads if layers == 62 else head_dim
+    return hidden // heads if layers == 62 and isinstance(hidden, int) else head_dim
 
 
 def describe(writer, config: ModelConfig, arch: str) -> dict[str, np.ndarray]:
@@ -186,12 +187,12 @@ def config_fields(arch: str, get, file, path) -> dict:
     """The family's config.json keys (as a Hugging Face config names them) from a GGUF file's
     metadata; ``get(key, default)`` reads ``{arch}.{key}`` as a number."""
     if arch == "gemma3":
-        layers = get("block_count")
+        layers, hidden, heads = get("block_count"), get("embedding_length"), get("attention.head_count")
         return {"sliding_window": get("attention.sliding_window", 4096) or None,
                 "sliding_window_pattern": GEMMA3_PATTERN,
                 "rope_local_base_freq": get("rope.freq_base_swa", GEMMA3_LOCAL_THETA),
                 "query_pre_attn_scalar": gemma3_query_scalar(
-                    layers, get("embedding_length"), get("attention.head_count"),
+                    layers, hidden, heads if isinstance(heads, int) and heads > 0 else 1,
                     get("attention.key_length", 256)),
                 "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
                 "hidden_activation": "gelu_pytorch_tanh"}
@@ -201,15 +202,18 @@ def config_fields(arch: str, get, file, path) -> dict:
                 "decoder_sparse_step": 1, "mlp_only_layers": []}
     if arch != "phi3":
         return {}
-    head_dim = get("embedding_length") // get("attention.head_count")
-    out = {"partial_rotary_factor": get("rope.dimension_count", head_dim) / head_dim,
-           "sliding_window": get("attention.sliding_window", 0) or None}
+    out = {"sliding_window": get("attention.sliding_window", 0) or None}
+    hidden, heads, rotated = get("embedding_length"), get("attention.head_count"), get("rope.dimension_count")
+    if all(isinstance(n, int) and n > 0 for n in (hidden, heads)) and rotated is not None:
+        out["partial_rotary_factor"] = rotated / (hidden // heads or 1)  # (the config checks it)
     factors = {t.name: t for t in file.tensors if t.name in ROPE_FACTORS}
     if not factors:
         return out
-    if len(factors) != 2 or any(t.tensor_type.name != "F32" or t.data.ndim != 1 for t in factors.values()):
+    if len(factors) != 2 or any(t.tensor_type.name != "F32" or t.data.ndim != 1
+                                or t.data.size > MAX_ROPE_FACTORS for t in factors.values()):
         raise GGUFError(f"{path}: Phi-3's LongRoPE needs rope_factors_long and rope_factors_short "
-                        "as one row of float32 each; the file is damaged.")
+                        f"as one row of at most {MAX_ROPE_FACTORS} float32 each (one per rotated "
+                        "frequency); the file is damaged.")
     original = get("rope.scaling.original_context_length")
     scaling = {"rope_type": "longrope", "original_max_position_embeddings": original,
                "long_factor": [float(x) for x in factors["rope_factors_long.weight"].data],

@@ -18,22 +18,18 @@ folder:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import shutil
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
 from . import files, runfile, runs
 from .atomic import write_file_atomically
+from .run.checkpoints import CHECKPOINTS, StepCheckpoints, checkpoints, stop_signals
 from .units import format_bytes
 
-CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 
 
@@ -45,15 +41,6 @@ def metrics_row(report, rank: int = 0) -> dict:
             "peak_bytes": memory.peak, "memory_measured": memory.measured,
             "memory": memory.categories, "eval_loss": report.eval_loss, "rank": rank,
             **({"router_loss": report.router_loss} if report.router_loss is not None else {})}
-
-
-def checkpoints(out: Path) -> list[Path]:
-    """Complete checkpoint folders under ``out``, oldest first."""
-    folder = out / CHECKPOINTS
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir()
-                  if p.is_dir() and p.name.startswith("step-") and (p / "trainer_state.json").is_file())
 
 
 def total_steps(settings, parts) -> int:
@@ -118,16 +105,6 @@ def check_loggers(settings) -> None:
         except ImportError:
             raise runfile.RunFileError("run.log asks for tensorboard, which is not installed: "
                                        "pip install tensorboard, or drop it from run.log.") from None
-
-
-def _save_checkpoint(parts, out: Path, keep: int, lead: bool = True, parallel=None) -> Path:
-    folder = parts.save_checkpoint(out / CHECKPOINTS / f"step-{len(parts.history):08d}")
-    if lead:
-        for old in checkpoints(out)[:-keep]:
-            shutil.rmtree(old)
-    if parallel is not None:
-        parallel.barrier()
-    return folder
 
 
 def rank_memory(parts, parallel) -> list[dict] | None:
@@ -254,52 +231,16 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
             parallel.close()
 
 
-# Rented GPUs are stopped with SIGTERM (spot instances, ``docker stop``, a platform's stop
-# button), followed by SIGKILL 10-30 s later; SIGHUP comes when the terminal goes away.
-STOP_SIGNALS = ("SIGTERM", "SIGHUP")
-
-
-@contextlib.contextmanager
-def stop_signals():
-    """While training, SIGTERM and SIGHUP end the run as Ctrl-C does: the step in flight
-    finished or undone, a checkpoint saved, the exit code 128 + the signal's number. Yields
-    the list the signal's number goes in. A second signal while saving is ignored: the save
-    it would cut short is what the first one asked for. (Handlers only exist in the main
-    thread; elsewhere the signals keep their defaults.)"""
-    stopped: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield stopped
-        return
-
-    def handler(signum, frame) -> None:
-        if stopped:
-            return
-        stopped.append(signum)
-        sys.stderr.write(f"\nnbtune: {signal.Signals(signum).name}: ending the step, then saving a "
-                         "checkpoint\n")
-        raise KeyboardInterrupt
-
-    known = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
-    previous = {number: signal.signal(number, handler) for number in known}
-    try:
-        yield stopped
-    finally:
-        for number, old in previous.items():
-            signal.signal(number, old)
-
-
 def _run(parts, path, out, out_dir, settings, resume, parallel, rank, say, started,
          progress) -> int:
     from tqdm.auto import tqdm
 
     lead = rank == 0
-    found = checkpoints(out_dir) if resume else []
-    if found:
-        parts.load_checkpoint(found[-1])
-        say(f"resumed from {found[-1]} (step {len(parts.history)})")
-    elif resume:
-        say(f"no checkpoint under {out_dir / CHECKPOINTS}: starting at step 0")
-    total = total_steps(settings, parts)
+    saver = StepCheckpoints(parts, out_dir, settings.checkpoint_every, settings.keep_checkpoints,
+                            0, lead, parallel)
+    if resume:
+        saver.resume(say)
+    total = saver.total = total_steps(settings, parts)
     model = parts.model
     numbers = [sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters()
                                                                if p.requires_grad)]
@@ -325,9 +266,7 @@ def _run(parts, path, out, out_dir, settings, resume, parallel, rank, say, start
                 say(_line(report))
                 bar.update()
                 bar.set_postfix(loss=f"{report.loss:.3f}")
-                every = settings.checkpoint_every
-                if every and (report.step % every == 0 or report.step == total):
-                    _save_checkpoint(parts, out_dir, settings.keep_checkpoints, lead, parallel)
+                saver.after_step(report)
 
             if len(parts.history) < total:
                 parts.runner.run(total - len(parts.history), shown=after)
@@ -338,7 +277,7 @@ def _run(parts, path, out, out_dir, settings, resume, parallel, rank, say, start
     finally:
         loggers.close()
     if interrupted:
-        _say_interrupted(parts, path, out, out_dir, settings, parallel, lead, say)
+        saver.interrupted(f"nbtune train {path} --resume" + (f" --out {out}" if out else ""), say)
         return 130
     ranks = rank_memory(parts, parallel)
     if ranks is not None:
@@ -363,21 +302,6 @@ def _run(parts, path, out, out_dir, settings, resume, parallel, rank, say, start
           f"{format_bytes(summary['peak_bytes'])}, {summary['seconds']:.0f} s; saved "
           + (", ".join(saved.values()) or "nothing") + f"; metrics in {out_dir / METRICS}")
     return 0
-
-
-def _say_interrupted(parts, path, out, out_dir: Path, settings, parallel, lead: bool, say) -> None:
-    """An interrupted run (Ctrl-C, SIGTERM, SIGHUP): save the last completed step and say how
-    to continue; under torchrun (the ranks may not all have stopped at the same step) say
-    which checkpoint is the newest instead."""
-    if parts.history and parallel is None:
-        folder = _save_checkpoint(parts, out_dir, settings.keep_checkpoints, lead, parallel)
-        say(f"interrupted after step {len(parts.history)}: saved {folder}; continue with "
-            f"nbtune train {path} --resume" + (f" --out {out}" if out else ""))
-    elif parallel is not None:
-        found = checkpoints(out_dir)
-        say(f"interrupted after step {len(parts.history)}: under torchrun no checkpoint is "
-            "written on an interrupt; " + (f"the newest is {found[-1]} (--resume continues it)"
-                                           if found else "none was written before it"))
 
 
 def _save_outputs(parts, out_dir: Path, kinds) -> dict:

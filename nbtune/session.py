@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 
 from . import runs
-from .on_exit import SaveOnExit, periodic_checkpoint
+from .run.checkpoints import SaveOnExit, periodic_checkpoint
 from .runner import BackgroundRun, Event, Message, Subscription
 from .runs import default_device, demo_data_file  # noqa: F401  (tests and benchmarks use them)
 from .step import StepReport
@@ -385,7 +385,7 @@ class Session:
         ``checkpoint``: a folder the run may write to: a checkpoint there every
         ``checkpoint_minutes`` of training, and of the last completed step if the process is
         stopped while the run trains (the kernel shut down, SIGTERM or SIGHUP:
-        ``nbtune.on_exit``).
+        ``nbtune.run.checkpoints``).
 
         Args:
             steps: How many optimizer steps.

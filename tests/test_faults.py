@@ -1348,7 +1348,7 @@ def test_periodic_checkpoints_are_refused_under_torchrun_and_not_written_twice_o
     import types
 
     from nbtune.distributed import Parallel
-    from nbtune.on_exit import SaveOnExit, periodic_checkpoint
+    from nbtune.run.checkpoints import SaveOnExit, periodic_checkpoint
     from nbtune.trainer import RestorePoint
 
     ranked = types.SimpleNamespace(parallel=object.__new__(Parallel), save_checkpoint=None)
@@ -1370,7 +1370,7 @@ def test_periodic_checkpoints_are_refused_under_torchrun_and_not_written_twice_o
 
 
 def test_the_periodic_checkpoint_waits_its_minutes_and_a_failed_save_does_not_end_the_run(tmp_path):
-    from nbtune.on_exit import PeriodicCheckpoint
+    from nbtune.run.checkpoints import PeriodicCheckpoint
 
     now, saved, said = [0.0], [], []
 

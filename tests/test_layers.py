@@ -31,7 +31,7 @@ LAYERS = [
     # 3. the training state
     ["trainer"],
     # 4. run control and what drives it (and the charts a ladder draws)
-    ["run", "runner", "runs", "ladder", "runfile", "demos", "ui.charts", "on_exit", "processes", "ranked"],
+    ["run", "runner", "runs", "ladder", "runfile", "demos", "ui.charts", "processes", "ranked"],
     # 5. front ends
     ["session", "ui", "headless", "cli", "__main__", ""],
 ]

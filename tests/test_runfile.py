@@ -309,8 +309,10 @@ def test_sighup_between_steps_saves_and_a_second_signal_does_not_cut_the_save(tm
     import os
     import signal
 
+    from nbtune.run.checkpoints import StepCheckpoints
+
     session_in_code().save_config(tmp_path / "run.yaml", steps=3)
-    line, save = headless._line, headless._save_checkpoint
+    line, save = headless._line, StepCheckpoints.save
 
     def hang_up_after_2(report):
         if report.step == 2:
@@ -322,10 +324,10 @@ def test_sighup_between_steps_saves_and_a_second_signal_does_not_cut_the_save(tm
         return save(*args)
 
     monkeypatch.setattr(headless, "_line", hang_up_after_2)
-    monkeypatch.setattr(headless, "_save_checkpoint", save_through_a_second_signal)
+    monkeypatch.setattr(StepCheckpoints, "save", save_through_a_second_signal)
     assert _train(tmp_path / "run.yaml", tmp_path / "cut") == 128 + signal.SIGHUP
     monkeypatch.setattr(headless, "_line", line)
-    monkeypatch.setattr(headless, "_save_checkpoint", save)
+    monkeypatch.setattr(StepCheckpoints, "save", save)
     assert [p.name for p in headless.checkpoints(tmp_path / "cut")] == ["step-00000002"]
     assert _train(tmp_path / "run.yaml", tmp_path / "cut", "--resume") == 0
     assert [m["step"] for m in _metrics(tmp_path / "cut")] == [1, 2, 3]

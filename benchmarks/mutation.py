@@ -773,7 +773,16 @@ MUTANTS: list[Mutant] = [
            "nbtune/peft_experts.py",
            "        return torch.cat(parts) if part == \"lora_A\" else torch.stack(parts, -1).flatten(1)",
            "        return torch.cat(parts) if part == \"lora_A\" else torch.stack(parts, 1).flatten(1)",
-           (T + "test_qwen3_moe.py::test_an_adapter_on_attention_and_experts_loads_in_peft_and_back",)),
+           (T + "test_qwen3_moe.py::test_an_adapter_on_attention_and_experts_loads_in_peft_and_back",)),    Mutant("wrong condition", "a queued change is taken as checked even on techniques it was not checked on",
+           "nbtune/runner.py",
+           "            same = queued.checked_on is not None and queued.checked_on == self.trainer.techniques",
+           "            same = True",
+           (T + "test_background.py::test_after_a_refusal_at_the_boundary_the_rest_of_the_queue_is_checked_again",)),
+    Mutant("wrong value", "a queued change checked again at the boundary on the techniques it was checked on",
+           "nbtune/runner.py",
+           "            changed = self.trainer.set(new, checked=checked is not None)",
+           "            changed = self.trainer.set(new, checked=False)",
+           (T + "test_background.py::test_a_queued_change_is_checked_once_and_the_plan_is_kept_not_replayed",)),
 ]
 
 

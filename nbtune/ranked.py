@@ -114,8 +114,9 @@ class RanksTrainer:
             raise interrupted
         return reports
 
-    def set(self, new) -> set[str]:
-        """``new`` techniques on every rank, or on none (the refusal names the rank)."""
+    def set(self, new, checked: bool = False) -> set[str]:
+        """``new`` techniques on every rank, or on none (the refusal names the rank); each
+        rank checks them on its own model (``checked``: the kernel's check, on a shape)."""
         changed = new.changed(self.techniques)
         if not changed:
             return changed

@@ -28,6 +28,19 @@ from .techniques import Techniques, label_of
 from .units import format_bytes
 
 
+@dataclass
+class Queued:
+    """A change made during a background run, checked when it was made: ``result`` is the
+    techniques it leads to (the plan after it), checked on ``checked_on`` (the plan before
+    it). Applied at the next step boundary on that same base, it is not checked again; on
+    another (a change before it was refused there) it is checked as a new one. ``result``
+    None: it cannot follow the queue now (it is refused when its turn comes)."""
+
+    changes: dict
+    checked_on: Techniques | None
+    result: Techniques | None
+
+
 class BusyError(RuntimeError):
     """The session is training in a background run: the command would race with it."""
 
@@ -272,7 +285,7 @@ class Runner:
         self._subscribers: list[Subscription] = []
         self._run: BackgroundRun | None = None  # while one trains
         self._last_run: BackgroundRun | None = None
-        self._pending: list[dict] = []  # set(...) changes waiting for the next step boundary
+        self._pending: list[Queued] = []  # set(...) changes waiting for the next step boundary
         self._between: list[tuple] = []  # (task, Future) waiting for the next step boundary
         self._busy: threading.Thread | None = None  # a thread inside a synchronous command
         self._dtype_noted: str | None = None  # the dtype whose speed on this device was checked
@@ -362,17 +375,26 @@ class Runner:
     def pending(self) -> list[dict]:
         """Changes made with ``set`` during a background run, not applied yet (oldest first)."""
         with self._lock:
-            return [dict(changes) for changes in self._pending]
+            return [dict(queued.changes) for queued in self._pending]
 
     @property
     def planned(self) -> Techniques:
-        """The techniques once every queued change is applied (the current ones if none)."""
+        """The techniques once every queued change is applied (the current ones if none):
+        the last queued change's result, kept, not replayed at each read."""
         with self._lock:
-            queued = list(self._pending)
+            results = [q.result for q in self._pending if q.result is not None]
+        return results[-1] if results else self.trainer.techniques
+
+    def _replan(self) -> None:
+        """After a queued change was refused at the boundary: the rest follow from what is
+        in use now (each checked again when applied). Under the lock."""
         t = self.trainer.techniques
-        for changes in queued:
-            t = t.replace(**changes)
-        return t
+        for queued in self._pending:
+            queued.checked_on = None
+            try:
+                queued.result = t = t.replace(**queued.changes)
+            except (TypeError, ValueError):
+                queued.result = None
 
     def set(self, changes: dict) -> Techniques:
         """Apply ``changes`` now, all or nothing; during a background run, check them now and
@@ -381,10 +403,11 @@ class Runner:
             run = self._run
             queue = run is not None and threading.current_thread() is not run.thread
         if queue:
-            planned = self.planned.replace(**changes)  # bad values refused here and now
+            base = self.planned
+            planned = base.replace(**changes)  # bad values refused here and now, checked once
             self.check(planned)
             with self._lock:
-                self._pending.append(dict(changes))
+                self._pending.append(Queued(dict(changes), base, planned))
             self.emit(PendingChanged(tuple(self.pending), self.planned))
             return planned
         with self.claim("set"):
@@ -400,10 +423,12 @@ class Runner:
         if problems:
             raise ValueError(" ".join(problems))
 
-    def apply(self, changes: dict) -> Techniques:
-        new = self.trainer.techniques.replace(**changes)  # validates the whole combination first
+    def apply(self, changes: dict, checked: Techniques | None = None) -> Techniques:
+        """``changes`` made now, all or nothing; ``checked``: their result, checked already on
+        the techniques in use (a queued change on the base it was checked on)."""
+        new = checked or self.trainer.techniques.replace(**changes)  # validates the whole combination
         try:
-            changed = self.trainer.set(new)
+            changed = self.trainer.set(new, checked=checked is not None)
         except BaseException:
             self.relay()
             raise
@@ -419,12 +444,15 @@ class Runner:
             with self._lock:
                 if not self._pending:
                     return
-                changes = self._pending[0]  # stays listed (and planned) until applied
+                queued = self._pending[0]  # stays listed (and planned) until applied
+            changes = queued.changes
+            same = queued.checked_on is not None and queued.checked_on == self.trainer.techniques
             try:
-                self.apply(changes)
+                self.apply(changes, checked=queued.result if same else None)
             except Exception as err:  # noqa: BLE001 - one refused change does not end the run
                 with self._lock:
                     self._pending.pop(0)
+                    self._replan()
                 self.say(f"{label_of(changes)} was not applied: {err}")
                 self.emit(Refused(dict(changes), err))
             else:

@@ -181,15 +181,17 @@ class Trainer:
 
     # ---- commands ------------------------------------------------------------------------
 
-    def set(self, new: Techniques) -> set[str]:
-        """Switch to ``new`` techniques, all or nothing; returns the fields that changed."""
+    def set(self, new: Techniques, checked: bool = False) -> set[str]:
+        """Switch to ``new`` techniques, all or nothing; returns the fields that changed.
+        ``checked``: the rules were checked on them already (a queued change, on the
+        techniques in use), so they are not checked twice."""
         self.check_usable()
         changed = new.changed(self.techniques)
         if changed:
-            self.commit(self.prepare(new))
+            self.commit(self.prepare(new, checked))
         return changed
 
-    def prepare(self, new: Techniques):
+    def prepare(self, new: Techniques, checked: bool = False):
         """The first half of ``set``: build what ``new`` needs beside what is in use, changing
         nothing in use. ``commit`` swaps it in (it cannot fail), ``abort`` drops it: several
         ranks change together, or none does."""
@@ -201,7 +203,7 @@ class Trainer:
             raise ValueError(f"batch_size={new.batch_size} does not split over {self.parallel.world} "
                              "ranks: it is the global batch, so make it a multiple of the number of "
                              "processes.")
-        return self._prepare(new)
+        return self._prepare(new, checked=checked)
 
     def commit(self, prepared) -> None:
         self._commit(prepared)
@@ -456,9 +458,9 @@ class Trainer:
 
     # ---- transactions --------------------------------------------------------------------
 
-    def _prepare(self, new: Techniques, fresh_optimizer: bool = False) -> _Prepared:
+    def _prepare(self, new: Techniques, fresh_optimizer: bool = False, checked: bool = False) -> _Prepared:
         """Build what ``new`` needs beside what exists; on failure, undo and re-raise."""
-        problems = check(new, self.model, self.device.type) + self.data.problems(new)
+        problems = [] if checked else check(new, self.model, self.device.type) + self.data.problems(new)
         if problems:
             raise ValueError(" ".join(problems))
         changed = new.changed(self.techniques)

@@ -3,6 +3,7 @@ steps in order, the final state equal to the same changes made between synchrono
 and every command that would race with the training thread refused."""
 
 import _thread
+import dataclasses
 import signal
 import threading
 import time
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import nbtune as nt
-from nbtune.runner import BusyError
+from nbtune.runner import BusyError, StepDone
 from tests.helpers import small_session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -133,10 +134,10 @@ def test_a_change_refused_at_the_boundary_is_reported_and_the_run_goes_on(monkey
     s = small_session()
     real = s.trainer.set
 
-    def refuse_seq_len(new):
+    def refuse_seq_len(new, checked=False):
         if new.seq_len != 96:
             raise ValueError("seq_len refused at the boundary (injected)")
-        return real(new)
+        return real(new, checked=checked)
 
     monkeypatch.setattr(s.trainer, "set", refuse_seq_len)
     run = s.start(4)
@@ -146,7 +147,68 @@ def test_a_change_refused_at_the_boundary_is_reported_and_the_run_goes_on(monkey
     s.set(seq_len=64)  # passes the checks made at once, fails where it is applied
     run.wait()
     assert len(run.reports) == 4 and s.techniques.seq_len == 96 and s.pending == []
-    assert any("seq_len" in m and "not applied" in m for m in run.messages)
+    assert any("seq_len refused at the boundary" in m and "not applied" in m for m in run.messages)
+
+
+def test_a_queued_change_is_checked_once_and_the_plan_is_kept_not_replayed(monkeypatch):
+    """A change made during a run is checked (the plan's rules, the data's) when it is made,
+    not again at the boundary on the techniques it was checked on; reading the plan replays
+    nothing. After a change before it is refused at the boundary, the ones after it follow
+    from what is in use and are checked again."""
+    import nbtune.plan as plan
+    import nbtune.runner as runner_module
+    import nbtune.trainer as trainer_module
+
+    s = small_session()
+    checks = []
+    real = plan.check
+
+    def counted(t, *args, **kwargs):
+        checks.append(t)
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(plan, "check", counted)
+    monkeypatch.setattr(trainer_module, "check", counted)
+    gate = threading.Event()
+    s.runner.subscribe(lambda event: gate.wait(30) if isinstance(event, runner_module.StepDone) else None)
+    run = s.start(3)
+    s.set(lr=3e-4)
+    s.set(max_grad_norm=0.5)
+    replays = []
+    monkeypatch.setattr(nt.Techniques, "replace",
+                        lambda self, **c: replays.append(c) or dataclasses.replace(self, **c))
+    assert [s.planned.lr for _ in range(50)] == [3e-4] * 50 and replays == []  # kept, not replayed
+    assert s.planned.max_grad_norm == 0.5 and s.pending == [{"lr": 3e-4}, {"max_grad_norm": 0.5}]
+    gate.set()
+    run.wait()
+    assert s.techniques.lr == 3e-4 and s.techniques.max_grad_norm == 0.5
+    before = nt.Techniques().max_grad_norm
+    assert [(t.lr, t.max_grad_norm) for t in checks] == [(3e-4, before), (3e-4, 0.5)]  # once each
+
+
+def test_after_a_refusal_at_the_boundary_the_rest_of_the_queue_is_checked_again(monkeypatch):
+    s = small_session()
+    real = s.trainer.set
+    given = []
+
+    def refuse_seq_len(new, checked=False):
+        given.append((new.seq_len, new.lr, checked))
+        if new.seq_len != 96:
+            raise ValueError("seq_len refused at the boundary (injected)")
+        return real(new, checked=checked)
+
+    monkeypatch.setattr(s.trainer, "set", refuse_seq_len)
+    gate = threading.Event()
+    s.runner.subscribe(lambda event: gate.wait(30) if isinstance(event, StepDone) else None)
+    run = s.start(3)
+    s.set(seq_len=64)
+    s.set(lr=3e-4)
+    assert s.planned.seq_len == 64 and s.planned.lr == 3e-4
+    gate.set()
+    run.wait()
+    # the first refused; the second applied on seq_len 96, checked again (not its old result)
+    assert given == [(64, 1e-3, True), (96, 3e-4, False)]
+    assert s.techniques.seq_len == 96 and s.techniques.lr == 3e-4 and s.planned == s.techniques
 
 
 def test_an_error_in_the_thread_ends_the_run_and_leaves_the_twin_state(monkeypatch):

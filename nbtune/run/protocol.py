@@ -59,8 +59,9 @@ class TrainerProtocol(Protocol):
         ``track_rest``. A KeyboardInterrupt after steps stood carries them as
         ``nbtune_reports``."""
 
-    def set(self, new: Techniques) -> set[str]:
-        """Take ``new`` techniques (or refuse, changing nothing); the fields changed."""
+    def set(self, new: Techniques, checked: bool = False) -> set[str]:
+        """Take ``new`` techniques (or refuse, changing nothing); the fields changed.
+        ``checked``: the rules were checked on them already, on the techniques in use."""
 
     def recover(self) -> Any:
         """Return to the newest state the run can, after a failure; what it returned to."""

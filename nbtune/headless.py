@@ -23,7 +23,9 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from . import files, runfile, runs
 from .atomic import write_file_atomically
@@ -214,8 +216,8 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
             parallel.barrier()
         with stop_signals() as stopped:
             try:
-                code = _run(parts, path, out, out_dir, settings, resume, parallel, rank, say,
-                            started, progress)
+                code = _run(parts, TrainJob(path, out, out_dir, settings, resume, parallel, rank,
+                                            say, started, progress))
             except Exception as err:  # a rank or its machine gone: named, not a traceback
                 lost = parallel.lost(err) if parallel is not None else None
                 if lost is None:
@@ -231,14 +233,34 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
             parallel.close()
 
 
-def _run(parts, path, out, out_dir, settings, resume, parallel, rank, say, started,
-         progress) -> int:
+@dataclass
+class TrainJob:
+    """What ``nbtune train`` runs, besides the run itself: the run file, where its outputs go
+    (``out`` as given, ``out_dir`` resolved), its ``run`` settings, whether it resumes, the
+    ranks (``parallel``, this process's ``rank``), how it speaks, when it started, and
+    whether a progress bar shows."""
+
+    path: str
+    out: str | None
+    out_dir: Path
+    settings: object
+    resume: bool
+    parallel: object
+    rank: int
+    say: Callable[[str], None]
+    started: float
+    progress: bool
+
+
+def _run(parts, job: TrainJob) -> int:
     from tqdm.auto import tqdm
 
-    lead = rank == 0
+    path, out, out_dir, settings, parallel, say = (job.path, job.out, job.out_dir, job.settings,
+                                                   job.parallel, job.say)
+    lead = job.rank == 0
     saver = StepCheckpoints(parts, out_dir, settings.checkpoint_every, settings.keep_checkpoints,
                             0, lead, parallel)
-    if resume:
+    if job.resume:
         saver.resume(say)
     total = saver.total = total_steps(settings, parts)
     model = parts.model
@@ -256,11 +278,11 @@ def _run(parts, path, out, out_dir, settings, resume, parallel, rank, say, start
     if evaluate:
         summary["heldout_accuracy_before"] = parts.evaluate()
         say(f"held-out accuracy before: {summary['heldout_accuracy_before']:.0%}")
-    loggers = _Loggers(out_dir, settings, rank=rank, resumed_at=len(parts.history))
+    loggers = _Loggers(out_dir, settings, rank=job.rank, resumed_at=len(parts.history))
     interrupted = False
     try:
         with tqdm(total=total, initial=len(parts.history), desc="training", unit="step",
-                  disable=None if progress and lead else True, file=sys.stderr) as bar:
+                  disable=None if job.progress and lead else True, file=sys.stderr) as bar:
             def after(report) -> None:  # between steps, in the runner's loop
                 loggers.write(report)
                 say(_line(report))
@@ -291,7 +313,7 @@ def _run(parts, path, out, out_dir, settings, resume, parallel, rank, say, start
     summary.update({
         "loss_first": losses[0], "loss_last": sum(window) / len(window),
         "peak_bytes": max(r.memory.peak for r in parts.history),
-        "seconds": time.perf_counter() - started, "saved": saved,
+        "seconds": time.perf_counter() - job.started, "saved": saved,
         "techniques": parts.techniques.as_dict(), "device": str(parts.device)})
     if evaluate:
         summary["heldout_accuracy_after"] = parts.evaluate()

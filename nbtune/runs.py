@@ -206,50 +206,55 @@ def _fit_context(techniques, limit: int) -> tuple[Techniques, str | None]:
         f"seq_len of {default}; set seq_len to choose a length.")
 
 
-def from_pretrained(path_or_id: str | os.PathLike, data=None, *, heldout=None,
+@dataclass
+class RunSpec:
+    """A run resolved from what it was given (a model's folder, Hub id or .gguf file, an
+    adapter folder on its base, a demo, a run file) before anything loads: ``build`` makes
+    every run from one of these, in one place. ``given``: the techniques as the user gave
+    them (whether they chose seq_len, ``assemble``); ``seed``: torch's, set before building
+    (a run file's, so that two runs of it agree)."""
+
+    model: str | os.PathLike  # the base: a folder, Hub repo id or .gguf file
+    train: list | None
+    heldout: list | None
+    techniques: Techniques
+    given: Techniques | dict | None
+    adapter: object = None  # an adapters.Adapter to load on the base
+    device: object = None
+    revision: str | None = None
+    parallel: object = None
+    data_files: dict = field(default_factory=dict)
+    match: str | Callable[[str, str], bool] = "exact"
+    demo_name: str | None = None
+    settings: object = None
+    memory_tracking: str | None = None
+    seed: int | None = None
+
+
+def pretrained_spec(path_or_id: str | os.PathLike, data=None, *, heldout=None,
                     techniques: Techniques | None = None, device=None,
-                    revision: str | None = None, parallel=None, base=None) -> Run:
-    """A Hugging Face folder, Hub repo id, ``.gguf`` file or saved LoRA adapter folder (on
-    its ``base``: the one it names, or the one given), and the training data (JSONL path,
-    rows or a datasets.Dataset; None to chat, evaluate or save only: training then says it
-    needs data). The data is read first, to fail fast on bad rows."""
+                    revision: str | None = None, parallel=None, base=None) -> RunSpec:
+    """``from_pretrained``'s run, resolved: an adapter folder on its ``base`` (the one it
+    names, or the one given), the data read (first, to fail fast on bad rows)."""
     given = techniques  # as the user gave it: did they choose seq_len? (``assemble``)
     adapter = read_adapter(path_or_id) if is_adapter_folder(path_or_id) else None
     if adapter is not None:
-        techniques = adapter_techniques(adapter, techniques)
+        techniques = given = adapter_techniques(adapter, techniques)
         path_or_id = base_of(adapter, base)
     elif base is not None:
         raise ValueError(f"base={base!r} is for an adapter folder; {path_or_id} is a whole model.")
-    techniques = as_techniques(techniques)
     train = examples_from(data) if data is not None else None
     held = examples_from(heldout, "the held-out data") if heldout is not None else None
-    if is_gguf(path_or_id):
-        base = GGUFFile(path_or_id)  # parsed once for the tokenizer and the weights
-        tokenizer = gguf_tokenizer(base)
-    else:
-        base = resolve_model_folder(path_or_id, revision)
-        tokenizer = Tokenizer.from_folder(base)
-    check_renderable((train or []) + (held or []), tokenizer)
-    quantize = techniques.nf4_targets
-    if parallel is not None:  # each rank reads its rows of every weight, nothing whole
-        config = read_config(base)
-        fitted, _ = _fit_context(given if adapter is None else techniques, config.max_position_embeddings)
-        model = build_sharded(base, config, fitted, parallel)
-    else:
-        model = load_model(base, dtype=techniques.dtype, device=device or default_device(),
-                           quantize=quantize)  # NF4 as each weight is read: lean loading
-    run = assemble(model, tokenizer, train, heldout=held, techniques=given if adapter is None else techniques,
-                   device=device, parallel=parallel, source=str(path_or_id), base=base)
-    if adapter is not None:
-        load_adapter_weights(run.model, adapter)
-    run.data_files = {split: str(value) for split, value in (("train", data), ("heldout", heldout))
-                      if isinstance(value, (str, os.PathLike))}
-    return run
+    files = {split: str(value) for split, value in (("train", data), ("heldout", heldout))
+             if isinstance(value, (str, os.PathLike))}
+    return RunSpec(path_or_id, train, held, as_techniques(techniques), given, adapter, device,
+                   revision, parallel, files)
 
 
-def from_demo(name: str = "tiny", techniques: Techniques | dict | None = None, device=None,
-              parallel=None, **changes) -> Run:
-    """``Session.demo``'s run: the demo's model, data and techniques (``changes`` on top)."""
+def demo_spec(name: str = "tiny", techniques: Techniques | dict | None = None, device=None,
+              parallel=None, **changes) -> RunSpec:
+    """``Session.demo``'s run, resolved: the demo's model, data and techniques (``changes``
+    on top)."""
     from .demos import demo_named
 
     demo = demo_named(name)
@@ -257,19 +262,18 @@ def from_demo(name: str = "tiny", techniques: Techniques | dict | None = None, d
         techniques, changes = None, {**techniques, **changes}
     techniques = (as_techniques(techniques) if techniques is not None
                   else demo.techniques).replace(**changes)
-    run = from_pretrained(demo.model(), demo_data_file("train", name),
-                          heldout=demo_data_file("heldout", name),
-                          techniques=techniques, device=device, parallel=parallel)
-    run.match, run.demo_name = demo.match, name
-    return run
+    spec = pretrained_spec(demo.model(), demo_data_file("train", name),
+                           heldout=demo_data_file("heldout", name), techniques=techniques,
+                           device=device, parallel=parallel)
+    spec.match, spec.demo_name = demo.match, name
+    return spec
 
 
-def from_config(config, *, overrides: dict | None = None, device=None, parallel=None) -> Run:
-    """A run file's run (``save_config`` writes one) or a loaded ``RunConfig``'s.
+def config_spec(config, *, overrides: dict | None = None, device=None, parallel=None) -> RunSpec:
+    """A run file's run (``save_config`` writes one) or a loaded ``RunConfig``'s, resolved.
 
     ``overrides`` are dotted fields that win over the file (``{"techniques.lr": 1e-4}``); a
-    bad field is refused naming its line (``RunFileError``) before anything loads. torch's
-    random generator is seeded with ``techniques.seed`` first, so two runs of a file agree."""
+    bad field is refused naming its line (``RunFileError``) before anything loads."""
     from . import runfile
 
     if not isinstance(config, runfile.RunConfig):
@@ -279,14 +283,63 @@ def from_config(config, *, overrides: dict | None = None, device=None, parallel=
                          "config.model_copy(update=...) instead.")
     techniques = config.to_techniques()
     device = device or config.device
-    torch.manual_seed(techniques.seed)  # adapters' initial values and dropout: repeatable runs
     if config.demo is not None:
-        run = from_demo(config.demo, techniques=techniques, device=device, parallel=parallel)
+        spec = demo_spec(config.demo, techniques=techniques, device=device, parallel=parallel)
     else:
-        run = from_pretrained(config.path(config.model), config.path(config.data.train),
-                              heldout=config.path(config.data.heldout), techniques=techniques,
-                              device=device, revision=config.revision, parallel=parallel)
-        run.match = config.data.match
-    run.runner.sampler.mode = config.memory_tracking
-    run.settings = config.run
+        spec = pretrained_spec(config.path(config.model), config.path(config.data.train),
+                               heldout=config.path(config.data.heldout), techniques=techniques,
+                               device=device, revision=config.revision, parallel=parallel)
+        spec.match = config.data.match
+    spec.memory_tracking, spec.settings, spec.seed = config.memory_tracking, config.run, techniques.seed
+    return spec
+
+
+def build(spec: RunSpec) -> Run:
+    """The run ``spec`` says, built: the tokenizer and the model read (each rank its rows of
+    every weight, under torchrun; NF4 as each weight is read for QLoRA), the trainer and
+    runner made (``assemble``), an adapter loaded on it."""
+    if spec.seed is not None:
+        torch.manual_seed(spec.seed)  # adapters' initial values and dropout: repeatable runs
+    techniques, parallel, device = spec.techniques, spec.parallel, spec.device
+    if is_gguf(spec.model):
+        base = GGUFFile(spec.model)  # parsed once for the tokenizer and the weights
+        tokenizer = gguf_tokenizer(base)
+    else:
+        base = resolve_model_folder(spec.model, spec.revision)
+        tokenizer = Tokenizer.from_folder(base)
+    check_renderable((spec.train or []) + (spec.heldout or []), tokenizer)
+    if parallel is not None:  # each rank reads its rows of every weight, nothing whole
+        config = read_config(base)
+        fitted, _ = _fit_context(spec.given, config.max_position_embeddings)
+        model = build_sharded(base, config, fitted, parallel)
+    else:
+        model = load_model(base, dtype=techniques.dtype, device=device or default_device(),
+                           quantize=techniques.nf4_targets)  # NF4 as each weight is read: lean loading
+    run = assemble(model, tokenizer, spec.train, heldout=spec.heldout, techniques=spec.given,
+                   device=device, parallel=parallel, source=str(spec.model), base=base)
+    if spec.adapter is not None:
+        load_adapter_weights(run.model, spec.adapter)
+    run.data_files, run.match, run.demo_name, run.settings = (spec.data_files, spec.match,
+                                                              spec.demo_name, spec.settings)
+    if spec.memory_tracking is not None:
+        run.runner.sampler.mode = spec.memory_tracking
     return run
+
+
+def from_pretrained(path_or_id: str | os.PathLike, data=None, **options) -> Run:
+    """A Hugging Face folder, Hub repo id, ``.gguf`` file or saved LoRA adapter folder, and
+    the training data (JSONL path, rows or a datasets.Dataset; None to chat, evaluate or save
+    only: training then says it needs data); ``options`` as ``pretrained_spec`` takes them."""
+    return build(pretrained_spec(path_or_id, data, **options))
+
+
+def from_demo(name: str = "tiny", techniques: Techniques | dict | None = None, device=None,
+              parallel=None, **changes) -> Run:
+    """``Session.demo``'s run: the demo's model, data and techniques (``changes`` on top)."""
+    return build(demo_spec(name, techniques, device, parallel, **changes))
+
+
+def from_config(config, *, overrides: dict | None = None, device=None, parallel=None) -> Run:
+    """A run file's run (``config_spec``); torch's random generator is seeded with
+    ``techniques.seed`` first, so two runs of a file agree."""
+    return build(config_spec(config, overrides=overrides, device=device, parallel=parallel))

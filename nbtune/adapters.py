@@ -70,7 +70,16 @@ def read_adapter(folder) -> Adapter:
         raise bad("it trains biases or whole modules beside the adapters; nbtune loads plain "
                   "LoRA adapters (bias='none', no modules_to_save).")
     rank, alpha, dropout = config.get("r"), config.get("lora_alpha"), config.get("lora_dropout", 0.0)
+    if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 < rank <= 1 << 16):
+        raise bad(f"r is {rank!r}, not a rank (a positive integer).")
+    for name, value in (("lora_alpha", alpha), ("lora_dropout", dropout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise bad(f"{name} is {value!r}, not a number.")
     experts = config.get("target_parameters") or []
+    if not isinstance(experts, list) or not all(isinstance(t, str) for t in experts) \
+            or not all(isinstance(config.get(k) or {}, dict) for k in ("rank_pattern", "alpha_pattern")):
+        raise bad("target_parameters, rank_pattern or alpha_pattern is not of PEFT's form (a "
+                  "list of parameter names, a mapping of names to numbers).")
     if experts and sorted(experts) != sorted([GATE_UP, DOWN]):
         raise bad(f"target_parameters is {files.shown(experts)}; nbtune adapts a mixture of "
                   f"experts' {GATE_UP} and {DOWN} together, or neither.")
@@ -85,11 +94,6 @@ def read_adapter(folder) -> Adapter:
     if patterns != expected or config.get("layers_to_transform"):
         raise bad("its rank or alpha differs by layer, or it adapts some layers only; nbtune's "
                   "adapters share one rank and alpha over every layer.")
-    if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 < rank <= 1 << 16):
-        raise bad(f"r is {rank!r}, not a rank (a positive integer).")
-    for name, value in (("lora_alpha", alpha), ("lora_dropout", dropout)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise bad(f"{name} is {value!r}, not a number.")
     targets = config.get("target_modules")
     targets = [targets] if isinstance(targets, str) else targets
     if not (isinstance(targets, list) and (targets or experts)

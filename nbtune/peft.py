@@ -356,10 +356,13 @@ def replace_adapters(model: nn.Module, targets: tuple[str, ...], rank: int, alph
 
 def adapters_untrained(model: nn.Module) -> bool:
     """Whether every adapter's B is still zero, as made: folding them in would add nothing
-    (fake or meta weights, an estimate's, are taken as trained)."""
+    (fake or meta weights, an estimate's, and sharded ones are taken as trained)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
     found = lora_modules(model)
-    return bool(found) and all(not is_fake(m.lora_B.weight) and m.lora_B.weight.device.type != "meta"
-                               and not bool(m.lora_B.weight.any()) for _, m in found)
+    return bool(found) and all(
+        not is_fake(w) and w.device.type != "meta" and not is_traceable_wrapper_subclass(w)
+        and not bool(w.any()) for w in (m.lora_B.weight for _, m in found))
 
 
 def drop_lora(model: nn.Module) -> None:

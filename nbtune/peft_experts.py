@@ -108,8 +108,9 @@ def split(group: dict, parent: str, weights: dict[tuple[str, str], torch.Tensor]
 
 
 def peft_config_entries(group: dict, alpha: float) -> dict:
-    """adapter_config.json's entries for adapted experts (PEFT's ``ParamWrapper`` takes no
-    dropout: it changes nothing at inference, so none is written)."""
+    """adapter_config.json's entries for adapted experts. PEFT's ``ParamWrapper`` refuses any
+    dropout, so the file says ``lora_dropout`` 0 for every adapter (dropout changes nothing at
+    inference); an adapter read back trains on without dropout unless ``lora_dropout`` is set."""
     rank = next(iter(group.values())).rank
     return {"target_parameters": [GATE_UP, DOWN], "rank_pattern": {GATE_UP: 2 * rank},
             "alpha_pattern": {GATE_UP: 2 * alpha}, "lora_dropout": 0.0}

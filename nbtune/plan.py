@@ -84,7 +84,7 @@ def transform_model(model: nn.Module, new: Techniques, previous: Techniques | No
         messages.append("new zero-initialised QLoRA adapters; the previous ones were dropped "
                         "(folding them into the NF4 base would quantize it again).")
     else:
-        if reshape and adapters_untrained(model):
+        if reshape and adapters_untrained(model) and not any(is_nf4(p) for p in model.parameters()):
             drop_lora(model)  # never trained: nothing to fold in, the base stays as loaded
         elif reshape and has_lora(model):
             merge_lora(model)  # adapters are folded into the base, not thrown away

@@ -180,3 +180,33 @@ def test_targets_chosen_before_any_training_leave_the_base_as_loaded_and_the_ada
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
     s.set(lora_targets=("q_proj", "k_proj", "v_proj"))  # trained ones: folded into the base
     assert s.base_changed
+
+
+def test_untrained_adapters_on_an_nf4_base_are_still_merged_so_no_nf4_weight_is_left():
+    """From QLoRA to LoRA before any training: the base must come out dense (merged, as
+    before), not keep NF4 weights under a method that trains dense ones."""
+    from helpers import small_session
+
+    from nbtune.peft import is_nf4
+
+    s = small_session(method="qlora", lora_rank=4)
+    assert any(is_nf4(p) for p in s.model.parameters())
+    s.set(method="lora", lora_targets=("q_proj", "v_proj"))
+    assert not any(is_nf4(p) for p in s.model.parameters()) and s.base_changed
+    s.step()
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"r": None, "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}, "r is None"),
+    ({"target_parameters": 5}, "not of PEFT's form"),
+    ({"rank_pattern": 5}, "not of PEFT's form"),
+])
+def test_a_damaged_expert_adapter_config_is_refused_by_name(tmp_path, changes, says):
+    from nbtune.adapters import AdapterError, read_adapter
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], **changes}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterError, match=says):
+        read_adapter(folder)

@@ -204,3 +204,15 @@ def test_llama_cpp_runs_each_familys_export_with_nbtunes_logits(tmp_path, family
     err = (ours - theirs).abs().max().item()
     print(f"{family}: max |logit difference| against llama.cpp {err:.1e}")
     assert err < 1e-3
+
+
+def test_a_one_expert_moe_is_written_stacked_and_reads_back(tmp_path):
+    """One expert is still a stack of one ([1, rows, columns]), as llama.cpp reads it."""
+    ref = build(tmp_path / "hf", "qwen3_moe", num_experts=1, num_experts_per_tok=1)
+    folder = session_on(tmp_path / "hf").save(tmp_path / "out", format="gguf", quantization="f32")
+    tensor = next(t for t in GGUFFile(folder / "model.gguf").tensors if t.name == "blk.0.ffn_up_exps.weight")
+    assert tuple(int(n) for n in tensor.shape) == (64, 32, 1)
+    ids = torch.randint(0, 259, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(load_gguf_model(folder / "model.gguf").eval()(ids), ref(ids).logits,
+                                   atol=1e-4, rtol=0)

@@ -28,7 +28,7 @@ from .. import files
 from .config import ModelConfig
 from .decoder import CausalLM, rope_divisors
 from .filling import check_finite, empty_model, fill_model, release_freed_heap
-from .gguf_arch import (ARCH_OF, ARCHITECTURES, MODEL_TYPE_OF, NORM_SHIFT, ROPE_FACTORS,
+from .gguf_arch import (ARCH_OF, ARCHITECTURES, EXPERT_NAMES, MODEL_TYPE_OF, NORM_SHIFT, ROPE_FACTORS,
                         check_writable, config_fields, describe, expert_keys, gguf_groups, hf_name)
 from .gguf_layout import GGUFError, check_layout
 from .tokenizer import Tokenizer
@@ -470,9 +470,10 @@ def _write_tensors(writer, weights, groups, config, tokenizer, quantization, nam
     for gguf_name, values in extra.items():
         writer.add_tensor_info(gguf_name, values.shape, values.dtype, values.nbytes)
     shift = NORM_SHIFT.get(arch, 0.0)
+    stacked = {name for name, _ in groups if name.split(".", 2)[-1] in EXPERT_NAMES}
     for gguf_name, keys in groups:  # every tensor's name, shape and type first: the header precedes the data
         shape = tuple(weights.described[keys[0]].shape)
-        shape = shape if len(keys) == 1 else (len(keys), *shape)
+        shape = (len(keys), *shape) if gguf_name in stacked else shape
         dtype, raw = _stored_as(shape, quantization)
         if raw is not None:
             shape = quant_shape_to_byte_shape(shape, raw)
@@ -486,7 +487,7 @@ def _write_tensors(writer, weights, groups, config, tokenizer, quantization, nam
     scratch = [None]
     for gguf_name, keys in groups:  # then each made, converted, written and freed in turn
         shape = tuple(weights.described[keys[0]].shape)
-        out = _buffer(shape if len(keys) == 1 else (len(keys), *shape), quantization, scratch)
+        out = _buffer((len(keys), *shape) if gguf_name in stacked else shape, quantization, scratch)
         for index, key in enumerate(keys):  # a stack of experts: one expert made at a time
             tensor = weights.make(key)
             if shift and key.endswith("norm.weight"):
@@ -495,7 +496,7 @@ def _write_tensors(writer, weights, groups, config, tokenizer, quantization, nam
             if arch == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.num_heads if "q_proj" in key else config.num_kv_heads
                 rows = torch.from_numpy(_permute(np.arange(tensor.shape[0]), heads))
-            _fill(out if len(keys) == 1 else out[index], tensor, rows, quantization)
+            _fill(out[index] if gguf_name in stacked else out, tensor, rows, quantization)
             del tensor
         writer.write_tensor_data(out)
         del out

@@ -98,7 +98,7 @@ import nbtune as nt
 import nbtune.loss as L
 from nbtune.models import CausalLM, ModelConfig
 from nbtune.data import IGNORE, BatchStream, Sample
-from nbtune.trainer import Trainer
+from nbtune.run.trainer import Trainer
 
 shape = dict(vocab=32000, hidden=768, mlp=2048, layers=12, heads=12, kv=4, batch=2, seq=512)
 config = ModelConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["mlp"],

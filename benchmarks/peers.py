@@ -312,7 +312,7 @@ def worker_nbtune(shape, config, folder, steps, device, rollback="auto", track=F
 
     import nbtune as nt
     from nbtune.models import load_model
-    from nbtune.trainer import Trainer
+    from nbtune.run.trainer import Trainer
 
     method = "qlora" if config.get("qlora") else "lora" if config.get("lora") else "full"
     t = nt.Techniques(

@@ -95,7 +95,8 @@ def write_model(folder: Path, config: dict) -> int:
 def worker(run_file: str, out: str, report: str) -> None:
     """One process of the job: bare, then ``nbtune train`` with the building marked."""
     import nbtune  # noqa: F401  (the bare process has nbtune imported)
-    from nbtune import cli, runs
+    import nbtune.cli.main as cli
+    from nbtune.run import factory as runs
     from nbtune.distributed import Parallel
 
     parallel = Parallel.from_env()  # the group up before measuring, as a bare rank has it

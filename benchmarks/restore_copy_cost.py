@@ -26,7 +26,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 def seconds_per_step(keep: bool, steps: int) -> tuple[float, int]:
     from helpers import small_session
 
-    from nbtune.trainer import Trainer
+    from nbtune.run.trainer import Trainer
 
     real = Trainer._keep
     if not keep:

@@ -100,7 +100,7 @@ def walk(command) -> dict:
 
 
 def main() -> None:
-    from nbtune import cli
+    import nbtune.cli.main as cli
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

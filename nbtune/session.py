@@ -1,7 +1,7 @@
 """Session: the notebook's front end to one finetuning run.
 
 Its run (model, ``TrainingData``, ``Trainer``, ``Runner``) comes from the run factory
-(``nbtune.runs``), as ``nbtune train``'s does; the session answers questions about it
+(``nbtune.run.factory``), as ``nbtune train``'s does; the session answers questions about it
 (estimate, fit, compare, generate, evaluate), saves it and draws it. Run control (the
 claim on the training state, queued changes, the loop, background runs, events) belongs to
 its ``runner``; the training state to its ``trainer``. What a command says is printed in
@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from . import runs
+from .run import factory
 from .run.checkpoints import SaveOnExit, periodic_checkpoint
-from .runner import BackgroundRun, Event, Message, Subscription
-from .runs import default_device, demo_data_file  # noqa: F401  (tests and benchmarks use them)
+from .run.runner import BackgroundRun, Event, Message, Subscription
+from .run.factory import default_device, demo_data_file  # noqa: F401  (tests and benchmarks use them)
 from .step import StepReport
 from .techniques import Techniques, as_techniques
 from .undo import ROLLBACK_MODES
@@ -74,10 +74,10 @@ class Session:
                  techniques: Techniques | dict | None = None,
                  device: str | torch.device | None = None, parallel=None,
                  source: str | None = None, base=None):
-        self._adopt(runs.assemble(model, tokenizer, train, heldout=heldout, techniques=techniques,
+        self._adopt(factory.assemble(model, tokenizer, train, heldout=heldout, techniques=techniques,
                                   device=device, parallel=parallel, source=source, base=base))
 
-    def _adopt(self, parts: runs.Run) -> None:
+    def _adopt(self, parts: factory.Run) -> None:
         """Front the run the factory built: say what building it had to say."""
         self.parts = parts  # the run's parts; ``nbtune train`` drives the same kind directly
         self.tokenizer, self.data, self.device = parts.tokenizer, parts.data, parts.device
@@ -91,7 +91,7 @@ class Session:
             self.runner.relay()  # what building the run had to say (rows skipped)
 
     @classmethod
-    def _of(cls, parts: runs.Run) -> "Session":
+    def _of(cls, parts: factory.Run) -> "Session":
         session = cls.__new__(cls)
         session._adopt(parts)
         return session
@@ -196,7 +196,7 @@ class Session:
             ConfigError: The model's ``config.json`` is refused (an unsupported family, a missing
                 field).
         """
-        return cls._of(runs.from_pretrained(path_or_id, data, heldout=heldout, techniques=techniques,
+        return cls._of(factory.from_pretrained(path_or_id, data, heldout=heldout, techniques=techniques,
                                             device=device, revision=revision, parallel=parallel,
                                             base=base))
 
@@ -210,7 +210,7 @@ class Session:
         a bad field is refused naming its line (``RunFileError``) before anything loads. torch's
         random generator is seeded with ``techniques.seed`` first, so two runs of a file agree.
         ``processes=N`` (default: the file's ``processes:``): N ranks under FSDP2, processes
-        driven from here (``nbtune.ranked``), ended by ``close()``. ``local=K`` starts K here,
+        driven from here (``nbtune.run.ranked``), ended by ``close()``. ``local=K`` starts K here,
         the rest join from machines that reach this one at ``address`` (it prints how).
 
         Args:
@@ -230,13 +230,13 @@ class Session:
         """
         processes = _processes_of(config, overrides, processes, parallel)
         if processes is not None:
-            from .ranked import RankedRun
+            from .run.ranked import RankedRun
 
             if not isinstance(config, (str, os.PathLike)):
                 raise TypeError("from_config(processes=N) takes the run file's path: each rank "
                                 "reads it (save_config writes one).")
             return cls._of(RankedRun(config, processes, overrides, local=local, address=address))
-        return cls._of(runs.from_config(config, overrides=overrides, device=device,
+        return cls._of(factory.from_config(config, overrides=overrides, device=device,
                                         parallel=parallel))
 
     @classmethod
@@ -259,7 +259,7 @@ class Session:
         Returns:
             The session.
         """
-        return cls._of(runs.from_demo(name, techniques, device=device, parallel=parallel, **changes))
+        return cls._of(factory.from_demo(name, techniques, device=device, parallel=parallel, **changes))
 
     # ---- techniques ---------------------------------------------------------------------
 
@@ -353,7 +353,7 @@ class Session:
         """
         from tqdm.auto import tqdm
 
-        from .runner import check_run_args
+        from .run.runner import check_run_args
         from .ui.live import LiveChart, in_notebook
 
         check_run_args("run", steps, on_oom)
@@ -574,8 +574,8 @@ class Session:
         """Run each configuration ``steps`` steps on a trial copy of the model (this session
         is left as it was) and tabulate peak memory and speed: a ``Ladder``, shown as a table
         with a bar chart. ``configs``: dicts of toggle changes, each on top of the row before
-        (start with ``{}``), or whole ``Techniques``; see ``nbtune.ladder.compare``. On ranks
-        (``processes=N``) the rows run on N ranks of their own (``headless.compare_on_ranks``).
+        (start with ``{}``), or whole ``Techniques``; see ``nbtune.run.ladder.compare``. On ranks
+        (``processes=N``) the rows run on N ranks of their own (``run.ladder.compare_on_ranks``).
 
         Args:
             configs: A list of dicts of toggle changes (each on top of the row before) or
@@ -773,11 +773,11 @@ class Session:
         Returns:
             A matplotlib ``Figure``.
         """
-        from .ui.charts import memory_figure, steps_figure
+        from .charts import memory_figure, steps_figure
 
         charts = {"summary": memory_figure, "steps": steps_figure}
         if kind == "ranks" and self.ranks_memory:  # each rank's last step, side by side
-            from .ui.charts import ranks_figure
+            from .charts import ranks_figure
 
             step = max(self.ranks_memory)
             return ranks_figure(self.ranks_memory[step], step)
@@ -804,7 +804,7 @@ class Session:
         return Panel(self)
 
     def subscribe(self, callback: Callable[[Event], None]) -> Subscription:
-        """Call ``callback(event)`` for each event (``nbtune.runner``: ``StepDone``,
+        """Call ``callback(event)`` for each event (``nbtune.run.runner``: ``StepDone``,
         ``TechniquesChanged``, ``PendingChanged``, ``Message``, ``Refused``, ``RunStarted``,
         ``RunFinished``; ``event.kind`` names it) until the returned subscription's
         ``close()``. Events of a background run come from its thread.
@@ -846,12 +846,10 @@ def _processes_of(config, overrides, processes, parallel):
 
 def _compare(session, configs, steps, estimate, progress):
     """``Session.compare``: on a trial trainer here, or on ranks of its own for ranks."""
-    from .ladder import compare
+    from .run.ladder import compare, compare_on_ranks
 
     ranks = session.parts.ranks
     if ranks is not None:
-        from .headless import compare_on_ranks
-
         return compare_on_ranks(ranks, session.techniques, configs, steps, estimate)
     if session.parallel is not None:
         raise NotImplementedError("compare runs trial copies of the model in this process; "

@@ -295,7 +295,7 @@ else:
     ("md", """Where the predicted peak goes (on a GPU, the ladder above shows the measured one): bf16
 halves every kind of memory, and offloading takes most of the activations off the card."""),
     ("code", """# NBVAL_IGNORE_OUTPUT
-from nbtune.ui.charts import breakdown_figure
+from nbtune.charts import breakdown_figure
 
 if not ON_GPU:
     display(breakdown_figure(predicted, "Predicted peak on a CUDA card, by kind of memory"))"""),
@@ -789,13 +789,13 @@ embeddings, + chunked loss.
 * **Sharded embeddings** make the embedding and the head units of their own: gathered only
   while they run instead of for the whole step (the root unit otherwise holds them).
 * **Chunked loss** never holds the scores of the whole 32,000-token vocabulary at once."""),
-    ("code", """from nbtune.headless import ladder
+    ("code", """from nbtune.run.ladder import ladder
 
 rows = ladder("scale_out/run.yaml", processes=2, out="scale_out/ladder")"""),
     ("md", """The same ladder as bars, one per rank and row, split by what held memory at each rank's
 peak: the ranks hold the same amount, and each row takes its share off both."""),
     ("code", """# NBVAL_IGNORE_OUTPUT
-from nbtune.ui.charts import breakdown_figure
+from nbtune.charts import breakdown_figure
 
 per_rank = {f"{row['label']}, rank {rank}": memory["at_peak"]
             for row in rows if "per_rank" in row for rank, memory in enumerate(row["per_rank"])}
@@ -944,7 +944,7 @@ adapting, each split by what held memory at its peak moment. Before, the activat
 backward set the peak; with checkpointing only each layer's input is kept, and the peak
 drops to about half, now at a moment when the gradients and optimizer state are held."""),
     ("code", """# NBVAL_IGNORE_OUTPUT
-from nbtune.ui.charts import breakdown_figure
+from nbtune.charts import breakdown_figure
 
 measured = [r for r in session.history if r.memory.measured]
 before_fix = next(r for r in measured if r.step < adapted[0].step)

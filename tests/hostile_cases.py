@@ -727,7 +727,7 @@ def _train_cli(run_file: Path, *args) -> tuple[int, str]:
     import contextlib
     import io
 
-    from nbtune import cli
+    import nbtune.cli.main as cli
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -785,19 +785,20 @@ def runfile_out_folders_nbtune_made_are_reused(folder):
     """An output folder is reused when nbtune made it: resuming from its own run.yaml copy, a
     folder of an earlier version (run.yaml and a checkpoint, no marker), one holding only
     dotfiles (.ipynb_checkpoints)."""
-    from nbtune import headless, runfile
+    import nbtune.cli.train as train_cli
+    from nbtune import runfile
 
     out = folder / "out"
     out.mkdir()
     (out / "run.yaml").write_text(runfile.HEADER + " nbtune train THIS_FILE\ndemo: tiny\n")
-    headless.check_out(out, out / "run.yaml")
+    train_cli.check_out(out, out / "run.yaml")
     older = folder / "older"
     (older / "checkpoints" / "step-00000002").mkdir(parents=True)
     (older / "checkpoints" / "step-00000002" / "trainer_state.json").write_text("{}")
     (older / "notes.txt").write_text("x")
-    headless.check_out(older, folder / "run.yaml")
+    train_cli.check_out(older, folder / "run.yaml")
     (folder / "dots" / ".ipynb_checkpoints").mkdir(parents=True)
-    headless.check_out(folder / "dots", folder / "run.yaml")
+    train_cli.check_out(folder / "dots", folder / "run.yaml")
     return {}
 
 

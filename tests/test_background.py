@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import nbtune as nt
-from nbtune.runner import BusyError, StepDone
+from nbtune.run.runner import BusyError, StepDone
 from tests.helpers import small_session
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -156,8 +156,8 @@ def test_a_queued_change_is_checked_once_and_the_plan_is_kept_not_replayed(monke
     nothing. After a change before it is refused at the boundary, the ones after it follow
     from what is in use and are checked again."""
     import nbtune.plan as plan
-    import nbtune.runner as runner_module
-    import nbtune.trainer as trainer_module
+    import nbtune.run.runner as runner_module
+    import nbtune.run.trainer as trainer_module
 
     s = small_session()
     checks = []

@@ -9,7 +9,7 @@ from matplotlib.figure import Figure
 from nbtune.memory import CATEGORIES, MemoryBreakdown
 from nbtune.memory.usage import SOURCES, Usage
 from nbtune.step import StepReport
-from nbtune.ui.charts import (COLORS, HIGH_LABEL, LABELS, byte_unit, draw_memory, figure_png,
+from nbtune.charts import (COLORS, HIGH_LABEL, LABELS, byte_unit, draw_memory, figure_png,
                               ladder_figure, memory_figure, steps_figure)
 
 from helpers import small_session
@@ -226,7 +226,7 @@ def test_nothing_measured_draws_no_memory_but_the_loss():
 def test_held_out_loss_and_the_evaluation_peak_are_drawn():
     from dataclasses import replace
 
-    from nbtune.ui.charts import EVAL_COLOR, memory_figure
+    from nbtune.charts import EVAL_COLOR, memory_figure
 
     history = [_report(i) for i in range(1, 5)]
     history[1] = replace(history[1], eval_loss=2.5)
@@ -243,7 +243,7 @@ def test_held_out_loss_and_the_evaluation_peak_are_drawn():
 
 
 def test_breakdown_bars_are_each_entrys_bytes_by_category_first_on_top():
-    from nbtune.ui.charts import breakdown_figure
+    from nbtune.charts import breakdown_figure
 
     MiB = 2**20
     bars = {"before": {"parameters": 10 * MiB, "activations": 30 * MiB},

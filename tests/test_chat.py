@@ -477,7 +477,7 @@ def test_session_trains_and_evaluates_chat_rows(tmp_path):
 def test_chat_rows_without_a_template_fail_before_the_weights_load(tmp_path, monkeypatch):
     import json
 
-    import nbtune.runs as runs  # the run factory loads the weights, for Session too
+    import nbtune.run.factory as runs  # the run factory loads the weights, for Session too
     from nbtune.models import demo_model_dir
 
     rows = tmp_path / "chat.jsonl"

@@ -42,7 +42,7 @@ def test_help_and_argument_errors_answer_before_torch_is_imported():
     """``nbtune --help`` took 26 s (torch and the rest imported before parsing): help, a
     refused argument and a malformed --set now answer with the standard library alone."""
     probe = ("import sys\n"
-             "from nbtune import cli\n"
+             "import nbtune.cli.main as cli\n"
              "for argv in (['--help'], ['train', '--help'], ['demo', '--method', 'lorra'],\n"
              "             ['train', 'run.yaml', '--set', 'novalue']):\n"
              "    try:\n"

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from nbtune import cli, runfile
+import nbtune.cli.main as cli
+from nbtune import runfile
 from nbtune.techniques import Techniques
 from nbtune.distributed import Parallel, Sharding, check_sharding, shard_model
 from nbtune.models import demo_model_dir, load_model
@@ -120,7 +121,7 @@ def test_the_optimizer_steps_each_sharded_gradient_in_backward(tmp_path):
 DRIVER = """\
 import os, sys
 import nbtune.optim as optim
-from nbtune import cli
+import nbtune.cli.main as cli
 
 real, calls = optim._step_in_backward, [0]
 
@@ -246,7 +247,7 @@ def test_the_fsdp_ladder_measures_each_row_per_rank_and_says_why_a_row_is_refuse
 
 @pytest.mark.slow
 def test_the_ladder_in_one_process_names_what_needs_torchrun(tmp_path, capsys):
-    from nbtune.headless import ladder
+    from nbtune.run.ladder import ladder
 
     rows = ladder(str(run_file(tmp_path, FULL)), steps=1)
     assert rows[0]["label"] == "one process (no FSDP2)"

@@ -197,11 +197,11 @@ def _undocumented(where: str, func, skip_self: bool) -> list[str]:
 
 # What the public names return, which the reference shows beside them (docs/reference/returned.md).
 RETURNED = {"FitBadge": "nbtune.predict.badge", "FitRow": "nbtune.predict.search",
-            "LadderRow": "nbtune.ladder", "Reply": "nbtune.generate", "Usage": "nbtune.memory.usage",
-            "Subscription": "nbtune.runner", "Event": "nbtune.runner", "StepDone": "nbtune.runner",
-            "TechniquesChanged": "nbtune.runner", "PendingChanged": "nbtune.runner",
-            "Message": "nbtune.runner", "Refused": "nbtune.runner", "RunStarted": "nbtune.runner",
-            "RunFinished": "nbtune.runner"}
+            "LadderRow": "nbtune.run.ladder", "Reply": "nbtune.generate", "Usage": "nbtune.memory.usage",
+            "Subscription": "nbtune.run.runner", "Event": "nbtune.run.runner", "StepDone": "nbtune.run.runner",
+            "TechniquesChanged": "nbtune.run.runner", "PendingChanged": "nbtune.run.runner",
+            "Message": "nbtune.run.runner", "Refused": "nbtune.run.runner", "RunStarted": "nbtune.run.runner",
+            "RunFinished": "nbtune.run.runner"}
 
 
 def _public_objects():

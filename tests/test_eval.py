@@ -40,19 +40,19 @@ def test_chunked_loss_lowers_the_predicted_evaluation_peak_when_logits_dominate(
 def test_a_failed_evaluation_keeps_the_step_and_changes_nothing(monkeypatch):
     s = small_session(eval_every=2)
     s.step()
-    import nbtune.trainer
+    import nbtune.run.trainer
 
-    real = nbtune.trainer.held_out_loss
+    real = nbtune.run.trainer.held_out_loss
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("injected at the evaluation")
 
-    monkeypatch.setattr(nbtune.trainer, "held_out_loss", out_of_memory)
+    monkeypatch.setattr(nbtune.run.trainer, "held_out_loss", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError) as caught:
         s.step()
     assert any("step 2 was applied" in note for note in caught.value.__notes__)
     assert len(s.history) == 2 and s.history[-1].eval_loss is None
-    monkeypatch.setattr(nbtune.trainer, "held_out_loss", real)
+    monkeypatch.setattr(nbtune.run.trainer, "held_out_loss", real)
     s.step()
 
     twin = small_session(eval_every=2)

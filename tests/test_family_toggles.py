@@ -105,7 +105,7 @@ def test_two_gloo_ranks_train_as_one_process_does(folder, tmp_path):
 
     from safetensors.torch import load_file
 
-    from nbtune import cli
+    import nbtune.cli.main as cli
     from nbtune.models import demo_model_dir
 
     from helpers import torchrun

@@ -40,14 +40,14 @@ import nbtune.optim
 import nbtune.peft
 import nbtune.plan
 import nbtune.step
-import nbtune.trainer
+import nbtune.run.trainer
 from nbtune.data import load_examples
 from nbtune.models import Tokenizer, demo_model_dir, load_model
 from nbtune.peft import is_nf4
 from nbtune.demos import DEMOS
 from nbtune.session import demo_data_file
 from nbtune.step import NonFiniteError
-from nbtune.trainer import DamagedStateError, HostMemoryError
+from nbtune.run.trainer import DamagedStateError, HostMemoryError
 
 from helpers import small_session
 
@@ -525,7 +525,7 @@ def test_rollback_auto_on_cpu_copies_the_first_update_only(twins, number):
     ("auto", "cuda", False, True, 1 << 40, True),
 ])
 def test_when_auto_keeps_the_undo_copy(mode, device, in_backward, first, size, wanted):
-    assert nbtune.trainer.undo_wanted(mode, device, in_backward=in_backward, first=first,
+    assert nbtune.run.trainer.undo_wanted(mode, device, in_backward=in_backward, first=first,
                                       size=size) is wanted
 
 
@@ -791,7 +791,7 @@ def _fail(error: str = "runtime", call: int = 1, real=None):
 ], ids=["sgd", "sgd+batch2", "bf16", "lora", "lora-oom", "lora-interrupt", "qlora"])
 def test_set_fails_building_the_optimizer(twins, changes, error):
     _failed_set(twins, changes,
-                lambda m: m.setattr(nbtune.trainer, "build_optimizer", _fail(error)),
+                lambda m: m.setattr(nbtune.run.trainer, "build_optimizer", _fail(error)),
                 expected=ERRORS[error][1])
 
 
@@ -812,7 +812,7 @@ def test_set_lora_rank_fails_after_merging_and_new_adapters(twins):
     drew from the RNG) when the optimizer fails. Measured without the reseeding the twin
     comparison does: the next step's loss differs (5.356855 twin vs 5.357694)."""
     _failed_set(twins, dict(lora_rank=16),
-                lambda m: m.setattr(nbtune.trainer, "build_optimizer", _fail()),
+                lambda m: m.setattr(nbtune.run.trainer, "build_optimizer", _fail()),
                 setup_changes=dict(method="lora", lora_dropout=0.1))
 
 
@@ -838,7 +838,7 @@ def test_set_qlora_refuses_a_target_nf4_cannot_hold_before_anything_changes(twin
     monkeypatch.setattr(nbtune.plan, "NF4_BLOCK", 128 * 128)  # k_proj/v_proj (64x128) no longer fit
     monkeypatch.setattr(nbtune.peft, "to_nf4", lambda *a, **k: calls.append("to_nf4"))
     monkeypatch.setattr(nbtune.plan, "apply_lora", lambda *a, **k: calls.append("apply_lora"))
-    monkeypatch.setattr(nbtune.trainer, "build_optimizer",
+    monkeypatch.setattr(nbtune.run.trainer, "build_optimizer",
                         lambda *a, **k: calls.append("build_optimizer"))
     rng_before = torch.get_rng_state()
     with pytest.raises(ValueError, match=r"qlora.*k_proj.*lora_targets") as caught:
@@ -922,7 +922,7 @@ def test_damaged_checkpoint_refused_untouched(twins, checkpoints, tmp_path, dama
 def _other_base(session):
     with torch.no_grad():
         session.model.model.embed_tokens.weight.add_(0.01)
-    session.trainer.base_fingerprint = nbtune.trainer.base_fingerprint(session.model)
+    session.trainer.base_fingerprint = nbtune.run.trainer.base_fingerprint(session.model)
 
 
 def _full_then_lora(session):
@@ -948,7 +948,7 @@ def test_load_fails_building_the_optimizer(twins, checkpoints, monkeypatch):
     twin = twins.get(1)
     session = prepared(1)
     rng_before = torch.get_rng_state()
-    monkeypatch.setattr(nbtune.trainer, "build_optimizer", _fail())
+    monkeypatch.setattr(nbtune.run.trainer, "build_optimizer", _fail())
     with pytest.raises(RuntimeError, match="injected"):
         session.load_checkpoint(checkpoints["full"])
     monkeypatch.undo()
@@ -959,14 +959,14 @@ def test_load_failing_while_writing_weights_is_undone_or_marked(twins, checkpoin
     twin = twins.get(1)
     session = prepared(1)
     rng_before = torch.get_rng_state()
-    real = nbtune.trainer.write_weights
+    real = nbtune.run.trainer.write_weights
 
     def half_then_fail(model, weights, full):
         keys = sorted(weights)
         real(model, {k: weights[k] for k in keys[: len(keys) // 2]}, full)
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(nbtune.trainer, "write_weights", half_then_fail)
+    monkeypatch.setattr(nbtune.run.trainer, "write_weights", half_then_fail)
     with pytest.raises(RuntimeError, match="injected"):
         session.load_checkpoint(checkpoints["full"])
     monkeypatch.undo()
@@ -980,13 +980,13 @@ def test_load_failing_while_writing_weights_is_undone_or_marked(twins, checkpoin
 def test_sigint_while_loading_waits_until_the_load_is_complete(twins, checkpoints, monkeypatch):
     twin = twins.get(2)  # the checkpoint's state
     session = prepared(1)
-    real = nbtune.trainer.write_weights
+    real = nbtune.run.trainer.write_weights
 
     def interrupted(*args):
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the in-place writes
         real(*args)
 
-    monkeypatch.setattr(nbtune.trainer, "write_weights", interrupted)
+    monkeypatch.setattr(nbtune.run.trainer, "write_weights", interrupted)
     with pytest.raises(KeyboardInterrupt):
         session.load_checkpoint(checkpoints["full"])
     monkeypatch.undo()
@@ -1355,7 +1355,7 @@ def test_periodic_checkpoints_are_refused_under_torchrun_and_not_written_twice_o
 
     from nbtune.distributed import Parallel
     from nbtune.run.checkpoints import SaveOnExit, periodic_checkpoint
-    from nbtune.trainer import RestorePoint
+    from nbtune.run.trainer import RestorePoint
 
     ranked = types.SimpleNamespace(parallel=object.__new__(Parallel), save_checkpoint=None)
     with pytest.raises(ValueError, match="checkpoint_every"):

@@ -204,7 +204,7 @@ def test_the_undo_copys_host_check_counts_what_the_step_itself_puts_on_the_host(
     """Free host memory stubbed so the copy fits alone but not beside the step's own host use
     (offloaded activations, paged state: ``_host_reserve``): "auto" keeps no copy and says so;
     "copy" is refused with HostMemoryError before the step changes anything."""
-    from nbtune.trainer import HostMemoryError, Trainer
+    from nbtune.run.trainer import HostMemoryError, Trainer
 
     session = small_session()  # a new optimizer's first step: the copy is wanted on a CPU too
     session.rollback = rollback

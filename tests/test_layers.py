@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import nbtune as nt
-from nbtune.runner import Message, StepDone, TechniquesChanged
+from nbtune.run.runner import Message, StepDone, TechniquesChanged
 
 from helpers import small_session
 
@@ -29,11 +29,11 @@ LAYERS = [
     # 2. prediction (one package), and the out-of-memory explanation built on it
     ["predict", "oom"],
     # 3. the training state
-    ["trainer"],
+    ["run.trainer"],
     # 4. run control and what drives it (and the charts a ladder draws)
-    ["run", "runner", "runs", "ladder", "runfile", "demos", "ui.charts", "processes", "ranked"],
+    ["run", "runfile", "demos", "charts"],
     # 5. front ends
-    ["session", "ui", "headless", "cli", "__main__", ""],
+    ["session", "ui", "cli", "__main__", ""],
 ]
 
 
@@ -137,30 +137,30 @@ def test_no_circle_between_folders():
 
 
 def test_the_cli_builds_its_run_with_the_factory_not_the_notebook_front_end():
-    """``nbtune train`` and ``nbtune demo`` build through ``runs`` (as ``Session`` does) and
+    """``nbtune train`` and ``nbtune demo`` build through ``run.factory`` (as ``Session`` does) and
     never import the notebook's front end."""
     modules = _modules()
-    for name in ("headless", "cli"):
+    for name in ("cli.train", "cli.main"):
         found = _imports(name, modules[name], modules)
-        assert "runs" in found and "session" not in found, (name, sorted(found))
-    assert "runs" in _imports("session", modules["session"], modules)
+        assert "run.factory" in found and "session" not in found, (name, sorted(found))
+    assert "run.factory" in _imports("session", modules["session"], modules)
 
 
 def test_memory_only_measures_and_prediction_lives_in_one_package():
     modules = _modules()
     for name, path in modules.items():
         if name.startswith("memory"):
-            assert not any(_folder(b) in ("predict", "step", "trainer", "checkpoint", "undo")
+            assert not any(_folder(b) in ("predict", "step", "run", "checkpoint", "undo")
                            for b in _imports(name, path, modules)), name
     assert not [name for name in modules if name in ("fitting", "longest", "memory.estimate")]
 
 
 def test_the_layer_check_sees_an_upward_import(tmp_path):
     """The check itself: a trainer that imported the session would be caught."""
-    assert _layer("trainer") < _layer("session")
+    assert _layer("run.trainer") < _layer("session")
     fake = tmp_path / "trainer.py"
-    fake.write_text("from .session import Session\n")
-    assert "session" in _imports("trainer", fake, _modules())
+    fake.write_text("from ..session import Session\n")
+    assert "session" in _imports("run.trainer", fake, _modules())
 
 
 def _private_names_by_class(tree) -> dict[str, set[str]]:

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 import nbtune as nt
 from nbtune import Session
 from nbtune.peft import adapter_state_dict
-from nbtune.processes import Processes, _where
-from nbtune.ranked import RanksTrainer
+from nbtune.run.processes import Processes, _where
+from nbtune.run.ranked import RanksTrainer
 
 RUN = ("demo: tiny\ntechniques: {{{techniques}}}\nrun: {{steps: 5, checkpoint_every: 0, save: []}}\n")
 
@@ -269,7 +269,7 @@ class _InOneProcess(Processes):
     stop_flag = None  # (set by a test that stops steps several to a command)
 
     def each(self, function, args_of=lambda rank: (), poll=None, extra=0.0):
-        from nbtune.processes import ENGINE_STATE
+        from nbtune.run.processes import ENGINE_STATE
 
         answers = []
         for rank, state in enumerate(self.states):
@@ -300,7 +300,7 @@ def test_a_change_one_rank_refuses_is_made_by_no_rank():
 def test_several_steps_to_a_command_end_at_the_first_boundary_any_rank_saw_stop(tmp_path):
     """``rank_steps``: the first step is always taken (the kernel asked for it); before each
     later one, one all-reduce of who saw the stop file, and they end where any rank did."""
-    from nbtune.processes import ENGINE_STATE, rank_steps
+    from nbtune.run.processes import ENGINE_STATE, rank_steps
 
     flag = tmp_path / "stop"
 

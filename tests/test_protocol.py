@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 import nbtune as nt
-from nbtune.ranked import RankedRun, RanksTrainer
+from nbtune.run.ranked import RankedRun, RanksTrainer
 from nbtune.run.protocol import RunProtocol, TrainerProtocol, check, members
-from nbtune.runs import Run
-from nbtune.trainer import Trainer
+from nbtune.run.factory import Run
+from nbtune.run.trainer import Trainer
 
 from helpers import small_session
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import nbtune as nt
 import nbtune.peft as nt_peft
-from nbtune.trainer import check_weights, full_weights, write_weights
+from nbtune.run.trainer import check_weights, full_weights, write_weights
 from nbtune.memory.accounting import storage_bytes
 from nbtune.models import demo_model_dir
 from nbtune.peft import (LoRALinear, adapter_config, adapter_state_dict, apply_lora, cast_model,

@@ -44,7 +44,7 @@ from nbtune.optim import OptimizerInBackward, trainable_parameters
 from nbtune.peft import cast_model
 from nbtune.plan import transform_model
 from nbtune.step import StepContext, StepOptions, _Untracked, update
-from nbtune.trainer import Trainer
+from nbtune.run.trainer import Trainer
 from nbtune.undo import UndoCopy, copy_bytes, undo_units
 
 pytestmark = pytest.mark.slow  # about a minute: two 8B configurations, every layer

@@ -12,7 +12,9 @@ import yaml
 from safetensors.torch import load_file
 
 import nbtune as nt
-from nbtune import cli, headless, runfile
+import nbtune.cli.main as cli
+import nbtune.cli.train as train_cli
+from nbtune import runfile
 from nbtune.data import load_examples
 from nbtune.models import demo_model_dir
 from nbtune.peft import merged_state_dict
@@ -176,7 +178,7 @@ def test_epochs_become_optimizer_steps(tmp_path):
     session_in_code(grad_accum=2).save_config(tmp_path / "run.yaml", epochs=1.5)
     config = runfile.load(tmp_path / "run.yaml")
     session = nt.Session.from_config(config, device="cpu")
-    assert headless.total_steps(config.run, session) == math.ceil(1.5 * math.ceil(32 / (4 * 2)))
+    assert train_cli.total_steps(config.run, session) == math.ceil(1.5 * math.ceil(32 / (4 * 2)))
 
 
 def _train(run_file, out, *flags):
@@ -200,7 +202,7 @@ def test_nbtune_train_is_the_notebook_step_and_writes_metrics_checkpoints_and_sa
     notebook = nt.Session.from_config(tmp_path / "run.yaml", device="cpu")
     torch.manual_seed(0)
     assert [m["loss"] for m in metrics] == steps(notebook, 4)  # the same step, bit for bit
-    assert [p.name for p in headless.checkpoints(out)] == ["step-00000002", "step-00000004"]
+    assert [p.name for p in train_cli.checkpoints(out)] == ["step-00000002", "step-00000004"]
     merged = nt.load_model(out / "merged")
     reference = merged_state_dict(notebook.model)
     for name, value in merged.state_dict().items():
@@ -220,7 +222,7 @@ def test_a_last_step_off_the_checkpoint_interval_is_checkpointed_and_a_finished_
     session_in_code().save_config(tmp_path / "run.yaml", steps=5, checkpoint_every=2)
     out = tmp_path / "out"
     assert _train(tmp_path / "run.yaml", out) == 0
-    assert [p.name for p in headless.checkpoints(out)][-1] == "step-00000005"
+    assert [p.name for p in train_cli.checkpoints(out)][-1] == "step-00000005"
     before = (out / "metrics.jsonl").read_text()
     assert _train(tmp_path / "run.yaml", out, "--resume") == 0
     assert (out / "metrics.jsonl").read_text() == before  # no step trained, none logged
@@ -232,17 +234,17 @@ def test_interrupted_then_resumed_equals_an_uninterrupted_run(tmp_path, monkeypa
     session_in_code().save_config(tmp_path / "run.yaml", steps=6, checkpoint_every=4)
     assert _train(tmp_path / "run.yaml", tmp_path / "whole") == 0
 
-    line = headless._line
+    line = train_cli._line
 
     def interrupt_after_3(report):
         if report.step == 3:
             raise KeyboardInterrupt
         return line(report)
 
-    monkeypatch.setattr(headless, "_line", interrupt_after_3)
+    monkeypatch.setattr(train_cli, "_line", interrupt_after_3)
     assert _train(tmp_path / "run.yaml", tmp_path / "cut") == 130
-    monkeypatch.setattr(headless, "_line", line)
-    assert [p.name for p in headless.checkpoints(tmp_path / "cut")] == ["step-00000003"]
+    monkeypatch.setattr(train_cli, "_line", line)
+    assert [p.name for p in train_cli.checkpoints(tmp_path / "cut")] == ["step-00000003"]
     assert _train(tmp_path / "run.yaml", tmp_path / "cut", "--resume") == 0
     whole, cut = _metrics(tmp_path / "whole"), _metrics(tmp_path / "cut")
     assert [m["step"] for m in cut] == [1, 2, 3, 4, 5, 6]
@@ -275,7 +277,7 @@ def test_sigterm_mid_step_undoes_it_saves_and_resumes_like_an_uninterrupted_run(
 
     session_in_code().save_config(tmp_path / "run.yaml", steps=6, checkpoint_every=4)
     assert _train(tmp_path / "run.yaml", tmp_path / "whole") == 0
-    build = headless.runs.from_config
+    build = train_cli.factory.from_config
     forwards = []
 
     def stopped_in_step_4(*args, **kwargs):
@@ -290,13 +292,13 @@ def test_sigterm_mid_step_undoes_it_saves_and_resumes_like_an_uninterrupted_run(
         run.model.model.layers[1].register_forward_pre_hook(hook)
         return run
 
-    monkeypatch.setattr(headless.runs, "from_config", stopped_in_step_4)
+    monkeypatch.setattr(train_cli.factory, "from_config", stopped_in_step_4)
     before = signal.getsignal(signal.SIGTERM)
     assert _train(tmp_path / "run.yaml", tmp_path / "cut") == 128 + signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
-    monkeypatch.setattr(headless.runs, "from_config", build)
+    monkeypatch.setattr(train_cli.factory, "from_config", build)
     assert [m["step"] for m in _metrics(tmp_path / "cut")] == [1, 2, 3]
-    assert [p.name for p in headless.checkpoints(tmp_path / "cut")] == ["step-00000003"]
+    assert [p.name for p in train_cli.checkpoints(tmp_path / "cut")] == ["step-00000003"]
     assert _train(tmp_path / "run.yaml", tmp_path / "cut", "--resume") == 0
     assert [m["step"] for m in _metrics(tmp_path / "cut")] == [1, 2, 3, 4, 5, 6]
     assert _equal_runs(tmp_path / "whole", tmp_path / "cut")
@@ -312,7 +314,7 @@ def test_sighup_between_steps_saves_and_a_second_signal_does_not_cut_the_save(tm
     from nbtune.run.checkpoints import StepCheckpoints
 
     session_in_code().save_config(tmp_path / "run.yaml", steps=3)
-    line, save = headless._line, StepCheckpoints.save
+    line, save = train_cli._line, StepCheckpoints.save
 
     def hang_up_after_2(report):
         if report.step == 2:
@@ -323,12 +325,12 @@ def test_sighup_between_steps_saves_and_a_second_signal_does_not_cut_the_save(tm
         os.kill(os.getpid(), signal.SIGTERM)
         return save(*args)
 
-    monkeypatch.setattr(headless, "_line", hang_up_after_2)
+    monkeypatch.setattr(train_cli, "_line", hang_up_after_2)
     monkeypatch.setattr(StepCheckpoints, "save", save_through_a_second_signal)
     assert _train(tmp_path / "run.yaml", tmp_path / "cut") == 128 + signal.SIGHUP
-    monkeypatch.setattr(headless, "_line", line)
+    monkeypatch.setattr(train_cli, "_line", line)
     monkeypatch.setattr(StepCheckpoints, "save", save)
-    assert [p.name for p in headless.checkpoints(tmp_path / "cut")] == ["step-00000002"]
+    assert [p.name for p in train_cli.checkpoints(tmp_path / "cut")] == ["step-00000002"]
     assert _train(tmp_path / "run.yaml", tmp_path / "cut", "--resume") == 0
     assert [m["step"] for m in _metrics(tmp_path / "cut")] == [1, 2, 3]
 
@@ -354,7 +356,7 @@ def test_a_real_nbtune_train_stopped_with_sigterm_resumes_exactly(tmp_path):
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
     assert "SIGTERM: ending the step, then saving a checkpoint" in stderr
-    saved = headless.checkpoints(cut)
+    saved = train_cli.checkpoints(cut)
     assert len(saved) == 1 and f"saved {saved[0]}" in stdout
     assert 2 <= len(_metrics(cut)) < 40
     assert _train(tmp_path / "run.yaml", cut, "--resume") == 0
@@ -468,7 +470,7 @@ def test_processes_in_a_run_file_start_ranks_from_a_notebook_and_point_a_termina
     ranks themselves are started in tests/test_processes.py); ``nbtune train`` outside torchrun
     refuses it with the torchrun line, having written nothing; fewer than 2 is refused. (Under
     torchrun each process is a rank already: the field is not read there.)"""
-    import nbtune.ranked
+    import nbtune.run.ranked
 
     path = tmp_path / "run.yaml"
     path.write_text("demo: tiny\nprocesses: 2\ntechniques: {batch_size: 4}\n")
@@ -481,7 +483,7 @@ def test_processes_in_a_run_file_start_ranks_from_a_notebook_and_point_a_termina
         started.append((run_file, processes, local, address))
         raise Started
 
-    monkeypatch.setattr(nbtune.ranked, "RankedRun", ranked_run)
+    monkeypatch.setattr(nbtune.run.ranked, "RankedRun", ranked_run)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(Started):
         nt.Session.from_config(path)

@@ -204,7 +204,7 @@ def _wide_vocabulary(**changes):
     import nbtune as nt
     from nbtune.data import BatchStream, Sample
     from nbtune.models import CausalLM, ModelConfig
-    from nbtune.trainer import Trainer
+    from nbtune.run.trainer import Trainer
 
     config = ModelConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_layers=1,
                          num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ..generate import Reply
-    from ..runner import Runner
+    from .runner import Runner
     from ..step import StepReport
     from ..techniques import Techniques
 

@@ -7,7 +7,7 @@ import time
 from matplotlib.figure import Figure
 
 from ..overhead import OverheadBudget
-from .charts import draw_memory, figure_png
+from ..charts import draw_memory, figure_png
 
 
 def in_notebook() -> bool:

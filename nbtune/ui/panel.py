@@ -22,12 +22,12 @@ import time
 
 import ipywidgets as w
 
-from ..runner import (Message, PendingChanged, Refused, RunFinished, RunStarted, StepDone,
+from ..run.runner import (Message, PendingChanged, Refused, RunFinished, RunStarted, StepDone,
                       TechniquesChanged)
 from ..techniques import CHOICE_HELP, DTYPES, HELP, LORA_TARGETS, METHODS, NO_EFFECT, OPTIMIZERS
 from ..plan import SHARDED_FIELDS, SHARDED_REASON, projections
 from ..units import format_bytes
-from .charts import draw_memory, figure_png
+from ..charts import draw_memory, figure_png
 from ..predict import APPLY_IN_CODE, CARDS, HOST_RAM, Predictor
 from .fitcheck import FitCheck, in_background
 from .live import PacedRedraw

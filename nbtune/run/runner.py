@@ -19,13 +19,13 @@ from typing import Callable
 
 import torch
 
-from . import hardware
-from .memory.sampling import MemorySampler
-from .oom import OutOfMemory
-from .overhead import OverheadBudget
-from .step import StepReport
-from .techniques import Techniques, label_of
-from .units import format_bytes
+from .. import hardware
+from ..memory.sampling import MemorySampler
+from ..oom import OutOfMemory
+from ..overhead import OverheadBudget
+from ..step import StepReport
+from ..techniques import Techniques, label_of
+from ..units import format_bytes
 
 
 @dataclass
@@ -416,7 +416,7 @@ class Runner:
     def check(self, t: Techniques) -> None:
         """Refuse, before the step boundary, what can be known now: device rules, model
         limits, what the data can do."""
-        from .plan import check
+        from ..plan import check
 
         problems = check(t, self.trainer.model, self.trainer.device.type)
         problems += self.trainer.data.problems(t)

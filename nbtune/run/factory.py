@@ -17,18 +17,18 @@ from typing import Callable, Iterable
 
 import torch
 
-from .adapters import adapter_techniques, base_of, is_adapter_folder, load_adapter_weights, read_adapter
-from .data import (DataError, Example, TrainingData, check_renderable, examples_from,
+from ..adapters import adapter_techniques, base_of, is_adapter_folder, load_adapter_weights, read_adapter
+from ..data import (DataError, Example, TrainingData, check_renderable, examples_from,
                    prompt_and_reference, prompt_ids, prompt_text)
-from .generate import Reply, TextStream, generate_ids
-from .hub import resolve_model_folder
-from .models import Tokenizer, load_model
-from .models.loading import read_config
-from .models.decoder import CausalLM
-from .models.gguf import GGUFFile, gguf_tokenizer, is_gguf
+from ..generate import Reply, TextStream, generate_ids
+from ..hub import resolve_model_folder
+from ..models import Tokenizer, load_model
+from ..models.loading import read_config
+from ..models.decoder import CausalLM
+from ..models.gguf import GGUFFile, gguf_tokenizer, is_gguf
 from .runner import Runner
-from .shards import build_sharded, is_sharded
-from .techniques import Techniques, as_techniques
+from ..shards import build_sharded, is_sharded
+from ..techniques import Techniques, as_techniques
 from .trainer import Trainer
 
 
@@ -38,7 +38,7 @@ def default_device() -> torch.device:
 
 def demo_data_file(split: str, demo: str = "tiny") -> Path:
     """Path of a split ("train" or "heldout") of a demo's dataset shipped with nbtune."""
-    from .demos import data_file
+    from ..demos import data_file
 
     return data_file(demo, split)
 
@@ -74,13 +74,13 @@ class Run:
 
     def save_checkpoint(self, folder: str | os.PathLike) -> Path:
         """Weights or adapters, optimizer state, RNG, data position and history."""
-        from .sharded_checkpoint import save_checkpoint
+        from ..sharded_checkpoint import save_checkpoint
 
         return save_checkpoint(self.trainer, folder, self.source, self.parallel)
 
     def load_checkpoint(self, folder: str | os.PathLike) -> None:
         """Continue from ``save_checkpoint``'s folder; the runner then measures and tells."""
-        from .sharded_checkpoint import load_checkpoint
+        from ..sharded_checkpoint import load_checkpoint
 
         with self.runner.replacing():
             load_checkpoint(self.trainer, folder, self.parallel)
@@ -88,8 +88,8 @@ class Run:
     def save(self, folder: str | os.PathLike, merge: bool = False, format: str = "hf",
              quantization: str | None = None) -> Path:
         """The trained model as ``Session.save`` describes it (HF, PEFT, merged or GGUF)."""
-        from .checkpoint import check_save_args, save_session
-        from .sharded_checkpoint import save_sharded_session
+        from ..checkpoint import check_save_args, save_session
+        from ..sharded_checkpoint import save_sharded_session
 
         if format == "gguf" and quantization is None:
             quantization = "f16"
@@ -152,7 +152,7 @@ class Run:
     def evaluate(self, examples: Iterable[Example] | None = None,
                  match: str | Callable[[str, str], bool] | None = None) -> float:
         """``Session.evaluate``: the share of greedy replies that match the references."""
-        from .scoring import resolve_match
+        from ..scoring import resolve_match
 
         matches = resolve_match(self.match if match is None else match)
         examples = list(self.data.heldout if examples is None else examples)
@@ -255,7 +255,7 @@ def demo_spec(name: str = "tiny", techniques: Techniques | dict | None = None, d
               parallel=None, **changes) -> RunSpec:
     """``Session.demo``'s run, resolved: the demo's model, data and techniques (``changes``
     on top)."""
-    from .demos import demo_named
+    from ..demos import demo_named
 
     demo = demo_named(name)
     if isinstance(techniques, dict):  # a few fields: on top of the demo's (its seq_len fits)
@@ -274,7 +274,7 @@ def config_spec(config, *, overrides: dict | None = None, device=None, parallel=
 
     ``overrides`` are dotted fields that win over the file (``{"techniques.lr": 1e-4}``); a
     bad field is refused naming its line (``RunFileError``) before anything loads."""
-    from . import runfile
+    from .. import runfile
 
     if not isinstance(config, runfile.RunConfig):
         config = runfile.load(config, overrides)

@@ -1,6 +1,6 @@
 """``nbtune train run.yaml``: a saved run unattended, on the notebook's own step.
 
-The run factory (``nbtune.runs``) builds the run a notebook's ``Session.from_config`` would
+The run factory (``nbtune.run.factory``) builds the run a notebook's ``Session.from_config`` would
 wrap, and its runner trains (the same loop, trainer and transactions as a notebook's
 ``run``); after each step this module writes the metrics line, checkpoints and logs, and a
 subscriber prints what the run says. Output
@@ -27,10 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import files, runfile, runs
-from .atomic import write_file_atomically
-from .run.checkpoints import CHECKPOINTS, StepCheckpoints, checkpoints, stop_signals
-from .units import format_bytes
+from .. import files, runfile
+from ..run import factory
+from ..atomic import write_file_atomically
+from ..run.checkpoints import CHECKPOINTS, StepCheckpoints, checkpoints, stop_signals
+from ..units import format_bytes
 
 METRICS = "metrics.jsonl"
 
@@ -173,8 +174,8 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
     by SIGTERM, 129 by SIGHUP: each saves a checkpoint first)."""
     from tqdm.auto import tqdm
 
-    from .distributed import Parallel
-    from .runner import Message
+    from ..distributed import Parallel
+    from ..run.runner import Message
 
     config = runfile.load(path, overrides)
     settings = config.run
@@ -200,7 +201,7 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
 
     try:
         started = time.perf_counter()
-        parts = runs.from_config(config, device=device, parallel=parallel)
+        parts = factory.from_config(config, device=device, parallel=parallel)
         parts.runner.subscribe(lambda event: say(f"nbtune: {event.text}")
                                if isinstance(event, Message) else None)
         parts.runner.relay()  # what building the run had to say (rows skipped)
@@ -336,204 +337,3 @@ def _save_outputs(parts, out_dir: Path, kinds) -> dict:
         parts.save(folder, merge=kind == "merged", format="gguf" if kind == "gguf" else "hf")
         saved[kind] = str(folder)
     return saved
-
-
-# ---- nbtune ladder: the FSDP2 memory ladder, one row per added technique ----------------
-
-# The FSDP2 ladder: each row adds its change to the rows before it.
-FSDP_LADDER = (
-    ("FSDP2", {}),
-    ("+ activation checkpointing", {"techniques.activation_checkpointing": True}),
-    ("+ CPU offload", {"distributed.cpu_offload": True}),
-    ("+ sharded embeddings", {"distributed.shard_embeddings": True}),
-    ("+ chunked loss", {"techniques.chunked_loss": 8}),
-)
-
-
-def ladder(path: str, *, rows=FSDP_LADDER, steps: int = 2, out: str | None = None,
-           device: str | None = None, overrides: dict | None = None,
-           processes: int | None = None) -> list[dict]:
-    """Each row of ``rows`` (label, dotted changes; cumulative) trained ``steps`` steps with
-    every step measured, in this process or under torchrun on every rank; rank 0 prints the
-    table (peak of the highest rank, change against the first row, and each row's peak per
-    rank as ``estimate`` predicts it for full-length rows) and writes ladder.json.
-    A row the rules refuse (CPU offload without CUDA, ...) says why and is not carried on.
-    ``processes=N``: on N ranks started from here (a notebook cell), as under torchrun."""
-    from .distributed import Parallel
-
-    if processes is not None:
-        return _ladder_on_ranks(path, rows, steps, out, overrides, processes)
-    # Rank 0 predicts every row first: an estimate runs its own fake process group, which a
-    # process cannot do once it belongs to the job's.
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    predicted = (_predicted_rows(path, rows, overrides, device, world)
-                 if os.environ.get("RANK", "0") == "0" else {})
-    config = runfile.load(path, overrides)
-    parallel = Parallel.from_env(config.to_sharding())
-    try:
-        results = measure_rows(path, rows, steps, parallel, device, overrides, predicted)
-    finally:
-        if parallel is not None:
-            parallel.close()
-    if parallel is None or parallel.rank == 0:
-        _ladder_table(path, results, world, steps, out)
-    return results
-
-
-def _ladder_on_ranks(path, rows, steps: int, out, overrides, processes: int) -> list[dict]:
-    """The ladder on ranks started from this process, which is no rank: it predicts the rows
-    (its fake process group is its own), the ranks measure them."""
-    results = rows_on_ranks(path, rows, steps, overrides, processes)
-    _ladder_table(path, results, processes, steps, out)
-    return results
-
-
-def rows_on_ranks(path, rows, steps: int, overrides, processes: int, predict: bool = True) -> list[dict]:
-    """``measure_rows`` on ``processes`` ranks of their own, started and ended here (beside
-    any session's ranks: each row's peak is its own processes'), each row predicted first."""
-    from .processes import Processes
-
-    predicted = _predicted_rows(path, rows, overrides, None, processes) if predict else {}
-    ranks = Processes(path, processes, overrides=overrides, build=False)
-    try:
-        return ranks.each(_measure_on_rank, lambda rank: (str(Path(path).resolve()), rows, steps,
-                                                           overrides, predicted))[0]
-    finally:
-        ranks.close()
-
-
-def compare_on_ranks(ranks, techniques, configs, steps: int, estimate: bool = True):
-    """``Session.compare`` of a session on ranks (``ranks``: its ``Processes``): each row (the
-    session's ``techniques`` with that row's changes, carried on) built from the run file on
-    as many ranks of its own, started for the rows and ended after them, as ``ladder`` builds
-    its rows; the session's ranks are left as they were. A row's peak is its highest rank's."""
-    import torch
-
-    from .ladder import Ladder, LadderRow, ladder_techniques
-
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"compare: steps must be a positive int, got {steps!r}.")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = ladder_techniques(techniques, configs, device)  # every row checked before anything starts
-    path, overrides = ranks.run_file, ranks.overrides
-    names, dotted = set(), []
-    for label, t in rows:  # each row's differences from the run file, carried on
-        names |= t.changed(ranks.config.to_techniques())
-        dotted.append((label, {f"techniques.{name}": list(value) if isinstance(value, tuple) else value
-                               for name in names for value in [getattr(t, name)]}))
-    measured = rows_on_ranks(path, dotted, steps, overrides, ranks.world, predict=estimate)
-    out, previous = [], None
-    for (label, t), row in zip(rows, measured):
-        if "refused" in row:
-            out.append(LadderRow(label, t, error=row["refused"]))
-            previous = None  # the next row's change has nothing to go by, as in compare
-            continue
-        top = max(row["per_rank"], key=lambda rank: rank["peak"])
-        change = 100.0 * (row["peak"] - previous) / previous if previous else None
-        out.append(LadderRow(label, t, peak=row["peak"], change=change,
-                             tokens_per_second=row["tokens_per_second"],
-                             estimated_peak=row["predicted_peak"], at_peak=top["at_peak"]))
-        previous = row["peak"]
-    return Ladder(out, f"{ranks.world} ranks ({device})", steps)
-
-
-def _measure_on_rank(path: str, rows, steps: int, overrides, predicted: dict) -> list[dict]:
-    """On each rank of ``_ladder_on_ranks`` (an engine in its process group)."""
-    from .processes import ENGINE_STATE
-
-    return measure_rows(path, rows, steps, ENGINE_STATE["parallel"], None, overrides, predicted)
-
-
-def measure_rows(path: str, rows, steps: int, parallel, device, overrides: dict | None,
-                 predicted: dict) -> list[dict]:
-    """Each row built afresh on ``parallel``'s ranks (None: this process), trained, measured
-    and gathered; every rank returns every row (a collective: all ranks call it)."""
-    import gc
-
-    carried: dict = dict(overrides or {})
-    results = []
-    for label, changes in rows:
-        if parallel is None and changes and all(k.startswith("distributed.") for k in changes):
-            results.append({"label": label, "refused": "an FSDP2 setting: run the ladder under "
-                            "torchrun --nproc_per_node 2 (or more) -m nbtune ladder"})
-            continue
-        if parallel is None and not changes and label == "FSDP2":
-            label = "one process (no FSDP2)"
-        trial = {**carried, **changes}
-        try:
-            row_config = runfile.load(path, trial)
-            row_parallel = None if parallel is None else replaced_parallel(parallel, row_config)
-            parts = runs.from_config(row_config, device=device, parallel=row_parallel)
-        except ValueError as err:
-            results.append({"label": label, "refused": str(err).splitlines()[0]})
-            continue
-        carried = trial
-        parts.runner.sampler.mode = "every_step"
-        reports = parts.runner.run(steps)  # no subscriber: the rows say nothing
-        top = max(reports, key=lambda r: r.memory.peak)
-        peak, categories = top.memory.peak, reports[-1].memory.categories
-        seconds = sum(r.seconds for r in reports[1:]) or reports[0].seconds
-        tokens = sum(r.tokens for r in reports[1:]) or reports[0].tokens
-        mine = {"peak": peak, **categories, "at_peak": dict(top.memory.at_peak)}
-        every = parallel.gather(mine) if parallel is not None else [mine]
-        results.append({"label": label, "peak": max(m["peak"] for m in every),
-                        "predicted_peak": predicted.get(label), "per_rank": every,
-                        "tokens_per_second": tokens / seconds,
-                        "changes": {k: v for k, v in trial.items()}})
-        del parts, reports
-        gc.collect()
-    return results
-
-
-def _ladder_table(path: str, results: list[dict], ranks: int, steps: int, out) -> None:
-    """The ladder as a table on stdout, and ladder.json in ``out``."""
-    base = next((r["peak"] for r in results if "peak" in r), None)
-    lines = [f"{'row':<28} {'peak per rank':>14} {'change':>8} {'tokens/s':>9} {'predicted':>11}"]
-    for r in results:
-        if "refused" in r:
-            lines.append(f"{r['label']:<28} refused: {r['refused']}")
-        else:
-            change = f"{(r['peak'] / base - 1) * 100:+.0f} %" if base else ""
-            guess = format_bytes(r["predicted_peak"]) if r["predicted_peak"] else "-"
-            lines.append(f"{r['label']:<28} {format_bytes(r['peak']):>14} {change:>8} "
-                         f"{r['tokens_per_second']:9.0f} {guess:>11}")
-    print(f"nbtune ladder {path}: {ranks} rank(s), {steps} steps a row, every step measured")
-    print("\n".join(lines))
-    if out is not None:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        write_file_atomically(Path(out) / "ladder.json", json.dumps(
-            {"ranks": ranks, "steps": steps, "rows": results}, indent=2))
-
-
-def _predicted_rows(path: str, rows, overrides: dict | None, device: str | None,
-                    world: int) -> dict:
-    """Each row's predicted peak per rank (label -> bytes; None where it cannot be
-    estimated), carried on as ``ladder`` carries its rows. The prediction is for full-length
-    rows of the batch, which the measured steps reach only when the data fills them."""
-    import torch
-
-    from .demos import demo_named
-    from .predict import estimate
-
-    target = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    carried, out = dict(overrides or {}), {}
-    for label, changes in rows:
-        trial = {**carried, **changes}
-        try:
-            row = runfile.load(path, trial)
-            model = demo_named(row.demo).model() if row.demo is not None else row.path(row.model)
-            spread = {"ranks": world, "sharding": row.to_sharding()} if world > 1 else {}
-            out[label] = estimate(model, row.to_techniques(), device=str(target).split(":")[0],
-                                  **spread).peak
-        except (ValueError, RuntimeError, NotImplementedError, FileNotFoundError):
-            out[label] = None
-            continue
-        carried = trial
-    if world == 1 and "FSDP2" in out:
-        out["one process (no FSDP2)"] = out["FSDP2"]
-    return out
-
-
-def replaced_parallel(parallel, config):
-    """The same ranks with the row's FSDP2 settings."""
-    return type(parallel)(parallel.rank, parallel.world, parallel.local_rank, config.to_sharding())

@@ -33,22 +33,22 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .data import BatchStream
-from .interrupts import ctrl_c_held
-from .memory import MemoryBreakdown
-from .units import format_bytes
-from .oom import OutOfMemory, explain, held_now
-from .predict import Predictor
-from . import host
-from .optim import OptimizerInBackward, build_optimizer, release_optimizer
-from .peft import adapter_state_dict, has_lora
-from .plan import (REBUILDS_DATA, REBUILDS_MODEL, REBUILDS_OPTIMIZER, RETUNES_MODEL, SHARDED_FIELDS,
+from ..data import BatchStream
+from ..interrupts import ctrl_c_held
+from ..memory import MemoryBreakdown
+from ..units import format_bytes
+from ..oom import OutOfMemory, explain, held_now
+from ..predict import Predictor
+from .. import host
+from ..optim import OptimizerInBackward, build_optimizer, release_optimizer
+from ..peft import adapter_state_dict, has_lora
+from ..plan import (REBUILDS_DATA, REBUILDS_MODEL, REBUILDS_OPTIMIZER, RETUNES_MODEL, SHARDED_FIELDS,
                    SHARDED_REASON, ModelJournal, check, transform_model)
-from .step import NonFiniteError, StepContext, StepOptions, StepReport, held_out_loss, train_step
-from .techniques import Techniques
-from .state import (base_fingerprint, check_optimizer_state, check_param_groups, check_weights,
+from ..step import NonFiniteError, StepContext, StepOptions, StepReport, held_out_loss, train_step
+from ..techniques import Techniques
+from ..state import (base_fingerprint, check_optimizer_state, check_param_groups, check_weights,
                     full_weights, rng_problem, rng_state, set_rng_state, write_weights)
-from .undo import ROLLBACK_MODES, RestoreCopy, UndoCopy, copy_bytes, undo_units, undo_wanted
+from ..undo import ROLLBACK_MODES, RestoreCopy, UndoCopy, copy_bytes, undo_units, undo_wanted
 
 
 
@@ -101,7 +101,7 @@ class Trainer:
                  *, parallel=None, base=None, base_name: str | None = None) -> None:
         problems = check(techniques, model, device.type) + data.problems(techniques)
         if parallel is not None:
-            from .distributed import check_sharding
+            from ..distributed import check_sharding
 
             problems += check_sharding(parallel.sharding, model, techniques, device.type,
                                        parallel.world)
@@ -219,7 +219,7 @@ class Trainer:
         t = self.techniques
         options = self._step_options(t)
         if self.parallel is not None and not self._primed:  # FSDP2's gather buffers made before
-            from .distributed import prime_units              # the first step (not while loading)
+            from ..distributed import prime_units              # the first step (not while loading)
 
             prime_units(self.model)
             self._primed = True
@@ -416,14 +416,14 @@ class Trainer:
             self.load_state_dict(self._kept.copy())  # (drops the kept copy: it is still good)
             self._kept.state, self._kept.step, self._kept.nbytes = kept
         elif point.folder is not None:
-            from .checkpoint import read_training_checkpoint
+            from ..checkpoint import read_training_checkpoint
 
             if not Path(point.folder).is_dir():
                 raise FileNotFoundError(f"The checkpoint {point.folder} is gone: load another one "
                                         "(load_checkpoint) or a state you kept (load_state_dict).")
             self.load_state_dict(read_training_checkpoint(point.folder))
         else:
-            from .models.loading import reload_weights_
+            from ..models.loading import reload_weights_
 
             self.reset(lambda model: reload_weights_(model, self.base))
         self.notes.append(f"recovered: the session is at {point}.")
@@ -627,7 +627,7 @@ class Trainer:
         moves to the host when the card runs short."""
         if self.device.type != "cuda":
             return 0
-        from .memory.accounting import paged_state_bytes
+        from ..memory.accounting import paged_state_bytes
 
         reserve = paged_state_bytes(self.optimizer)
         if t.activation_offloading:  # estimated once per configuration

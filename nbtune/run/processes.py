@@ -8,7 +8,7 @@ tensors with gloo for host scalars on GPUs) and builds its run from the same run
 ``nbtune train`` runs under torchrun (FSDP2 over the ranks, ``batch_size`` the global batch),
 so N engines train exactly as a torchrun job of that file does. The kernel is no rank: it
 sends each command to every engine at once (``each``) and gathers plain values back, so a
-rank that dies leaves the kernel alive. ``nbtune.ranked`` puts a ``Session`` in front.
+rank that dies leaves the kernel alive. ``ranked.py`` puts a ``Session`` in front.
 
 Several machines: ``local=K`` starts K of the N ranks here and waits for the other N - K to
 join from other machines, each an ``ipengine`` started there with the controller's connection
@@ -40,7 +40,7 @@ import time
 from concurrent import futures
 from pathlib import Path
 
-from .interrupts import ctrl_c_held
+from ..interrupts import ctrl_c_held
 
 ENGINE_STATE: dict = {}  # on an engine: its run, its rank and its process group
 
@@ -83,7 +83,7 @@ class Processes:
     def __init__(self, run_file, processes: int = 2, *, overrides: dict | None = None,
                  timeout: float = 600.0, resume: str | os.PathLike | None = None,
                  build: bool = True, local: int | None = None, address: str | None = None) -> None:
-        from . import runfile
+        from .. import runfile
 
         if not isinstance(processes, int) or isinstance(processes, bool) or processes < 2:
             raise ValueError(f"processes={processes!r}: give 2 or more (one process needs none of this).")
@@ -339,8 +339,9 @@ def _join(rank: int, world: int, port: int, path: str, overrides: dict, parent: 
     (from ``resume``'s checkpoint where given); returns what the kernel keeps of it. ``place``:
     its machine, its rank and their number there, the address of rank 0's machine, and
     whether the kernel started it (then it watches the kernel)."""
-    from . import runs, runfile
-    from .distributed import Parallel
+    from .. import runfile
+    from . import factory
+    from ..distributed import Parallel
 
     os.environ.update(MASTER_ADDR=place["master"], MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(place["local_rank"]),
@@ -357,7 +358,7 @@ def _join(rank: int, world: int, port: int, path: str, overrides: dict, parent: 
     if not build:
         ENGINE_STATE.update(rank=rank, parallel=parallel)
         return {"step": 0, "techniques": config.to_techniques(), "pid": os.getpid()}
-    run = runs.from_config(config, parallel=parallel)
+    run = factory.from_config(config, parallel=parallel)
     if resume is not None:
         run.load_checkpoint(resume)
     ENGINE_STATE.update(rank=rank, parallel=parallel, run=run)

@@ -7,9 +7,9 @@ import io
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from ..memory import CATEGORIES
-from ..memory.usage import SOURCES
-from ..units import format_bytes
+from .memory import CATEGORIES
+from .memory.usage import SOURCES
+from .units import format_bytes
 
 # One colour per category, the same in every chart.
 COLORS = {

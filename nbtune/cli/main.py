@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from .demos import DEMOS
-from .techniques import DTYPES, METHODS
-from .units import format_bytes
+from ..demos import DEMOS
+from ..techniques import DTYPES, METHODS
+from ..units import format_bytes
 
 LAST_WINDOW = 10  # loss_last is the mean of this many final steps (one step is noisy)
 DEMO_LINES = 10  # step lines the demo prints (the summary JSON has every step)
@@ -26,8 +26,8 @@ def _memory_line(memory) -> str:
 def run_demo(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from . import runs
-    from .runner import Message
+    from ..run import factory
+    from ..run.runner import Message
 
     started = time.perf_counter()
     out = Path(args.out)
@@ -36,7 +36,7 @@ def run_demo(args: argparse.Namespace) -> int:
     steps = args.steps if args.steps is not None else demo.steps
     changes = {name: value for name, value in (("method", args.method), ("dtype", args.dtype),
                                                ("lr", args.lr)) if value is not None}
-    parts = runs.from_demo(args.model, seed=args.seed, device=args.device, **changes)
+    parts = factory.from_demo(args.model, seed=args.seed, device=args.device, **changes)
     parts.runner.subscribe(lambda event: print(f"nbtune: {event.text}")
                            if isinstance(event, Message) else None)
     parts.runner.relay()  # what building the run had to say
@@ -75,7 +75,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "techniques": parts.techniques.as_dict(),
         "history": rows,
     }
-    from .ui.charts import memory_figure
+    from ..charts import memory_figure
 
     memory_figure(parts.history).savefig(out / "demo_memory.png", dpi=100)
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=2))
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "ladder":
-            from .headless import ladder as run_ladder
+            from ..run.ladder import ladder as run_ladder
 
             run_ladder(args.run_file, steps=args.steps, out=args.out, device=args.device)
             return 0
@@ -164,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
 def _ended_the_run(err: BaseException) -> bool:
     """A training failure nbtune explains itself (a NaN refused, a half-written update, out of
     memory with advice): said in one message, not a traceback."""
-    from .distributed import RankLost
-    from .oom import OutOfMemory
-    from .step import NonFiniteError
-    from .trainer import DamagedStateError
+    from ..distributed import RankLost
+    from ..oom import OutOfMemory
+    from ..step import NonFiniteError
+    from ..run.trainer import DamagedStateError
 
     return isinstance(err, (NonFiniteError, DamagedStateError, OutOfMemory, RankLost))
 
@@ -179,7 +179,7 @@ BAD_INPUT = (ValueError, OSError)
 
 
 def _one_message(err: BaseException) -> str:
-    from .atomic import SaveFailed
+    from ..atomic import SaveFailed
 
     if isinstance(err, SaveFailed):  # already one sentence with the path and the fix
         return str(err)
@@ -196,7 +196,7 @@ def run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not sep or not key:  # answered before torch is imported
             parser.error(f"--set {item!r}: write FIELD=VALUE, e.g. --set techniques.lr=1e-4")
         pairs.append((key.strip(), value))
-    from . import runfile
+    from .. import runfile
 
     overrides = {key: runfile.parse_value(value) for key, value in pairs}  # as the file reads them
     if args.steps is not None:
@@ -205,7 +205,7 @@ def run_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         overrides.update({"run.epochs": args.epochs, "run.steps": None})
     if args.checkpoint_every is not None:
         overrides["run.checkpoint_every"] = args.checkpoint_every
-    from .headless import train  # torch and the rest: after the arguments are read
+    from .train import train  # torch and the rest: after the arguments are read
 
     return train(args.run_file, overrides=overrides, out=args.out, resume=args.resume,
                  device=args.device, progress=not args.no_progress)

@@ -3,7 +3,7 @@
 The session in the kernel is the ordinary ``Session`` with its ordinary ``Runner`` (the loop,
 background runs and Stop, changes queued for a step boundary, out-of-memory handling, events,
 progress bars, live charts, the panel); only the trainer and the run it fronts are these two,
-which send each command to every rank (``nbtune.processes.Processes``) and bring rank 0's
+which send each command to every rank (``Processes``, ``processes.py``) and bring rank 0's
 answer back. So a step is one command to every rank (short steps several to a command, ended
 together at a boundary when the kernel asks), and everything the Runner does between two steps
 (a queued ``set``, Stop, Ctrl-C) happens at the same step boundary on every rank.
@@ -54,7 +54,7 @@ class RanksTrainer:
     checkpoint = None  # the ranks keep theirs (``Processes.checkpoint``)
 
     def __init__(self, ranks: Processes) -> None:
-        from .models.decoder import CausalLM
+        from ..models.decoder import CausalLM
 
         self.ranks = ranks
         with torch.device("meta"):
@@ -187,14 +187,14 @@ class RankedRun:
         """Every rank generates (each gathers one layer at a time), rank 0 answers; a sampled
         reply uses one seed on every rank, so that they agree. ``stream`` is given the reply
         whole."""
-        from .generate import Reply
+        from ..generate import Reply
 
         if settings.get("temperature") and settings.get("seed") is None:
             settings["seed"] = int.from_bytes(os.urandom(4), "little")
         return _streamed(Reply(self.ranks.call("generate", prompt, **settings)), stream)
 
     def chat(self, message: str, history: list[dict], stream, **settings):
-        from .generate import Reply
+        from ..generate import Reply
 
         if settings.get("temperature") and settings.get("seed") is None:
             settings["seed"] = int.from_bytes(os.urandom(4), "little")

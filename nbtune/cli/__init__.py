@@ -1,0 +1,1 @@
+"""The command line: ``nbtune demo``, ``nbtune train``, ``nbtune ladder`` (``main``)."""

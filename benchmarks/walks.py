@@ -17,10 +17,11 @@ Reported per walk:
 
 Walks: ``nbtune train`` of the tiny demo for one step (in this process, through ``cli.main``),
 a panel click mid-run (``session.set`` during a background run, and its application at the
-next step boundary), ``nt.estimate`` of Llama-3.1-8B on two ranks (fake tensors), and a
-session's ``from_config`` with a run file (the run built) and one ``step``.
+next step boundary), ``nt.estimate`` of Llama-3.1-8B on two ranks (fake tensors), a
+session's ``from_config`` with a run file (the run built) and one ``step``, and the same on two
+processes the notebook drives (the kernel's side: the ranks' own calls are in their processes).
 
-    python benchmarks/walks.py            # about a minute on 2 cores
+    python benchmarks/walks.py            # about two minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -125,6 +126,15 @@ def main() -> None:
             s.echo = False
             s.step()
         results["Session.from_config(run file).step()"] = walk(built_and_stepped)
+
+        def on_two_processes() -> None:
+            s = nt.Session.from_config(path, processes=2)
+            try:
+                s.echo = False
+                s.step()
+            finally:
+                s.close()
+        results["Session.from_config(run file, processes=2).step()"] = walk(on_two_processes)
     for name, numbers in results.items():
         print(f"{name:42s} " + "  ".join(f"{k} {v:4d}" for k, v in numbers.items()))
     out = ROOT / "benchmarks" / "results" / "walks.json"

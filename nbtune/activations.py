@@ -38,7 +38,7 @@ def set_compiled(model: nn.Module, on: bool) -> None:
             layer.compile()
         else:
             # torch internal: what nn.Module.compile sets. If it is renamed, turning compile
-            # off leaves the layers compiled (tests/test_every_field.py checks compile's effect).
+            # off leaves the layers compiled (tests/properties/test_every_field.py checks compile's effect).
             layer._compiled_call_impl = None
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 # torch internal: leaving the dispatch modes around an optimizer step in backward, and telling
 # tensor subclasses (NF4, quantized state) apart. If they change, the estimator's fake step and
-# the quantized optimizers' state dicts break (tests/test_estimate.py, tests/test_optim.py).
+# the quantized optimizers' state dicts break (tests/predict/test_estimate.py, tests/test_optim.py).
 from torch.utils._python_dispatch import (_disable_current_modes, is_in_torch_dispatch_mode,
                                           is_traceable_wrapper_subclass)
 

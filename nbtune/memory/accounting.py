@@ -98,7 +98,7 @@ def gather_buffers(model: nn.Module) -> list[torch.Tensor]:
         if isinstance(module, FSDPModule):
             # torch internal: FSDP2's parameter groups and their all-gather outputs. If they
             # move, a rank's peak misses the gathered weights and offloading parks them
-            # (tests/test_distributed.py, tests/test_offload_ranks.py).
+            # (tests/cli/test_distributed.py, tests/test_offload_ranks.py).
             for group in module._get_fsdp_state()._fsdp_param_groups:
                 for param in group.fsdp_params:
                     out += param.all_gather_outputs

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 # torch internal (pyproject pins torch <2.14): MemTracker, its reference types and snapshot key.
 # If torch renames or reshapes them, every measured and estimated breakdown breaks: the
-# trackers subclass MemTracker and read its snapshots (tests/test_memory.py fails first).
+# trackers subclass MemTracker and read its snapshots (tests/memory/test_memory.py fails first).
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
 from torch.distributed.tensor import DTensor
 from torch._guards import active_fake_mode
@@ -273,7 +273,7 @@ class _HighWaterTracker(MemTracker):
 
         torch internal: mirrors ``MemTracker.__torch_dispatch__`` (torch 2.13). If torch
         changes what it files there, the estimates drift from the measured steps
-        (tests/test_memory.py and tests/test_estimate.py compare both)."""
+        (tests/memory/test_memory.py and tests/predict/test_estimate.py compare both)."""
         if func is _WAIT_TENSOR or any(t is DTensor for t in types):
             return super().__torch_dispatch__(func, types, args, kwargs)
         res = func(*args, **(kwargs or {}))

@@ -48,7 +48,7 @@ def rope_frequencies(config: ModelConfig, device=None, long: bool = False) -> to
         return 1.0 / (factors * config.rope_theta ** (
             torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
     # (one expression: with the exponents held in a name, the estimator's carry of a tiled
-    # step from 3 and 4 tiles no longer matched tracing every tile, tests/test_carry.py)
+    # step from 3 and 4 tiles no longer matched tracing every tile, tests/predict/test_carry.py)
     inv_freq = 1.0 / (config.rope_theta ** (
         torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
     if kind == "linear":

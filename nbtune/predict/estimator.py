@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 # torch internal: the estimator's fake tensors (documented in torch's fake tensor notes, but
-# under torch._subclasses). If it changes, every estimate fails (tests/test_estimate.py).
+# under torch._subclasses). If it changes, every estimate fails (tests/predict/test_estimate.py).
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..distributed import Parallel, Sharding, check_sharding, shard_model

@@ -79,7 +79,7 @@ def fake_group(world: int, sharding: Sharding | None = None):
     values). Refused inside a real job."""
     import torch.distributed as dist
     # torch internal: importing it registers the "fake" backend (torchtitan's estimation
-    # uses it too). If it moves, every per-rank estimate fails (tests/test_ranks.py).
+    # uses it too). If it moves, every per-rank estimate fails (tests/predict/test_ranks.py).
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     with _GROUP_LOCK:

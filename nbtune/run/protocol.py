@@ -5,7 +5,7 @@ member with ``getattr``.
 
 ``trainer.Trainer`` (one process) and ``ranked.RanksTrainer`` (every rank behind the kernel)
 are ``TrainerProtocol``s; ``runs.Run`` and ``ranked.RankedRun`` are ``RunProtocol``s.
-``tests/test_protocol.py`` checks each: every member present, methods with the protocol's
+``tests/run/test_protocol.py`` checks each: every member present, methods with the protocol's
 parameters (``check``), and the live objects ``isinstance`` of it.
 """
 

@@ -467,7 +467,7 @@ def test_a_missing_data_file_is_named_as_resolved_from_the_run_files_folder(tmp_
 def test_processes_in_a_run_file_start_ranks_from_a_notebook_and_point_a_terminal_to_torchrun(
         tmp_path, monkeypatch, capsys):
     """``processes: 2`` is what ``Session.from_config(file)`` passes on as ``processes=2`` (the
-    ranks themselves are started in tests/test_processes.py); ``nbtune train`` outside torchrun
+    ranks themselves are started in tests/run/test_processes.py); ``nbtune train`` outside torchrun
     refuses it with the torchrun line, having written nothing; fewer than 2 is refused. (Under
     torchrun each process is a rank already: the field is not read there.)"""
     import nbtune.run.ranked

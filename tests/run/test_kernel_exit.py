@@ -16,7 +16,7 @@ from helpers import small_session
 jupyter_client = pytest.importorskip("jupyter_client")
 pytestmark = pytest.mark.slow
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/, for helpers
 
 
 def _kernel_training(folder: Path):

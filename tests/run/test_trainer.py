@@ -1,4 +1,6 @@
-"""Flipping toggles back and forth releases what was replaced: memory returns to where it was."""
+"""The trainer's ``set``: flipping toggles back and forth releases what was replaced, so memory
+returns to where it was (the trainer's rollback is in ``properties/test_faults.py``, its
+held-out evaluation in ``test_eval.py``)."""
 
 import gc
 import weakref

@@ -41,7 +41,7 @@ CELLS = [
     "s.run(60, progress=False, live=False)\nprint('trained to step', len(s.history))",
 ]
 # Notebook 07 (two ranks driven from cells) as a user opens it, its panel clicked.
-NOTEBOOK_07 = Path(__file__).parents[1] / "notebooks" / "07_scale_out.ipynb"
+NOTEBOOK_07 = Path(__file__).parents[2] / "notebooks" / "07_scale_out.ipynb"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
          "--disable-component-update", "--no-first-run"]
 
@@ -75,7 +75,7 @@ def lab(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
                JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
                JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]),
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]),
                                            os.environ.get("PYTHONPATH", "")]))
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",

@@ -1,6 +1,7 @@
-"""Background runs: start returns at once, stop within a step, changes applied between
+"""The runner: background runs (start returns at once, stop within a step, changes applied between
 steps in order, the final state equal to the same changes made between synchronous steps,
-and every command that would race with the training thread refused."""
+and every command that would race with the training thread refused), and a change checked
+once on its way from the panel to the step."""
 
 import _thread
 import dataclasses
@@ -333,7 +334,7 @@ def test_a_reply_during_a_run_comes_between_two_steps_and_changes_no_step():
 
 
 def test_a_run_armed_to_save_on_exit_saves_its_last_step_once_and_only_there(tmp_path, capsys):
-    """What a kernel's SIGTERM or exit triggers (``tests/test_kernel_exit.py`` sends them to a
+    """What a kernel's SIGTERM or exit triggers (``tests/run/test_kernel_exit.py`` sends them to a
     real kernel): the run stops after the step under way and that step is saved, once, to
     the folder named; afterwards nothing is written."""
     s = small_session()

@@ -14,7 +14,7 @@ import nbtune as nt
 from nbtune.distributed import Sharding
 from nbtune.models import CausalLM, ModelConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(vocab_size=259, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
             num_kv_heads=2, head_dim=32)
 CASES = [

@@ -796,6 +796,11 @@ MUTANTS: list[Mutant] = [
            "        if reshape and adapters_untrained(model) and not any(is_nf4(p) for p in model.parameters()):",
            "        if reshape and adapters_untrained(model):",
            (T + "models/test_adapters.py::test_untrained_adapters_on_an_nf4_base_are_still_merged_so_no_nf4_weight_is_left",)),
+    Mutant("dropped lock", "two threads queueing a change at once chain both off the same base (one lost from the plan)",
+           "nbtune/run/runner.py",
+           "            with self._queueing:\n                base = self.planned",
+           "            if True:\n                base = self.planned",
+           (T + "run/test_runner.py::test_two_threads_queueing_at_once_chain_their_changes",)),
 ]
 
 

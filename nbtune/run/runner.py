@@ -282,6 +282,10 @@ class Runner:
         self.overhead = OverheadBudget()  # what memory tracking and live charts may cost
         self.sampler = MemorySampler(self.overhead)
         self._lock = threading.Lock()
+        # Queueing a change (its base read, checked, appended) is one move among setters and a
+        # refusal's replan, so two panels' clicks never chain off the same base. Taken before
+        # ``_lock``, never inside it.
+        self._queueing = threading.Lock()
         self._subscribers: list[Subscription] = []
         self._run: BackgroundRun | None = None  # while one trains
         self._last_run: BackgroundRun | None = None
@@ -403,11 +407,12 @@ class Runner:
             run = self._run
             queue = run is not None and threading.current_thread() is not run.thread
         if queue:
-            base = self.planned
-            planned = base.replace(**changes)  # bad values refused here and now, checked once
-            self.check(planned)
-            with self._lock:
-                self._pending.append(Queued(dict(changes), base, planned))
+            with self._queueing:
+                base = self.planned
+                planned = base.replace(**changes)  # bad values refused here and now, checked once
+                self.check(planned)
+                with self._lock:
+                    self._pending.append(Queued(dict(changes), base, planned))
             self.emit(PendingChanged(tuple(self.pending), self.planned))
             return planned
         with self.claim("set"):
@@ -450,7 +455,7 @@ class Runner:
             try:
                 self.apply(changes, checked=queued.result if same else None)
             except Exception as err:  # noqa: BLE001 - one refused change does not end the run
-                with self._lock:
+                with self._queueing, self._lock:
                     self._pending.pop(0)
                     self._replan()
                 self.say(f"{label_of(changes)} was not applied: {err}")

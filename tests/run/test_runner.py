@@ -187,6 +187,33 @@ def test_a_queued_change_is_checked_once_and_the_plan_is_kept_not_replayed(monke
     assert [(t.lr, t.max_grad_norm) for t in checks] == [(3e-4, before), (3e-4, 0.5)]  # once each
 
 
+def test_two_threads_queueing_at_once_chain_their_changes(monkeypatch):
+    """Two panels (or a panel and a cell) set during a run at the same moment: the plan is
+    both changes, each checked on the other's result, not two plans from one base."""
+    s = small_session()
+    real = s.runner.check
+    inside = threading.Event()
+
+    def slow_check(t):
+        inside.set()
+        time.sleep(0.3)  # a check takes a while: the other thread's set arrives meanwhile
+        return real(t)
+
+    monkeypatch.setattr(s.runner, "check", slow_check)
+    gate = threading.Event()
+    s.runner.subscribe(lambda event: gate.wait(30) if isinstance(event, StepDone) else None)
+    run = s.start(3)
+    first = threading.Thread(target=lambda: s.set(lr=3e-4))
+    first.start()
+    inside.wait(10)
+    s.set(max_grad_norm=0.5)
+    first.join()
+    assert (s.planned.lr, s.planned.max_grad_norm) == (3e-4, 0.5)
+    gate.set()
+    run.wait()
+    assert (s.techniques.lr, s.techniques.max_grad_norm) == (3e-4, 0.5) and s.planned == s.techniques
+
+
 def test_after_a_refusal_at_the_boundary_the_rest_of_the_queue_is_checked_again(monkeypatch):
     s = small_session()
     real = s.trainer.set

@@ -137,8 +137,13 @@ class Parallel:
     def device(self) -> torch.device:
         return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
-    def rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's share of a global batch (its rows, contiguous)."""
+    def rows(self, batch: dict[str, torch.Tensor], pairs: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's share of a global batch (its rows, contiguous). ``pairs``: the batch is
+        preference pairs (chosen rows, then rejected): a rank takes its chosen rows and the
+        rejected rows of the same pairs."""
+        if pairs:
+            halves = [self.rows({k: v.chunk(2)[i] for k, v in batch.items()}) for i in (0, 1)]
+            return {k: torch.cat([halves[0][k], halves[1][k]]) for k in batch}
         size = batch["input_ids"].shape[0]
         if size % self.world:
             raise ValueError(f"batch_size={size} does not split over {self.world} ranks: batch_size "

@@ -12,6 +12,7 @@ weight for backward, through ``dequantize``: torchao's values bit for bit, 6x fa
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import sys
@@ -264,11 +265,15 @@ class LoRALinear(nn.Module):
         self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         base.requires_grad_(False)
 
+    off = False  # the adapter's update skipped (``adapters_off``): the base alone
+
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.off:
+            return self._base(x)
         return self._base(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
@@ -369,6 +374,20 @@ def drop_lora(model: nn.Module) -> None:
     """Every adapted layer's base put back, its adapters dropped."""
     for name, module in lora_modules(model):
         _swap(model, name, module.base_layer)
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """The base model alone while inside (each adapter's update skipped): a preference
+    objective's reference under LoRA / QLoRA, with no second copy of the model."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for layer in layers:
+        layer.off = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.off = False
 
 
 def merge_lora(model: nn.Module) -> int:

@@ -22,7 +22,7 @@ from .techniques import LORA_TARGETS, Techniques
 REBUILDS_MODEL = frozenset({"dtype", "method", "lora_rank", "lora_targets"})
 RETUNES_MODEL = frozenset({"lora_alpha", "lora_dropout", "activation_checkpointing", "tile_tokens",
                            "compile"})
-REBUILDS_DATA = frozenset({"seq_len", "batch_size", "seed", "packing"})
+REBUILDS_DATA = frozenset({"seq_len", "batch_size", "seed", "packing", "objective"})
 REBUILDS_OPTIMIZER = REBUILDS_MODEL | {"optimizer", "optimizer_in_backward", "cpu_offload_optimizer"}
 # Fixed while the model is sharded over ranks: what FSDP2 sharded (the weights as method,
 # dtype and the LoRA shape made them) and compile, which would wrap the hooks FSDP2 put on

@@ -15,6 +15,7 @@ from .data import IGNORE
 from .loss import cross_entropy_sum, loss_pieces
 from .memory import MemoryBreakdown, track_step
 from .memory.usage import Usage, UsageMeter
+from .objectives.preference import PreferenceMetrics, pair_batch_loss
 from .optim import OptimizerInBackward
 
 
@@ -33,6 +34,9 @@ class StepOptions:
     max_grad_norm: float = 0.0
     compile: bool = False  # the loss compiled (the layers are compiled by the planner)
     offload_to: str | None = None
+    objective: str = "sft"  # a preference objective's batches are pairs (objectives/preference.py)
+    beta: float = 0.1
+    gamma: float = 0.5
 
     @classmethod
     def of(cls, techniques, **extra) -> "StepOptions":
@@ -78,6 +82,8 @@ class StepReport:
         router_loss: A mixture-of-experts model's load-balancing loss (top_k when balanced; its
             ``router_aux_loss_coef`` times it is added to ``loss`` in training, not in
             ``loss`` as reported), the mean over micro-batches; None for a dense model.
+        preference: A preference objective's rewards, margin and accuracy over the step's
+            pairs (``PreferenceMetrics``); None for ``sft``. ``loss`` is then the objective's.
     """
 
     step: int
@@ -91,6 +97,7 @@ class StepReport:
     eval_loss: float | None = None  # held-out loss after this step (``eval_every``), else None
     usage: Usage | None = None  # the cheap figure metered on every step (``memory.usage``)
     router_loss: float | None = None  # mixture of experts: the load-balancing loss (top_k: balanced)
+    preference: PreferenceMetrics | None = None  # a preference objective's rewards and accuracy
 
     @property
     def tokens_per_second(self) -> float:
@@ -103,6 +110,9 @@ class StepReport:
 
         held_out = f", held-out loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""
         held_out += f", router balance {self.router_loss:.3f}" if self.router_loss is not None else ""
+        if self.preference is not None:
+            held_out += (f", margin {self.preference.margin:.3f}, "
+                         f"accuracy {self.preference.accuracy:.0%}")
         return (f"StepReport(step {self.step}: loss {self.loss:.4f}{held_out}, {self.tokens:,} tokens "
                 f"in {self.seconds:.2f} s, lr {self.lr:.3g}, peak {format_bytes(self.memory.peak)}"
                 f"{'' if self.memory.measured else ' (carried)'})")
@@ -202,8 +212,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     global step's.
     """
     started = time.perf_counter()
+    pairs = options.objective != "sft"  # each micro-batch's chosen rows, then its rejected ones
     counts = torch.tensor([int(sum((b["labels"] != IGNORE).sum() for b in micro_batches)),
-                           int(sum((b["input_ids"] != pad_id).sum() for b in micro_batches))])
+                           int(sum((b["input_ids"] != pad_id).sum() for b in micro_batches)),
+                           int(sum((b["labels"].chunk(2)[0] != IGNORE).sum() for b in micro_batches))
+                           if pairs else 0])
     if context.parallel is not None:
         context.parallel.sum_(counts)
     trained, read = int(counts[0]), int(counts[1])
@@ -212,14 +225,16 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     tracker = track_step(model, optimizer, *inputs) if track else _Untracked()
     meter = UsageMeter(next(model.parameters()).device) if usage else None
     with meter or contextlib.nullcontext(), _Phases(tracker, context.phase) as memory:
-        total, balance = update(model, optimizer, micro_batches, trained, memory, options,
-                                replace(context, guard=finite_guard(step, lr)))
+        total, balance, rewards = update(model, optimizer, micro_batches,
+                                         int(counts[2]) if pairs else trained, memory, options,
+                                         replace(context, guard=finite_guard(step, lr)))
     shape = max((tuple(b["input_ids"].shape) for b in micro_batches), key=lambda s: s[0] * s[1])
     measured = memory.result()
     return StepReport(step=step, loss=float(total), tokens=read, trained_tokens=trained, shape=shape,
                       seconds=time.perf_counter() - started,
                       lr=lr, memory=measured, usage=meter.settle(measured) if meter else None,
-                      router_loss=None if balance is None else float(balance))
+                      router_loss=None if balance is None else float(balance),
+                      preference=None if rewards is None else PreferenceMetrics.of(*rewards))
 
 
 class _Phases:
@@ -273,9 +288,12 @@ class _Untracked(contextlib.nullcontext):
 def update(model: nn.Module, optimizer: torch.optim.Optimizer,
            micro_batches: list[dict[str, torch.Tensor]], trained: int, memory,
            options: StepOptions, context: StepContext = NO_CONTEXT):
-    """The step's tensor work, telling ``memory`` its phases; returns the loss (a tensor) and
-    a mixture-of-experts model's mean load-balancing loss (``CausalLM.router_loss``; None for
-    a dense one), whose ``router_aux_loss_coef`` share of each micro-batch's backward is added.
+    """The step's tensor work, telling ``memory`` its phases; returns the loss (a tensor), a
+    mixture-of-experts model's mean load-balancing loss (``CausalLM.router_loss``; None for
+    a dense one), whose ``router_aux_loss_coef`` share of each micro-batch's backward is added,
+    and a preference objective's (chosen, rejected) rewards of every pair (else None).
+    ``trained``: the step's trained tokens over every rank (a preference objective's: its
+    chosen completions' tokens, ORPO's cross-entropy's divisor).
 
     ``context.guard(loss, grad_norm)`` runs before the optimizer changes anything (after
     backward; with the optimizer stepped in backward, on the loss alone before backward); it
@@ -288,30 +306,19 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
     in_backward = isinstance(optimizer, OptimizerInBackward)
     total = torch.zeros((), dtype=torch.float32)
     balances = []  # each micro-batch's load-balancing loss (mixture of experts)
+    rewards = []  # a preference objective's (chosen, rejected) rewards, each micro-batch's
     coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", 0.0)
+    pairs_total = sum(b["input_ids"].shape[0] // 2 for b in micro_batches) * (
+        1 if parallel is None else parallel.world)
     for batch in micro_batches:
         memory.before_forward()
         offload = (OffloadActivations(model, to=options.offload_to)
                    if options.activation_offloading else None)
-        pieces = loss_pieces(batch["input_ids"].shape[1], options.chunked_loss, options.tile_tokens)
-        with offload or contextlib.nullcontext():
-            hidden = model.hidden_states(batch["input_ids"], positions=batch.get("positions"),
-                                         document_ids=batch.get("document_ids"),
-                                         normed=pieces <= 1)
-            if pieces <= 1:  # the whole batch's logits are saved: offloaded too
-                loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"], 0,
-                                         options.compile) / trained
-        if pieces > 1:
-            # Recomputed (checkpointed), pieces save only their slice of ``hidden`` (taken
-            # before the final norm, which each piece applies), already held; otherwise each
-            # piece's gradients are made in forward and only they are kept. (Under the offload
-            # hooks, recomputing a chunk on a LoRA model failed torch's checkpoint metadata
-            # check: they run outside.)
-            loss = cross_entropy_sum(model.lm_head, hidden, batch["labels"], pieces,
-                                     options.compile, norm=model.model.norm,
-                                     recompute=options.recompute_loss or bool(options.tile_tokens),
-                                     divisor=trained)
-        del hidden  # what backward needs of it, the loss holds (pieces with gradients made: nothing)
+        if options.objective != "sft":  # pairs: the objective's loss from each row's score
+            loss, *pair_rewards = pair_batch_loss(model, batch, options, pairs_total, trained, offload)
+            rewards.append([r.float().cpu() for r in pair_rewards])
+        else:
+            loss = _token_loss(model, batch, options, trained, offload)
         balance = model.router_loss() if coef else None
         reported = None  # (none for a dense model: the loss's lifetime is the tracker's to see)
         if balance is not None:  # trained on, reported apart (the mean over micro-batches)
@@ -352,10 +359,37 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
     with critical() if critical is not None and not in_backward else contextlib.nullcontext():
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    pair_rewards = None
+    if rewards:  # every pair of the step, on every rank
+        pair_rewards = [torch.cat(side) for side in zip(*rewards)]
+        if parallel is not None:
+            pair_rewards = [torch.cat(parallel.gather(side)) for side in pair_rewards]
     if not balances:
-        return total, None
+        return total, None, pair_rewards
     balance = torch.stack(balances).mean()
-    return total, (balance if parallel is None else parallel.sum_(balance) / parallel.world)
+    return total, (balance if parallel is None else parallel.sum_(balance) / parallel.world), pair_rewards
+
+
+def _token_loss(model: nn.Module, batch: dict[str, torch.Tensor], options: StepOptions, trained: int,
+                offload) -> torch.Tensor:
+    """A micro-batch's token cross-entropy, summed and divided by the step's ``trained``."""
+    pieces = loss_pieces(batch["input_ids"].shape[1], options.chunked_loss, options.tile_tokens)
+    with offload or contextlib.nullcontext():
+        hidden = model.hidden_states(batch["input_ids"], positions=batch.get("positions"),
+                                     document_ids=batch.get("document_ids"),
+                                     normed=pieces <= 1)
+        if pieces <= 1:  # the whole batch's logits are saved: offloaded too
+            return cross_entropy_sum(model.lm_head, hidden, batch["labels"], 0,
+                                     options.compile) / trained
+    # Recomputed (checkpointed), pieces save only their slice of ``hidden`` (taken before the
+    # final norm, which each piece applies), already held; otherwise each piece's gradients
+    # are made in forward and only they are kept; what backward needs of ``hidden``, the loss
+    # holds. (Under the offload hooks, recomputing a chunk on a LoRA model failed torch's
+    # checkpoint metadata check: they run outside.)
+    return cross_entropy_sum(model.lm_head, hidden, batch["labels"], pieces,
+                             options.compile, norm=model.model.norm,
+                             recompute=options.recompute_loss or bool(options.tile_tokens),
+                             divisor=trained)
 
 
 @contextlib.contextmanager

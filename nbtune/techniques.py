@@ -17,6 +17,10 @@ from dataclasses import dataclass, fields
 from typing import Callable
 
 METHODS = ("full", "lora", "qlora")
+# What a run trains for: next-token cross-entropy on the rows, or a preference between two
+# completions of a prompt (``objectives/preference.py``; dpo and ipo against a reference).
+OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")
 DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit", "paged_adamw8bit", "paged_adamw", "ao_adamw8bit",
               "ao_adamw4bit")
@@ -31,6 +35,17 @@ DEFAULT_LORA_TARGETS = LORA_TARGETS[:-1]
 # One sentence per dropdown choice: what it does and what it costs. The panel shows the
 # current choice's sentence under its dropdown and in the dropdown's hover text.
 CHOICE_HELP = {
+    "objective": {
+        "sft": "Imitate the rows: next-token cross-entropy on each response (instruction or chat rows).",
+        "dpo": "Direct preference optimisation on pairs: raise the chosen completion's likelihood over "
+               "the rejected one's, relative to a reference (the base with the adapters off).",
+        "ipo": "IPO on pairs: DPO's comparison with a squared loss towards a fixed margin 1/(2·beta), "
+               "per token; against the reference too.",
+        "simpo": "SimPO on pairs: no reference model; the average log-probabilities of the two "
+                 "completions, apart by at least gamma.",
+        "orpo": "ORPO on pairs: no reference model; cross-entropy on the chosen completion plus beta "
+                "times an odds-ratio term against the rejected one.",
+    },
     "method": {
         "full": "Trains every weight: gradients and optimizer state for all of them, the most memory.",
         "lora": "Freezes the model and trains small adapters beside each projection: gradients and "
@@ -110,6 +125,11 @@ class Techniques:
         seed: Seed of the data order and dropout.
         eval_every: Held-out loss every N steps (0 = off), plotted beside the training loss; its
             memory (a whole batch of logits) is measured and estimated too.
+        objective: What the run trains for: sft imitates the rows; dpo, ipo, simpo and orpo learn
+            from preference pairs (prompt, chosen, rejected), each pair two rows of a batch.
+        beta: Preference objectives: how strongly the log-probability gap is scored (dpo, ipo:
+            against the reference; simpo: its scale; orpo: the odds-ratio term's weight).
+        gamma: SimPO's target margin between the chosen and rejected average log-probabilities.
     """
 
     method: str = "full"
@@ -136,6 +156,9 @@ class Techniques:
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
     seed: int = 0
     eval_every: int = 0  # held-out loss every N steps; 0 = off
+    objective: str = "sft"
+    beta: float = 0.1
+    gamma: float = 0.5
 
     def __new__(cls, *args, **kwargs):
         _refuse_unknown("Techniques", kwargs)
@@ -171,11 +194,12 @@ class Techniques:
                            f"{getattr(Techniques, name)!r}.")
 
         choice("method", METHODS)
+        choice("objective", OBJECTIVES)
         choice("dtype", DTYPES)
         choice("optimizer", OPTIMIZERS)
         for name in ("batch_size", "seq_len", "grad_accum", "lora_rank"):
             positive(name)
-        for name in ("lr", "lora_alpha"):
+        for name in ("lr", "lora_alpha", "beta"):
             positive(name, float)
         ac = self.activation_checkpointing
         if not isinstance(ac, (bool, int)) or ac < 0:
@@ -192,7 +216,8 @@ class Techniques:
             if not isinstance(getattr(self, name), bool):
                 out.append(f"{name} must be True or False, got {getattr(self, name)!r}.")
         for name, what in (("max_grad_norm", "a finite number >= 0 (0 = off), e.g. 1.0"),
-                           ("weight_decay", "a finite number >= 0, e.g. 0.01")):
+                           ("weight_decay", "a finite number >= 0, e.g. 0.01"),
+                           ("gamma", "a finite number >= 0, e.g. 0.5")):
             value = getattr(self, name)
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not math.isfinite(value) or value < 0):
@@ -237,6 +262,8 @@ class Techniques:
         parts.append(batch)
         if self.compile:
             parts.append("compiled")
+        if self.objective != "sft":
+            parts.insert(0, self.objective.upper())
         return " · ".join(parts)
 
     def conflicts(self, device: str) -> list["Rule"]:
@@ -374,6 +401,24 @@ RULES = (
          "device use adamw8bit (same 8-bit state, no paging) or adamw.",
          ("optimizer",), device="cuda"),
 )
+
+PREFERENCE_RULES = (
+    Rule(lambda t: t.objective != "sft" and t.packing,
+         "A preference objective compares the chosen and the rejected completion of one prompt, "
+         "each its own row of the batch: turn packing off.", ("objective", "packing")),
+    Rule(lambda t: t.objective in ("dpo", "ipo") and t.method == "full",
+         "dpo and ipo compare with a reference model: with LoRA or QLoRA it is the base with the "
+         "adapters off (no second copy); for full finetuning the frozen copy is not built yet: use "
+         "method='lora' or 'qlora', or a reference-free objective (simpo, orpo).",
+         ("objective", "method")),
+    Rule(lambda t: t.objective != "sft" and t.tile_tokens,
+         "Sequence tiling is not yet made for the preference objectives' per-row scores: set "
+         "tile_tokens=0 (chunked_loss splits their head instead).", ("objective", "tile_tokens")),
+    Rule(lambda t: t.objective != "sft" and t.eval_every,
+         "Held-out preference accuracy is not measured during training yet: set eval_every=0.",
+         ("objective", "eval_every")),
+)
+RULES = RULES + PREFERENCE_RULES
 
 # Settings the rules allow but that change nothing on a device: the panel disables their control
 # there with this reason (code may still set them: the mechanism runs, and is tested, on CPU).

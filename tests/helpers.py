@@ -11,15 +11,32 @@ from nbtune.data import load_examples
 from nbtune.session import demo_data_file
 
 
+def demo_pairs(n: int = 64) -> list[dict]:
+    """Preference pairs from the demo's rows: the row's answer chosen, that answer reversed
+    with a "!" after it rejected (always a different text)."""
+    import json
+
+    rows = [json.loads(line) for line in open(demo_data_file("train"))][:n]
+    return [{"prompt": row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else ""),
+             "chosen": row["output"], "rejected": row["output"][::-1] + "!"} for row in rows]
+
+
 def small_session(**changes) -> "nt.Session":
-    """The embedded default on 64 training rows, short sequences: fast and deterministic."""
-    rows = load_examples(demo_data_file("train"))[:64]
+    """The embedded default on 64 training rows, short sequences: fast and deterministic.
+    Given an ``objective`` (even "sft"), the rows are 64 preference pairs (``demo_pairs``)."""
+    from nbtune.data import examples_from
+
+    rows = (examples_from(demo_pairs()) if "objective" in changes
+            else load_examples(demo_data_file("train"))[:64])
     base = dict(batch_size=4, seq_len=96, lr=1e-3)
     base.update(changes)
+    objective = base.pop("objective", "sft")  # set once the rows are pairs
     torch.manual_seed(0)
     session = nt.Session.demo(**base, device="cpu")
     session.data.train = rows
     session.trainer.stream, _ = session.data.stream(session.techniques)
+    if objective != "sft":
+        session.set(objective=objective)
     return session
 
 

@@ -2,9 +2,11 @@
 completion of the same prompt, as TRL defines them (its ``DPOTrainer`` for ``dpo`` and
 ``ipo``, ``CPOTrainer``'s ``simpo`` and ``ORPOTrainer``), so a run here and there agree.
 
-The model's side is ``completion_logps``: each row's summed log-probability of its completion
-tokens (labels other than ``IGNORE``) and their count. The loss sees only those sums: a
-sequence's tokens enter once, whatever the objective.
+A batch of B pairs is 2B rows, the chosen completions then the rejected ones. The model's
+side is each row's summed log-probability of its completion tokens (labels other than
+``IGNORE``) and their count (``completion_sums``: the head in pieces, each recomputed in
+backward when there are several, so no more than one piece's logits exist). The reference
+(``dpo``, ``ipo``) is the same model with its adapters off, run first, without gradients.
 
 * ``dpo``: ``-log sigmoid(beta * (chosen log-ratio - rejected log-ratio))``, log-ratios
   against the reference (summed over the completion);
@@ -22,12 +24,16 @@ the share of rows whose chosen reward is higher.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..data import IGNORE
+from ..peft import adapters_off
 
 PREFERENCE = ("dpo", "ipo", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")  # no reference model, no reference log-probs
@@ -44,29 +50,56 @@ class Completions:
     def mean(self) -> torch.Tensor:
         return self.logps / self.tokens.clamp(min=1)
 
+    def halves(self) -> tuple["Completions", "Completions"]:
+        """(chosen, rejected) of a pair batch's rows."""
+        (c, r), (ct, rt) = self.logps.chunk(2), self.tokens.chunk(2)
+        return Completions(c, ct), Completions(r, rt)
+
 
 @dataclass(frozen=True)
 class PreferenceMetrics:
-    """What preference users watch, averaged over the batch's pairs."""
+    """What preference users watch, averaged over the step's pairs: the rewards of the chosen
+    and rejected completions, their margin, and the share of pairs ranked right."""
 
     chosen_reward: float
     rejected_reward: float
     margin: float
     accuracy: float
 
+    @classmethod
+    def of(cls, chosen_reward: torch.Tensor, rejected_reward: torch.Tensor) -> "PreferenceMetrics":
+        chosen_reward, rejected_reward = chosen_reward.float(), rejected_reward.float()
+        return cls(chosen_reward=chosen_reward.mean().item(), rejected_reward=rejected_reward.mean().item(),
+                   margin=(chosen_reward - rejected_reward).mean().item(),
+                   accuracy=(chosen_reward > rejected_reward).float().mean().item())
+
+
+def _token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each position's log-probability of its label (0 where ``IGNORE``), in float32."""
+    logits = logits.float()
+    keep = labels != IGNORE
+    taken = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (taken - torch.logsumexp(logits, dim=-1)) * keep
+
 
 def completion_logps(logits: torch.Tensor, labels: torch.Tensor) -> Completions:
     """Each row's summed log-probability of its labelled tokens (``labels`` already shifted to
-    the logits' positions; ``IGNORE`` elsewhere), in float32, one row at a time so the float32
-    log-softmax of the whole batch is never held."""
-    sums, counts = [], []
-    for row_logits, row_labels in zip(logits, labels):
-        keep = row_labels != IGNORE
-        picked = row_logits[keep].float()
-        taken = picked.gather(-1, row_labels[keep].unsqueeze(-1)).squeeze(-1)
-        sums.append((taken - torch.logsumexp(picked, dim=-1)).sum())
-        counts.append(keep.sum())
-    return Completions(torch.stack(sums), torch.stack(counts))
+    the logits' positions; ``IGNORE`` elsewhere) and their count."""
+    return Completions(_token_logps(logits, labels).sum(-1), (labels != IGNORE).sum(-1))
+
+
+def completion_sums(lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                    pieces: int = 1) -> Completions:
+    """``completion_logps`` from the final hidden states [rows, T, H]: the head and log-probs
+    ``pieces`` slices of the sequence at a time; with several (and gradients), each slice is
+    recomputed in backward, so its logits are not kept."""
+    if pieces <= 1:
+        return completion_logps(lm_head(hidden), labels)
+    size = -(-hidden.shape[1] // pieces)
+    piece = lambda h, lab: _token_logps(lm_head(h), lab).sum(-1)  # noqa: E731
+    sums = [checkpoint(piece, h, lab, use_reentrant=False) if torch.is_grad_enabled() else piece(h, lab)
+            for h, lab in zip(hidden.split(size, dim=1), labels.split(size, dim=1))]
+    return Completions(torch.stack(sums).sum(0), (labels != IGNORE).sum(-1))
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -74,20 +107,20 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def preference_loss(objective: str, chosen: Completions, rejected: Completions, *,
-                    reference: tuple[Completions, Completions] | None = None, beta: float = 0.1,
-                    gamma: float = 0.5, chosen_nll: torch.Tensor | None = None,
-                    ) -> tuple[torch.Tensor, PreferenceMetrics]:
-    """The batch's loss (mean over pairs) and its metrics. ``reference``: the reference
-    model's (chosen, rejected) for ``dpo`` and ``ipo``; ``chosen_nll``: the chosen
-    completions' mean token cross-entropy, ORPO's SFT term."""
+def _check(objective: str, reference, chosen_nll) -> None:
     if objective not in PREFERENCE:
         raise ValueError(f"objective must be one of {', '.join(PREFERENCE)}, got {objective!r}.")
     if (reference is None) != (objective in REFERENCE_FREE):
         raise ValueError(f"{objective}: reference log-probs are "
                          f"{'not used' if objective in REFERENCE_FREE else 'needed'}.")
-    if objective == "orpo" and chosen_nll is None:
-        raise ValueError("orpo: the chosen completions' cross-entropy (chosen_nll) is needed.")
+
+
+def pair_terms(objective: str, chosen: Completions, rejected: Completions,
+               reference: tuple[Completions, Completions] | None, beta: float, gamma: float,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per pair: the objective's loss (ORPO's odds-ratio term alone, without its SFT term),
+    and the chosen and rejected rewards (detached)."""
+    _check(objective, reference, None)
     if objective in ("dpo", "ipo"):
         ref_chosen, ref_rejected = reference
         chosen_ratio = chosen.logps - ref_chosen.logps
@@ -99,17 +132,57 @@ def preference_loss(objective: str, chosen: Completions, rejected: Completions, 
             delta = (chosen_ratio / chosen.tokens.clamp(min=1)
                      - rejected_ratio / rejected.tokens.clamp(min=1))
             losses = (delta - 1 / (2 * beta)) ** 2
-        loss = losses.mean()
     else:
         chosen_mean, rejected_mean = chosen.mean.float(), rejected.mean.float()
         chosen_reward, rejected_reward = beta * chosen_mean, beta * rejected_mean
         if objective == "simpo":
-            loss = -F.logsigmoid(beta * (chosen_mean - rejected_mean) - gamma).mean()
+            losses = -F.logsigmoid(beta * (chosen_mean - rejected_mean) - gamma)
         else:
             log_odds = (chosen_mean - rejected_mean) - (_log1mexp(chosen_mean) - _log1mexp(rejected_mean))
-            loss = chosen_nll - beta * F.logsigmoid(log_odds).mean()
-    chosen_reward, rejected_reward = chosen_reward.detach(), rejected_reward.detach()
-    return loss, PreferenceMetrics(
-        chosen_reward=chosen_reward.mean().item(), rejected_reward=rejected_reward.mean().item(),
-        margin=(chosen_reward - rejected_reward).mean().item(),
-        accuracy=(chosen_reward > rejected_reward).float().mean().item())
+            losses = -beta * F.logsigmoid(log_odds)
+    return losses, chosen_reward.detach(), rejected_reward.detach()
+
+
+def preference_loss(objective: str, chosen: Completions, rejected: Completions, *,
+                    reference: tuple[Completions, Completions] | None = None, beta: float = 0.1,
+                    gamma: float = 0.5, chosen_nll: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, PreferenceMetrics]:
+    """The batch's loss (mean over pairs) and its metrics. ``reference``: the reference
+    model's (chosen, rejected) for ``dpo`` and ``ipo``; ``chosen_nll``: the chosen
+    completions' mean token cross-entropy, ORPO's SFT term."""
+    _check(objective, reference, chosen_nll)
+    if objective == "orpo" and chosen_nll is None:
+        raise ValueError("orpo: the chosen completions' cross-entropy (chosen_nll) is needed.")
+    losses, chosen_reward, rejected_reward = pair_terms(objective, chosen, rejected, reference, beta, gamma)
+    loss = losses.mean() + (chosen_nll if objective == "orpo" else 0)
+    return loss, PreferenceMetrics.of(chosen_reward, rejected_reward)
+
+
+def pair_batch_loss(model: nn.Module, batch: dict[str, torch.Tensor], options, pairs_total: int,
+                    chosen_tokens_total: int, offload=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One micro-batch of pairs: its share of the step's loss (pair losses summed over the
+    step's ``pairs_total``; ORPO's cross-entropy over ``chosen_tokens_total`` chosen tokens,
+    as one batch would give), and each pair's chosen and rejected rewards. The reference runs
+    first, without gradients, so its transient is gone before the policy's forward keeps
+    anything; ``offload`` (activation offloading) wraps the policy's forward only."""
+    ids, labels = batch["input_ids"], batch["labels"]
+    pieces = max(options.chunked_loss, 1)
+    reference = None
+    if options.objective not in REFERENCE_FREE:
+        with torch.no_grad(), adapters_off(model):
+            hidden = model.hidden_states(ids, positions=batch.get("positions"))
+            reference = completion_sums(model.lm_head, hidden, labels, pieces).halves()
+            del hidden
+    with offload or contextlib.nullcontext():
+        hidden = model.hidden_states(ids, positions=batch.get("positions"))
+        if pieces <= 1:  # the whole batch's logits are kept for backward: offloaded too
+            scores = completion_sums(model.lm_head, hidden, labels)
+    if pieces > 1:  # each piece recomputed in backward (outside the offload hooks, as the loss's)
+        scores = completion_sums(model.lm_head, hidden, labels, pieces)
+    chosen, rejected = scores.halves()
+    losses, chosen_reward, rejected_reward = pair_terms(options.objective, chosen, rejected, reference,
+                                                        options.beta, options.gamma)
+    loss = losses.sum() / pairs_total
+    if options.objective == "orpo":
+        loss = loss - chosen.logps.sum() / chosen_tokens_total
+    return loss, chosen_reward, rejected_reward

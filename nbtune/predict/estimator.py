@@ -166,8 +166,9 @@ def _make_state(optimizer: torch.optim.Optimizer) -> None:
 # ---- the fake step ------------------------------------------------------------------------
 
 def _fake_batch(config: ModelConfig, t: Techniques, batch_size: int, seq_len: int) -> dict:
-    """A full-length batch (the worst case: no padding), shaped as the data pipeline makes it."""
-    shape = (batch_size, seq_len)
+    """A full-length batch (the worst case: no padding), shaped as the data pipeline makes it
+    (a preference objective's ``batch_size`` pairs: twice the rows)."""
+    shape = (batch_size * (1 if t.objective == "sft" else 2), seq_len)
     batch = {"input_ids": torch.zeros(shape, dtype=torch.long),
              "labels": torch.zeros(shape, dtype=torch.long)}
     if t.packing:

@@ -151,7 +151,9 @@ class Run:
 
     def evaluate(self, examples: Iterable[Example] | None = None,
                  match: str | Callable[[str, str], bool] | None = None) -> float:
-        """``Session.evaluate``: the share of greedy replies that match the references."""
+        """``Session.evaluate``: the share of greedy replies that match the references (a
+        preference pair's reference: its chosen completion)."""
+        from ..data import Pair
         from ..scoring import resolve_match
 
         matches = resolve_match(self.match if match is None else match)
@@ -161,7 +163,8 @@ class Run:
                             "session, or give examples.")
         hits = 0
         for ex in examples:
-            prompt, reference = prompt_and_reference(ex, self.tokenizer)
+            prompt, reference = prompt_and_reference(ex.chosen if isinstance(ex, Pair) else ex,
+                                                     self.tokenizer)
             budget = len(self.tokenizer.encode(reference)) + 4
             hits += bool(matches(self.generate(prompt, raw=True, max_new_tokens=budget), reference))
         return hits / len(examples)

@@ -232,7 +232,7 @@ class Trainer:
         try:
             batches = [self.stream.next() for _ in range(t.grad_accum)]
             if self.parallel is not None:  # the global batch: this rank keeps its rows
-                batches = [self.parallel.rows(b) for b in batches]
+                batches = [self.parallel.rows(b, pairs=t.objective != "sft") for b in batches]
             batches = [{k: v.to(self.device) for k, v in b.items()} for b in batches]
             shape = max((tuple(b["input_ids"].shape) for b in batches), key=lambda s: s[0] * s[1])
             for group in self.optimizer.param_groups:

@@ -24,7 +24,7 @@ import ipywidgets as w
 
 from ..run.runner import (Message, PendingChanged, Refused, RunFinished, RunStarted, StepDone,
                       TechniquesChanged)
-from ..techniques import CHOICE_HELP, DTYPES, HELP, LORA_TARGETS, METHODS, NO_EFFECT, OPTIMIZERS
+from ..techniques import CHOICE_HELP, DTYPES, HELP, LORA_TARGETS, METHODS, NO_EFFECT, OBJECTIVES, OPTIMIZERS
 from ..plan import SHARDED_FIELDS, SHARDED_REASON, projections
 from ..units import format_bytes
 from ..charts import draw_memory, figure_png
@@ -109,6 +109,11 @@ def _controls(session) -> dict[str, w.ValueWidget]:
         "weight_decay": slider(w.FloatSlider, "weight decay", min=0.0, max=0.3, step=0.01),
         "max_grad_norm": slider(w.FloatSlider, "max gradient norm", min=0.0, max=5.0, step=0.1),
         "eval_every": slider(w.IntSlider, "held-out loss every N steps", min=0, max=200),
+        # objective
+        "objective": w.Dropdown(options=OBJECTIVES, description="objective", style=style, layout=wide(),
+                                description_allow_html=True),
+        "beta": slider(w.FloatLogSlider, "beta", base=10, min=-2, max=1, step=0.1, readout_format=".2g"),
+        "gamma": slider(w.FloatSlider, "gamma (SimPO margin)", min=0.0, max=5.0, step=0.1),
     }
 
 
@@ -120,8 +125,10 @@ TABS = {"Method & adapter": ("method", "lora_rank", "lora_alpha", "lora_dropout"
         "Optimizer": ("optimizer", "optimizer_in_backward", "cpu_offload_optimizer", "lr",
                       "warmup_steps", "weight_decay", "max_grad_norm"),
         "Batch": ("batch_size", "seq_len", "packing", "grad_accum"),
-        "Evaluation": ("eval_every",)}
+        "Evaluation": ("eval_every",),
+        "Objective": ("objective", "beta", "gamma")}
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")  # hidden under "full"
+PREFERENCE_FIELDS = ("beta", "gamma")  # hidden under "sft" (gamma: SimPO's alone)
 # The value a control is moved to when a rule would stop it (checked to disable it ahead).
 PROBES = {"optimizer_in_backward": True, "cpu_offload_optimizer": True, "compile": True,
           "activation_offloading": True, "packing": True, "grad_accum": 2, "max_grad_norm": 1.0}
@@ -566,6 +573,9 @@ class Panel(w.VBox):
                     _look(control, value, disabled=reason is not None)
                 if name in LORA_FIELDS:
                     control.layout.display = "none" if techniques.method == "full" else None
+                if name in PREFERENCE_FIELDS:
+                    used = techniques.objective == "simpo" if name == "gamma" else techniques.objective != "sft"
+                    control.layout.display = None if used else "none"
             self.summary.value = _wrapped(f"<b>now:</b> {html.escape(techniques.summary())}", size="105%")
         finally:
             self._local.syncing = False

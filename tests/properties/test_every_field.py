@@ -320,7 +320,50 @@ def check_seed(session, ctx):
     assert not torch.equal(copy.deepcopy(twin).next()["input_ids"], peek(session)["input_ids"])
 
 
+def check_objective(session, ctx):
+    """The batches are pairs (chosen rows, then rejected) and the reports carry their rewards;
+    the reported loss is SimPO's of each pair's average log-probs, computed here."""
+    import torch.nn.functional as F
+
+    from nbtune.objectives.preference import completion_logps
+
+    t = session.techniques
+    batch = peek(session)
+    assert batch["input_ids"].shape[0] == 2 * t.batch_size
+    assert all(r.preference is not None for r in session.history[ctx.changed_at:])
+    with torch.no_grad():  # the next step's loss, before its update
+        scores = completion_logps(session.model(batch["input_ids"]), batch["labels"])
+        chosen, rejected = scores.mean.chunk(2)
+        expected = -F.logsigmoid(t.beta * (chosen - rejected) - t.gamma).mean()
+    assert session.step().loss == pytest.approx(float(expected), abs=1e-5)
+
+
+def recorded_pair_terms(session, ctx) -> list[tuple]:
+    """(beta, gamma) the step hands the preference loss, one entry a micro-batch."""
+    import nbtune.objectives.preference as preference
+
+    calls, original = [], preference.pair_terms
+
+    def recording(objective, chosen, rejected, reference, beta, gamma):
+        calls.append((beta, gamma))
+        return original(objective, chosen, rejected, reference, beta, gamma)
+
+    ctx.monkeypatch.setattr(preference, "pair_terms", recording)
+    session.step()
+    return calls
+
+
+def check_beta(session, ctx):
+    assert recorded_pair_terms(session, ctx) == [(ctx.value, session.techniques.gamma)]
+
+
+def check_gamma(session, ctx):
+    assert recorded_pair_terms(session, ctx) == [(session.techniques.beta, ctx.value)]
+
+
 LORA = {"method": "lora", "lr": 1e-2}  # a larger lr so adapters move the loss visibly
+PAIRS = {"objective": "sft"}  # the rows are preference pairs: sft trains on the chosen ones
+SIMPO = {"objective": "simpo"}  # reference-free: trains with full finetuning
 SGD = {"optimizer": "sgd", "lr": 0.1}  # no state to reset when the optimizer is rebuilt
 
 TABLE: dict[str, Row] = {
@@ -350,6 +393,9 @@ TABLE: dict[str, Row] = {
     "seed": Row(1, check_seed),
     # Evaluation must not touch the training: losses equal, the held-out loss checked here.
     "eval_every": Row(1, check_eval_every, maths=False),
+    "objective": Row("simpo", check_objective, base=PAIRS),
+    "beta": Row(1.0, check_beta, base=SIMPO),
+    "gamma": Row(2.0, check_gamma, base=SIMPO),
 }
 
 # Second values of a field, tried the same way (not part of the one-row-per-field count).

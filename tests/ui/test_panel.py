@@ -274,9 +274,28 @@ def test_the_chart_redraws_within_its_budget_and_at_least_every_so_often(monkeyp
 
 
 def test_hiding_lora_fields_hides_nothing_else(session_and_panel):
+    """Under full finetuning and sft: LoRA's fields and the preference objectives' hidden."""
     _, panel = session_and_panel
     hidden = {name for name, control in panel.controls.items() if control.layout.display == "none"}
-    assert hidden == {"lora_rank", "lora_alpha", "lora_dropout", "lora_targets"}
+    assert hidden == {"lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "beta", "gamma"}
+
+
+def test_a_preference_objective_shows_its_own_settings_and_a_pair_batch_trains():
+    """On pairs: choosing simpo in the dropdown shows beta and gamma (dpo: beta alone), and a
+    step from the panel reports the pairs' rewards."""
+    from helpers import small_session
+
+    session = small_session(objective="sft")
+    panel = session.panel()
+    try:
+        panel.controls["objective"].value = "simpo"
+        assert session.techniques.objective == "simpo"
+        shown = {n for n in ("beta", "gamma") if panel.controls[n].layout.display != "none"}
+        assert shown == {"beta", "gamma"}
+        panel.step_button.click()
+        assert session.history[-1].preference is not None
+    finally:
+        assert panel._fitcheck.wait(120)
 
 
 def test_the_longest_context_button_answers_beside_the_fit_buttons(session_and_panel):

@@ -1,9 +1,13 @@
-"""Training data: instruction and chat rows -> token ids with the prompt masked out of the loss.
+"""Rows: instruction and chat rows, and preference pairs, read from files, lists and Datasets.
 
 Row formats (JSONL, one object per line, or a .json file holding a list):
 
 * instruction: ``{"instruction": ..., "input": ... (optional), "output": ...}``
 * chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}``
+* preference (TRL's form): ``{"prompt": ..., "chosen": ..., "rejected": ...}``, each a string
+  or a list of messages (the prompt's ending with a user turn, each completion one assistant
+  message); a text prompt is one user message, as an instruction row's is. Only the
+  completions are scored.
 
 Rows are read without a tokenizer and become text only when tokenized, because the model
 decides how a conversation is written:
@@ -32,11 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
-import torch
 
-from . import files
-from .hub import resolve_data_file
-from .models.tokenizer import Tokenizer
+from .. import files
+from ..hub import resolve_data_file
+from ..models.tokenizer import Tokenizer
 
 IGNORE = -100  # label of positions that do not count in the loss
 PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -82,10 +85,10 @@ def prompt_text(tokenizer: Tokenizer, instruction: str, input: str = "") -> str:
 
 def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """The ids generation starts from: ``text`` with BOS put first exactly as in training."""
-    return _with_bos(tokenizer, tokenizer.encode(text))
+    return with_bos(tokenizer, tokenizer.encode(text))
 
 
-def _with_bos(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
+def with_bos(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
     # One BOS, never two: templates such as Llama 3's and Mistral's already write it.
     if tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
         return [tokenizer.bos_id] + ids
@@ -96,11 +99,11 @@ def prompt_and_reference(example: Example, tokenizer: Tokenizer) -> tuple[str, s
     """The rendered text before the last assistant answer, and that answer's content."""
     last = max(i for i, (role, _) in enumerate(example.messages) if role == "assistant")
     if tokenizer.chat_template is None:
-        return format_prompt(*_alpaca_fields(example)), example.messages[last][1]
+        return format_prompt(*alpaca_fields(example)), example.messages[last][1]
     return _render(example, tokenizer, last, add_generation_prompt=True), example.messages[last][1]
 
 
-def _alpaca_fields(example: Example) -> tuple[str, str]:
+def alpaca_fields(example: Example) -> tuple[str, str]:
     if example.instruction is None:
         raise DataError(f"{example.where or 'a chat row'}: this is a chat row ('messages') but the "
                         "tokenizer has no chat template, so nbtune cannot know how the model expects a "
@@ -110,11 +113,70 @@ def _alpaca_fields(example: Example) -> tuple[str, str]:
     return example.instruction
 
 
-def check_renderable(examples: list[Example], tokenizer: Tokenizer) -> None:
+@dataclass(frozen=True)
+class Pair:
+    """A preference row: the same prompt with a chosen and a rejected completion, each an
+    ``Example`` ending with its completion as the assistant's turn."""
+
+    chosen: Example
+    rejected: Example
+
+    @property
+    def where(self) -> str:
+        return self.chosen.where
+
+
+def check_renderable(examples: list, tokenizer: Tokenizer) -> None:
     """Fail now, before weights are loaded, if chat rows meet a tokenizer with no template."""
     if tokenizer.chat_template is None:
         for example in examples:
-            _alpaca_fields(example)
+            for one in (example.chosen, example.rejected) if isinstance(example, Pair) else (example,):
+                alpaca_fields(one)
+
+
+def _messages(value, where: str, name: str, roles: tuple[str, ...],
+              text_role: str) -> tuple[tuple[str, str], ...]:
+    """A pair's prompt or completion as (role, content) pairs: a string (one ``text_role``
+    message), or messages."""
+    if isinstance(value, str):
+        if not value:
+            raise DataError(f"{where}: {name!r} is empty.")
+        return ((text_role, value),)
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: {name!r} must be a string or a non-empty list of "
+                        "{'role': ..., 'content': ...} messages.")
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict) or msg.get("role") not in roles \
+                or not isinstance(msg.get("content"), str):
+            raise DataError(f"{where}: {name!r} message {i} must be an object with 'role' in "
+                            f"{roles} and a string 'content'; got {msg!r:.80}.")
+    return tuple((msg["role"], msg["content"]) for msg in value)
+
+
+def _row_to_pair(row: dict, where: str) -> Pair:
+    missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
+    if missing:
+        raise DataError(f"{where}: a preference row needs 'prompt', 'chosen' and 'rejected'; "
+                        f"{' and '.join(repr(k) for k in missing)} missing.")
+    prompt = _messages(row["prompt"], where, "prompt", ROLES, "user")
+    if prompt[-1][0] != "user":
+        raise DataError(f"{where}: the prompt must end with a user message (the completions "
+                        f"answer it); it ends with a {prompt[-1][0]} message.")
+    sides = []
+    for name in ("chosen", "rejected"):
+        completion = _messages(row[name], where, name, ("assistant",), "assistant")
+        if len(completion) != 1 or not completion[0][1]:
+            raise DataError(f"{where}: {name!r} must be one non-empty assistant message "
+                            f"(or a string); got {len(completion)} messages.")
+        sides.append(completion[0])
+    if sides[0] == sides[1]:
+        raise DataError(f"{where}: 'chosen' and 'rejected' are the same text, so there is "
+                        "nothing to prefer. Fix or drop the row.")
+    _check_text([content for _, content in prompt + tuple(sides)], where)
+    plain = isinstance(row["prompt"], str)
+    instruction = (row["prompt"], "") if plain else None
+    chosen, rejected = (Example(prompt + (side,), instruction=instruction, where=where) for side in sides)
+    return Pair(chosen, rejected)
 
 
 def _render(example: Example, tokenizer: Tokenizer, upto: int | None,
@@ -128,7 +190,7 @@ def _render(example: Example, tokenizer: Tokenizer, upto: int | None,
                         "accepts.") from err
 
 
-def _chat_spans(example: Example, tokenizer: Tokenizer) -> tuple[str, list[tuple[int, int]]]:
+def chat_spans(example: Example, tokenizer: Tokenizer) -> tuple[str, list[tuple[int, int]]]:
     """The conversation through the template, and the character span of each assistant turn.
 
     A turn is what rendering through its message adds to the text rendered before it with
@@ -167,9 +229,11 @@ def _check_text(texts: list[str], where: str) -> None:
                             "written by a broken encoder. Fix or drop the row.") from None
 
 
-def _row_to_example(row, where: str) -> Example:
+def _row_to_example(row, where: str) -> Example | Pair:
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}.")
+    if "chosen" in row or "rejected" in row:
+        return _row_to_pair(row, where)
     if "messages" in row:
         messages = row["messages"]
         if not isinstance(messages, list) or not messages:
@@ -324,7 +388,7 @@ def load_examples(path: str | Path) -> list[Example]:
             examples.append(_row_to_example(row, f"{path}: line {lineno}"))
     if not examples:
         raise DataError(f"{path}: the file holds no rows.")
-    return examples
+    return _one_kind(examples, str(path))
 
 
 def _cap(text: str) -> str:
@@ -344,7 +408,7 @@ def _refuse(data, source: str) -> DataError:
         return DataError(f"{_cap(source)} is a DatasetDict with splits {splits}: pick one split, "
                          f"e.g. ds[{first!r}].")
     elif isinstance(data, Mapping):
-        looks_like_row = "messages" in data or "instruction" in data
+        looks_like_row = "messages" in data or "instruction" in data or "chosen" in data
         fix = (" It looks like one row: wrap it in a list, [row]." if looks_like_row else
                " Give its list of rows instead of the dict itself.")
     elif isinstance(data, Example):
@@ -365,7 +429,8 @@ def _dataset_columns(data, source: str) -> None:
     columns = data.column_names
     if not isinstance(columns, (list, tuple)) or not columns:
         return  # not a plain Dataset, or empty: the rows themselves tell
-    if "messages" in columns or {"instruction", "output"} <= set(columns):
+    if "messages" in columns or {"instruction", "output"} <= set(columns) \
+            or {"prompt", "chosen", "rejected"} <= set(columns):
         return
     raise DataError(f"{_cap(source)} is a Dataset with columns {', '.join(map(repr, columns))}, but "
                     "nbtune needs 'instruction' and 'output' (and optionally 'input'), or "
@@ -397,7 +462,7 @@ def examples_from(data, source: str = "the data") -> list[Example]:
     examples = []
     for i, row in enumerate(data):
         where = f"{source}: row {i + 1}"
-        if isinstance(row, Example):
+        if isinstance(row, (Example, Pair)):
             examples.append(row)
         elif isinstance(row, Mapping):
             examples.append(_row_to_example(dict(row), where))
@@ -407,206 +472,15 @@ def examples_from(data, source: str = "the data") -> list[Example]:
                             "nbtune Example.")
     if not examples:
         raise DataError(f"{_cap(source)} holds no rows: give at least one.")
+    return _one_kind(examples, source)
+
+
+def _one_kind(examples: list, source: str) -> list:
+    """Preference pairs and rows to imitate do not mix: a run trains for one objective."""
+    pairs = [isinstance(e, Pair) for e in examples]
+    if any(pairs) and not all(pairs):
+        first = examples[pairs.index(not pairs[0])]
+        raise DataError(f"{_cap(source)} mixes preference pairs ('prompt', 'chosen', 'rejected') "
+                        f"with instruction or chat rows ({first.where or 'a row'} is the first "
+                        f"that differs from row 1): a run trains for one objective. Keep one kind.")
     return examples
-
-
-@dataclass(frozen=True)
-class Sample:
-    input_ids: torch.Tensor  # [T] tokens the model reads
-    labels: torch.Tensor  # [T] next token to predict, IGNORE where not trained
-    document_ids: torch.Tensor | None = None  # [T] which example each token is from (packed)
-    positions: torch.Tensor | None = None  # [T] position within its own example (packed)
-
-
-def tokenize(example: Example, tokenizer: Tokenizer, seq_len: int) -> Sample | None:
-    """Token ids and shifted labels, cut to ``seq_len``; None if no trained token survives."""
-    if tokenizer.chat_template is not None:
-        text, spans = _chat_spans(example, tokenizer)
-        eos = []  # the template writes each turn's end itself
-    else:
-        prompt = format_prompt(*_alpaca_fields(example))
-        text = prompt + example.messages[-1][1]
-        spans, eos = [(len(prompt), len(text))], [tokenizer.eos_id]
-    # The whole text is encoded at once, as transformers does; a token is trained when it
-    # starts inside an assistant span. A text far longer than seq_len tokens can hold is cut
-    # first (no token is longer than the longest in the vocabulary), so one huge row is not
-    # encoded whole: the tokenizer's memory grows with it and can abort the process.
-    text = text[:(seq_len + 2) * tokenizer.longest_token + 4096]
-    ids, offsets = tokenizer.encode_with_offsets(text)
-    trained = [any(lo <= start < hi for lo, hi in spans) for start, _ in offsets]
-    trained += [True] * len(eos)
-    ids = _with_bos(tokenizer, ids + eos)
-    trained = [False] * (len(ids) - len(trained)) + trained
-    ids, trained = ids[: seq_len + 1], trained[: seq_len + 1]
-    # Position t predicts token t + 1.
-    labels = [tok if keep else IGNORE for tok, keep in zip(ids[1:], trained[1:])]
-    if all(label == IGNORE for label in labels):
-        return None
-    return Sample(torch.tensor(ids[:-1]), torch.tensor(labels))
-
-
-def tokenize_all(examples: list[Example], tokenizer: Tokenizer, seq_len: int,
-                 source: str = "the data") -> tuple[list[Sample], int]:
-    """Tokenize every example; returns the samples and how many were dropped as too long."""
-    samples = [tokenize(ex, tokenizer, seq_len) for ex in examples]
-    kept = [s for s in samples if s is not None]
-    if examples and not kept:
-        raise DataError(f"Every row of {source} is longer than seq_len={seq_len} before its "
-                        "response starts, so nothing is left to train on. Raise seq_len.")
-    return kept, len(samples) - len(kept)
-
-
-def pack(samples: list[Sample], seq_len: int) -> list[Sample]:
-    """Concatenate consecutive samples into rows of at most ``seq_len`` tokens.
-
-    Each row records which example every token came from and its position inside that
-    example, so attention can be limited to the example and rotary positions restart:
-    the loss is the same as unpacked, with no compute spent on padding.
-    """
-    rows: list[Sample] = []
-    group: list[Sample] = []
-
-    def close() -> None:
-        rows.append(Sample(
-            torch.cat([s.input_ids for s in group]), torch.cat([s.labels for s in group]),
-            document_ids=torch.cat([torch.full_like(s.input_ids, i) for i, s in enumerate(group)]),
-            positions=torch.cat([torch.arange(len(s.input_ids)) for s in group])))
-        group.clear()
-
-    used = 0
-    for sample in samples:
-        if group and used + len(sample.input_ids) > seq_len:
-            close()
-            used = 0
-        group.append(sample)
-        used += len(sample.input_ids)
-    if group:
-        close()
-    return rows
-
-
-def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample: input_ids and labels [B, T] (and, packed, the
-    document ids and positions; padding is its own document -1)."""
-    longest = max(len(s.input_ids) for s in samples)
-    fill = {"input_ids": pad_id, "labels": IGNORE}
-    if samples[0].document_ids is not None:
-        fill.update(document_ids=-1, positions=0)
-    batch = {name: torch.full((len(samples), longest), value, dtype=torch.long)
-             for name, value in fill.items()}
-    for row, sample in enumerate(samples):
-        for name, tensor in batch.items():
-            values = getattr(sample, name)
-            tensor[row, : len(values)] = values
-    return batch
-
-
-NO_TRAINING_DATA = ("This session has no training rows: it was made without data (to chat, "
-                    "evaluate or save). To train, make it with data: nt.Session.from_pretrained("
-                    "model, 'train.jsonl') (a JSONL path, rows or a datasets.Dataset).")
-
-
-class BatchStream:
-    """Endless shuffled batches, reshuffled each epoch from a seed; position is plain data."""
-
-    def __init__(self, samples: list[Sample], batch_size: int, pad_id: int, seed: int = 0) -> None:
-        self.samples, self.batch_size, self.pad_id, self.seed = samples, batch_size, pad_id, seed
-        self.epoch, self.position = 0, 0
-        self._order = self._shuffle()
-
-    def _shuffle(self) -> list[int]:
-        gen = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(len(self.samples), generator=gen).tolist()
-
-    def continue_from(self, previous: "BatchStream") -> None:
-        """Carry on where ``previous`` stopped, if both walk the same rows in the same order."""
-        if previous.seed == self.seed and len(previous.samples) == len(self.samples):
-            self.epoch, self.position, self._order = previous.epoch, previous.position, previous._order
-
-    def state_dict(self) -> dict:
-        """Where the stream stands: the order is remade from ``seed`` and ``epoch``."""
-        return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
-                "samples": len(self.samples)}
-
-    def check_state(self, state: dict) -> None:
-        """Refuse a position taken on other data or another seed, before anything changes."""
-        if (state.get("seed"), state.get("samples")) != (self.seed, len(self.samples)):
-            raise DataError(
-                f"The saved data position is for {state.get('samples')} samples with seed "
-                f"{state.get('seed')}; this session has {len(self.samples)} with seed {self.seed}: "
-                "resume with the same data (the same rows, seq_len, packing and seed).")
-        if not 0 <= state.get("position", -1) <= len(self.samples) or state.get("epoch", -1) < 0:
-            raise DataError(f"The saved data position {state} is outside the data.")
-
-    def load_state_dict(self, state: dict) -> None:
-        self.check_state(state)
-        moved = state["epoch"] != self.epoch
-        self.epoch, self.position = state["epoch"], state["position"]
-        if moved:
-            self._order = self._shuffle()
-
-    def copy(self) -> "BatchStream":
-        """The same samples and shape at the same position, to move independently."""
-        other = BatchStream.__new__(BatchStream)
-        other.__dict__.update(self.__dict__)
-        return other
-
-    def next(self) -> dict[str, torch.Tensor]:
-        if not self.samples:
-            raise DataError(NO_TRAINING_DATA)
-        picked = []
-        while len(picked) < self.batch_size:
-            if self.position == len(self._order):
-                self.epoch, self.position = self.epoch + 1, 0
-                self._order = self._shuffle()
-            picked.append(self.samples[self._order[self.position]])
-            self.position += 1
-        return collate(picked, self.pad_id)
-
-
-class TrainingData:
-    """A run's data in one place: the training rows, the held-out rows and the tokenizer that
-    turns them into batches. The trainer holds it and asks it for a stream or the evaluation
-    batches of a batch shape; what it has to say (rows skipped) comes back with the stream."""
-
-    def __init__(self, train, tokenizer: Tokenizer, heldout=None) -> None:
-        self.train = examples_from(train) if train is not None else []  # None: chat, save only
-        self.heldout = examples_from(heldout, "the held-out data") if heldout is not None else []
-        self.tokenizer = tokenizer
-        self._eval: tuple | None = None  # (seq_len, batch_size), batches: the last made
-
-    @property
-    def pad_id(self) -> int:
-        return self.tokenizer.pad_id
-
-    def problems(self, t) -> list[str]:
-        """What this data cannot do for techniques ``t``, in words (nothing: [])."""
-        if t.eval_every and not self.heldout:
-            return ["eval_every needs held-out rows: create the session with heldout=... "
-                    "(a JSONL path or rows), or leave eval_every=0."]
-        return []
-
-    def stream(self, t) -> tuple[BatchStream, list[str]]:
-        """The training batches for ``t``'s seq_len, packing, batch size and seed, and the
-        notes the user should read (rows skipped for want of room)."""
-        samples, dropped = tokenize_all(self.train, self.tokenizer, t.seq_len,
-                                        source="the training data")
-        notes = []
-        if dropped:
-            notes.append(f"{dropped} of {len(self.train)} rows have no response within "
-                         f"seq_len={t.seq_len} and are skipped; raise seq_len to keep them.")
-        if t.packing:
-            samples = pack(samples, t.seq_len)
-        return BatchStream(samples, t.batch_size, self.pad_id, seed=t.seed), notes
-
-    def eval_batches(self, t) -> list[dict]:
-        """Every held-out row as batches of ``t``'s shape (no packing), made once per shape."""
-        if not self.heldout:
-            return []
-        key = (t.seq_len, t.batch_size)
-        if self._eval is None or self._eval[0] != key:
-            samples, _ = tokenize_all(self.heldout, self.tokenizer, t.seq_len,
-                                      source="the held-out data")
-            self._eval = (key, [collate(samples[i:i + t.batch_size], self.pad_id)
-                                for i in range(0, len(samples), t.batch_size)])
-        return self._eval[1]

@@ -1,0 +1,103 @@
+"""Training data: instruction and chat rows -> token ids with the prompt masked out of the loss.
+
+Row formats (JSONL, one object per line, or a .json file holding a list):
+
+* instruction: ``{"instruction": ..., "input": ... (optional), "output": ...}``
+* chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}``
+
+Rows are read without a tokenizer and become text only when tokenized, because the model
+decides how a conversation is written:
+
+* If its tokenizer has a chat template, every row is rendered through it exactly as
+  transformers' ``apply_chat_template`` renders it. An instruction row is one user message
+  (``instruction``, plus a blank line and ``input`` when there is one) and one assistant
+  message (``output``). Each assistant turn as the template writes it is trained, its
+  end-of-turn token included (Llama 3's <|eot_id|>, Qwen's <|im_end|>, Mistral's </s>);
+  no other EOS is added.
+* Without a template, instruction rows use the Alpaca prompt below and the ``output`` plus
+  an EOS after it are trained. Chat rows need a template: they raise ``DataError``.
+
+Everything else gets the label ``IGNORE``. BOS is put first when the tokenizer has one and
+the text does not already start with it (templates such as Llama 3's write it themselves).
+Truncation policy: sequences longer than ``seq_len`` are cut on the right; a row left with
+no response tokens is dropped and counted.
+"""
+
+from __future__ import annotations
+
+from ..models.tokenizer import Tokenizer
+from .batches import (NO_TRAINING_DATA, BatchStream, Sample, collate, collate_pairs, pack, tokenize,
+                      tokenize_all, tokenize_pairs)
+from .rows import (ACCEPTED, IGNORE, PROMPT, PROMPT_WITH_INPUT, ROLES, DataError, Example, Pair,
+                   check_renderable, examples_from, format_prompt, load_examples, prompt_and_reference,
+                   prompt_ids, prompt_text)
+
+__all__ = ["ACCEPTED", "IGNORE", "NO_TRAINING_DATA", "PROMPT", "PROMPT_WITH_INPUT", "ROLES", "BatchStream",
+           "DataError", "Example", "Pair", "Sample", "TrainingData", "check_renderable", "collate",
+           "collate_pairs", "examples_from", "format_prompt", "load_examples", "pack", "prompt_and_reference",
+           "prompt_ids", "prompt_text", "tokenize", "tokenize_all", "tokenize_pairs"]
+
+
+class TrainingData:
+    """A run's data in one place: the training rows, the held-out rows and the tokenizer that
+    turns them into batches. The trainer holds it and asks it for a stream or the evaluation
+    batches of a batch shape; what it has to say (rows skipped) comes back with the stream."""
+
+    def __init__(self, train, tokenizer: Tokenizer, heldout=None) -> None:
+        self.train = examples_from(train) if train is not None else []  # None: chat, save only
+        self.heldout = examples_from(heldout, "the held-out data") if heldout is not None else []
+        self.tokenizer = tokenizer
+        self._eval: tuple | None = None  # (seq_len, batch_size), batches: the last made
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_id
+
+    @property
+    def pairs(self) -> bool:
+        """Whether the rows are preference pairs (for a preference objective)."""
+        return bool(self.train) and isinstance(self.train[0], Pair)
+
+    def problems(self, t) -> list[str]:
+        """What this data cannot do for techniques ``t``, in words (nothing: [])."""
+        out = []
+        if t.eval_every and not self.heldout:
+            out.append("eval_every needs held-out rows: create the session with heldout=... "
+                       "(a JSONL path or rows), or leave eval_every=0.")
+        if self.train and not self.pairs and t.objective != "sft":
+            out.append(f"objective={t.objective!r} trains on preference pairs (rows with 'prompt', "
+                       "'chosen' and 'rejected'), but these rows are instruction or chat rows: give "
+                       "pairs, or set objective='sft'.")
+        return out
+
+    def stream(self, t) -> tuple[BatchStream, list[str]]:
+        """The training batches for ``t``'s seq_len, packing, batch size and seed, and the
+        notes the user should read (rows skipped for want of room). Pairs: ``batch_size``
+        pairs a batch, chosen rows then rejected; under ``sft`` the chosen completions alone
+        (supervised finetuning on the preferred answers, the usual start before DPO)."""
+        if self.pairs and t.objective != "sft":
+            pairs, dropped = tokenize_pairs(self.train, self.tokenizer, t.seq_len, "the training data")
+            notes = [f"{dropped} of {len(self.train)} pairs have a completion with no token within "
+                     f"seq_len={t.seq_len} and are skipped; raise seq_len to keep them."] if dropped else []
+            return BatchStream(pairs, t.batch_size, self.pad_id, seed=t.seed, collate=collate_pairs), notes
+        rows = [pair.chosen for pair in self.train] if self.pairs else self.train
+        samples, dropped = tokenize_all(rows, self.tokenizer, t.seq_len, source="the training data")
+        notes = []
+        if dropped:
+            notes.append(f"{dropped} of {len(self.train)} rows have no response within "
+                         f"seq_len={t.seq_len} and are skipped; raise seq_len to keep them.")
+        if t.packing:
+            samples = pack(samples, t.seq_len)
+        return BatchStream(samples, t.batch_size, self.pad_id, seed=t.seed), notes
+
+    def eval_batches(self, t) -> list[dict]:
+        """Every held-out row as batches of ``t``'s shape (no packing), made once per shape."""
+        if not self.heldout:
+            return []
+        key = (t.seq_len, t.batch_size)
+        if self._eval is None or self._eval[0] != key:
+            rows = [row.chosen if isinstance(row, Pair) else row for row in self.heldout]
+            samples, _ = tokenize_all(rows, self.tokenizer, t.seq_len, source="the held-out data")
+            self._eval = (key, [collate(samples[i:i + t.batch_size], self.pad_id)
+                                for i in range(0, len(samples), t.batch_size)])
+        return self._eval[1]

@@ -1,0 +1,220 @@
+"""Preference objectives trained: pairs read and tokenized (only the completions scored), a
+step's loss and update against TRL's DPO loss on the same model, the reference as the base
+with the adapters off, the estimate against the measured step, and what is refused."""
+
+import json
+import math
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import nbtune as nt
+from nbtune.data import IGNORE, DataError, Pair, TrainingData, collate_pairs, examples_from, tokenize_pairs
+from nbtune.distributed import Parallel
+from nbtune.models import ModelConfig, Tokenizer, demo_model_dir
+from nbtune.models.decoder import CausalLM
+from nbtune.models.tiny import byte_tokenizer
+from nbtune.step import StepOptions, train_step
+
+from helpers import demo_pairs, small_session
+
+TEMPLATE = ("{% for m in messages %}<|begin|>{{ m.role }}\n{{ m.content }}<|end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|begin|>assistant\n{% endif %}")
+
+
+# ---- rows ------------------------------------------------------------------------------
+
+def test_a_text_pair_and_a_message_pair_score_only_their_completions():
+    tok = byte_tokenizer()
+    tok.chat_template = TEMPLATE
+    rows = [{"prompt": "2+2?", "chosen": "4", "rejected": "5"},
+            {"prompt": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"},
+                        {"role": "user", "content": "3+3?"}],
+             "chosen": [{"role": "assistant", "content": "6"}],
+             "rejected": [{"role": "assistant", "content": "seven"}]}]
+    pairs = examples_from(rows)
+    assert all(isinstance(p, Pair) for p in pairs)
+    tokenized, dropped = tokenize_pairs(pairs, tok, 256)
+    assert dropped == 0
+    trained = [[s.labels[s.labels != IGNORE].tolist() for s in sides] for sides in tokenized]
+    assert trained[0] == [tok.encode("4<|end|>\n"), tok.encode("5<|end|>\n")]
+    # the prompt's own assistant turn ("2") is not scored: only the completion
+    assert trained[1] == [tok.encode("6<|end|>\n"), tok.encode("seven<|end|>\n")]
+    batch = collate_pairs(tokenized, tok.pad_id)
+    assert batch["input_ids"].shape[0] == 4  # chosen rows, then rejected
+    assert batch["labels"][0][batch["labels"][0] != IGNORE].tolist() == tok.encode("4<|end|>\n")
+    assert batch["labels"][2][batch["labels"][2] != IGNORE].tolist() == tok.encode("5<|end|>\n")
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "a", "chosen": "b"}, "'rejected' missing"),
+    ({"prompt": "a", "chosen": "b", "rejected": "b"}, "the same text"),
+    ({"prompt": [{"role": "assistant", "content": "a"}], "chosen": "b", "rejected": "c"},
+     "must end with a user message"),
+    ({"prompt": "a", "chosen": [{"role": "user", "content": "b"}], "rejected": "c"},
+     "'chosen' message 0 must be"),
+    ({"prompt": "a", "chosen": "", "rejected": "c"}, "'chosen' is empty"),
+    ({"prompt": "a", "chosen": [{"role": "assistant", "content": "b"}] * 2, "rejected": "c"},
+     "one non-empty assistant message"),
+])
+def test_a_bad_pair_is_refused_naming_the_row(row, message):
+    with pytest.raises(DataError, match=message) as err:
+        examples_from([{"prompt": "ok", "chosen": "x", "rejected": "y"}, row])
+    assert "row 2" in str(err.value)
+
+
+def test_pairs_and_instruction_rows_do_not_mix():
+    with pytest.raises(DataError, match="mixes preference pairs"):
+        examples_from([{"prompt": "a", "chosen": "b", "rejected": "c"},
+                       {"instruction": "a", "output": "b"}])
+
+
+def test_an_objective_needs_pairs_and_sft_on_pairs_trains_the_chosen_completions():
+    tok = byte_tokenizer()
+    rows = TrainingData([{"instruction": "a", "output": "b"}], tok)
+    assert "trains on preference pairs" in " ".join(rows.problems(nt.Techniques(method="lora", objective="dpo")))
+    pairs = TrainingData([{"prompt": "a", "chosen": "yes", "rejected": "no"}], tok)
+    assert pairs.problems(nt.Techniques(objective="sft")) == []
+    stream, _ = pairs.stream(nt.Techniques(objective="sft", batch_size=1))
+    labels = stream.next()["labels"][0]
+    assert labels[labels != IGNORE].tolist() == tok.encode("yes") + [tok.eos_id]
+
+
+def test_each_rank_takes_its_chosen_rows_and_the_rejected_rows_of_the_same_pairs():
+    batch = {"input_ids": torch.arange(8).unsqueeze(1)}  # pairs 0-3: chosen 0-3, rejected 4-7
+    mine = [Parallel(rank, 2, rank, None).rows(batch, pairs=True)["input_ids"].flatten().tolist()
+            for rank in (0, 1)]
+    assert mine == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+# ---- training --------------------------------------------------------------------------
+
+def test_dpo_with_lora_starts_at_ln_2_and_learns_to_prefer_the_chosen():
+    """The reference is the base with the adapters off: at the first step (B = 0) the policy
+    is the reference, so the loss is ln 2 and the rewards 0; then the margin grows."""
+    session = small_session(method="lora", objective="dpo", lr=3e-3)
+    first = session.step()
+    assert first.loss == pytest.approx(math.log(2), abs=1e-6)
+    assert first.preference.margin == 0 and first.preference.chosen_reward == 0
+    later = [session.step() for _ in range(9)][-3:]
+    assert all(r.preference.margin > 0.2 and r.preference.accuracy > 0.5 and r.loss < 0.6 for r in later)
+
+
+def _trl_dpo_loss(beta, per_token, ref, ids, mask):
+    """TRL 1.16's own DPO loss code on the given per-token log-probs (its fused head's output:
+    zero off the completion) and precomputed reference sums."""
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    rows, seq = per_token.shape
+    identity = lambda x: x  # noqa: E731
+    outputs = SimpleNamespace(log_probs=per_token, entropy=torch.zeros(rows, seq),
+                              mean_logits=torch.zeros(rows, seq), is_top1=torch.zeros(rows, seq, dtype=torch.bool))
+    me = SimpleNamespace(model=SimpleNamespace(training=True),
+                         accelerator=SimpleNamespace(device="cpu", gather=identity, gather_for_metrics=identity),
+                         aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True,
+                         f_divergence_type="reverse_kl", loss_types=["sigmoid"], loss_weights=[1.0], beta=beta,
+                         use_weighting=False, _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
+    half = rows // 2
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": mask,
+              "ref_chosen_logps": ref[:half], "ref_rejected_logps": ref[half:]}
+    return DPOTrainer._compute_loss(me, lambda **kw: outputs, inputs, return_outputs=False)
+
+
+@pytest.mark.parametrize("chunks", [0, 3])
+def test_a_dpo_step_updates_the_adapters_as_trls_loss_does(chunks):
+    """Two steps in: the adapters have moved, so the policy is not the reference. The next
+    step's update (SGD, so the change is lr times the gradient) equals the gradient of TRL's
+    DPO loss on the same model's log-probs, with the reference computed here by zeroing every
+    adapter's B on a copy (the base alone), not by nbtune's switch."""
+    import copy
+
+    from nbtune.peft import LoRALinear
+
+    session = small_session(method="lora", objective="dpo", optimizer="sgd", lr=0.5, beta=0.3,
+                            chunked_loss=chunks)
+    session.step(), session.step()
+    batch = copy.deepcopy(session.trainer.stream).next()
+    ids, labels = batch["input_ids"], batch["labels"]
+    # TRL reads the whole sequence (its last label, the EOS, included) with a completion_mask
+    # over it: rebuilt here from nbtune's inputs and shifted labels
+    trained = labels != IGNORE
+    full = torch.cat([ids[:, :1], torch.where(trained, labels, torch.roll(ids, -1, 1))], 1)
+    mask = torch.cat([torch.zeros_like(ids[:, :1]), trained.long()], 1)
+    model = copy.deepcopy(session.model)
+    base = copy.deepcopy(model)
+    for m in base.modules():
+        if isinstance(m, LoRALinear):
+            torch.nn.init.zeros_(m.lora_B.weight)
+
+    def per_token(net):
+        logps = torch.log_softmax(net(full).float()[:, :-1], -1).gather(-1, full[:, 1:, None]).squeeze(-1)
+        return logps * mask[:, 1:]
+
+    with torch.no_grad():
+        ref = per_token(base).sum(1)
+    loss = _trl_dpo_loss(0.3, per_token(model), ref, full, mask)
+    loss.backward()
+    before = {n: p.detach().clone() for n, p in session.model.named_parameters() if p.requires_grad}
+    report = session.step()
+    assert report.loss == pytest.approx(loss.item(), abs=1e-5)
+    grads = dict(model.named_parameters())
+    for name, old in before.items():
+        moved = dict(session.model.named_parameters())[name].detach() - old
+        torch.testing.assert_close(moved, -0.5 * grads[name].grad, atol=2e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("objective", ["orpo", "dpo"])
+def test_two_accumulated_micro_batches_of_pairs_equal_one_batch_of_them(objective):
+    """The same four pairs as one batch or two micro-batches of two: the same loss and the
+    same update (each pair's loss over the step's pairs, ORPO's cross-entropy over the step's
+    chosen tokens), as one batch gives."""
+    method = "lora" if objective == "dpo" else "full"
+    one = small_session(method=method, objective=objective, optimizer="sgd", lr=0.5, batch_size=4)
+    two = small_session(method=method, objective=objective, optimizer="sgd", lr=0.5, batch_size=2,
+                        grad_accum=2)
+    for _ in range(2):
+        a, b = one.step(), two.step()
+        assert a.loss == pytest.approx(b.loss, abs=1e-6)
+        assert a.preference.margin == pytest.approx(b.preference.margin, abs=1e-6)
+    for (name, p), q in zip(one.model.named_parameters(), two.model.parameters()):
+        torch.testing.assert_close(p, q, atol=2e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(method="lora", objective="dpo"),
+    dict(method="lora", objective="ipo", chunked_loss=4, activation_checkpointing=True),
+    dict(objective="simpo"),
+    dict(objective="orpo", grad_accum=2),
+    dict(method="qlora", dtype="bf16", objective="dpo", activation_checkpointing=True),
+], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_the_estimate_equals_the_measured_step_of_pairs(changes):
+    """Full-length pair rows of the demo's shape: the estimate (fake tensors, the same step)
+    against the second measured step of a real session, within 2 %."""
+    config = ModelConfig(vocab_size=259, hidden_size=128, intermediate_size=384, num_layers=4,
+                         num_heads=4, num_kv_heads=2, head_dim=32)
+    t = nt.Techniques(batch_size=2, seq_len=96, **changes)
+    torch.manual_seed(0)
+    session = nt.Session(CausalLM(config), Tokenizer.from_folder(demo_model_dir()), demo_pairs(8),
+                         techniques=t, device="cpu")
+    ids = torch.randint(0, config.vocab_size, (4, 96))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    for _ in range(2):
+        report = train_step(session.model, session.optimizer, [batch] * t.grad_accum,
+                            StepOptions.of(t), pad_id=-1, step=1)
+    guess = nt.estimate(config, t)
+    assert abs(guess.peak - report.memory.peak) <= 0.02 * report.memory.peak, (guess.peak, report.memory.peak)
+    assert guess.parameters == report.memory.parameters
+
+
+def test_what_is_not_built_yet_is_refused_by_name_and_changes_nothing():
+    session = small_session(method="lora", objective="sft")
+    before = session.techniques
+    for change, words in [({"objective": "dpo", "method": "full"}, "frozen copy is not built yet"),
+                          ({"objective": "dpo", "packing": True}, "turn packing off"),
+                          ({"objective": "simpo", "tile_tokens": 16}, "tile_tokens=0"),
+                          ({"objective": "orpo", "eval_every": 1}, "eval_every=0")]:
+        with pytest.raises(ValueError, match=words):
+            session.set(**change)
+        assert session.techniques is before

@@ -31,6 +31,7 @@ RESERVED_COLOR = "#7F7F7F"  # what the CUDA caching allocator held
 RESIDENT_COLOR = "#17BECF"  # the process's peak resident memory (a CPU's every-step figure)
 LOSS_COLOR = "#999999"
 EVAL_COLOR = "#E377C2"  # held-out loss and the evaluation's memory
+MARGIN_COLOR = "#17BECF"  # a preference objective's reward margin (chosen minus rejected)
 _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
@@ -140,8 +141,13 @@ def draw_memory(fig: Figure, history: list, ranks: list | None = None) -> Figure
     if held_out:
         loss_ax.plot([r.step for r in held_out], [r.eval_loss for r in held_out], color=EVAL_COLOR,
                      linewidth=1.2, marker="o", markersize=3, label="held-out loss")
-    loss_ax.set_ylabel("loss")
-    loss_ax.set_ylim(bottom=0)
+    paired = [r for r in history if getattr(r, "preference", None) is not None]
+    if paired:  # a preference objective: what its users watch beside the loss
+        margins = [r.preference.margin for r in paired]
+        loss_ax.plot([r.step for r in paired], margins, color=MARGIN_COLOR, linewidth=1.2,
+                     linestyle="--", label="reward margin")
+    loss_ax.set_ylabel("loss" + (" and margin" if paired else ""))
+    loss_ax.set_ylim(bottom=min([0.0] + [r.preference.margin for r in paired]))
     timeline.set_title("Peak memory and loss per step", fontsize=10)
     _legend(fig, (bars, timeline, loss_ax), ncol=3)
     fig.subplots_adjust(left=0.08, right=0.93, top=0.9, bottom=0.4, wspace=0.4)

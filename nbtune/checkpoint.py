@@ -26,6 +26,7 @@ from .files import FileRefused, inside, read_json, shown
 from .memory import MemoryBreakdown
 from .memory.usage import SOURCES, Usage
 from .models.filling import check_finite
+from .objectives.preference import PreferenceMetrics
 from .models.hf import (PART_BYTES, dense_weights, stream_safetensors, write_atomically,
                         write_hf_folder)
 from .peft import AdapterWeights, adapter_config, has_lora
@@ -145,15 +146,18 @@ def _optimizer_state(tensors: dict, meta: dict) -> dict:
 
 def history_rows(history) -> list[dict]:
     """Step reports as JSON-ready dicts (``history_from_rows`` reads them back)."""
-    return [{**{k: v for k, v in vars(r).items() if k not in ("memory", "usage")},
-             "memory": r.memory.as_dict(), "usage": r.usage.as_dict() if r.usage else None}
+    return [{**{k: v for k, v in vars(r).items() if k not in ("memory", "usage", "preference")},
+             "memory": r.memory.as_dict(), "usage": r.usage.as_dict() if r.usage else None,
+             "preference": dataclasses.asdict(r.preference) if r.preference else None}
             for r in history]
 
 
 def history_from_rows(rows: list[dict]) -> list[StepReport]:
     return [StepReport(**{**r, "shape": tuple(r.get("shape", (0, 0))),
                           "memory": MemoryBreakdown(**r["memory"]),
-                          "usage": Usage(**r["usage"]) if r.get("usage") else None}) for r in rows]
+                          "usage": Usage(**r["usage"]) if r.get("usage") else None,
+                          "preference": PreferenceMetrics(**r["preference"]) if r.get("preference") else None})
+            for r in rows]
 
 
 def parts(tensors: dict[str, torch.Tensor], stem: str) -> list[tuple[str, dict]]:
@@ -300,6 +304,7 @@ _ROW_FIELDS = (("step", "an integer"), ("loss", "a number"), ("tokens", "an inte
                ("trained_tokens", "an integer"), ("seconds", "a number"), ("lr", "a number"),
                ("memory", "an object"))
 _MEMORY_NUMBERS = tuple(f.name for f in dataclasses.fields(MemoryBreakdown) if type(f.default) is int)
+_PREFERENCE_NUMBERS = tuple(f.name for f in dataclasses.fields(PreferenceMetrics))
 
 
 def _history(rows: list, path) -> list[StepReport]:
@@ -313,6 +318,13 @@ def _history(rows: list, path) -> list[StepReport]:
         for name in ("eval_loss", "router_loss"):
             if name in row:
                 state_field(row, name, "a number or null", path, where)
+        if row.get("preference") is not None:
+            metrics = state_field(row, "preference", "an object", path, where)
+            for name in _PREFERENCE_NUMBERS:
+                state_field(metrics, name, "a number", path, where + "preference.")
+            if set(metrics) != set(_PREFERENCE_NUMBERS):
+                raise refused(path, f"the field '{where}preference' must hold exactly "
+                                     f"{', '.join(_PREFERENCE_NUMBERS)}")
         if "shape" in row:
             shape = state_field(row, "shape", "a list", path, where)
             if len(shape) != 2 or not all(_is_int(n) for n in shape):

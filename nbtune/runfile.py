@@ -328,9 +328,17 @@ def written_by_nbtune(path: Path) -> bool:
 
 def write_rows(examples, path: Path) -> None:
     """Rows as JSONL in the format they were read from (instruction rows stay instruction rows)."""
+    from .data import Pair
+
     lines = []
     for example in examples:
-        if example.instruction is not None:
+        if isinstance(example, Pair):  # TRL's form: a text prompt stays text, else messages
+            chosen, rejected = example.chosen, example.rejected
+            prompt = (chosen.instruction[0] if chosen.instruction is not None else
+                      [{"role": r, "content": c} for r, c in chosen.messages[:-1]])
+            row = {"prompt": prompt, "chosen": [{"role": "assistant", "content": chosen.messages[-1][1]}],
+                   "rejected": [{"role": "assistant", "content": rejected.messages[-1][1]}]}
+        elif example.instruction is not None:
             instruction, input = example.instruction
             row = {"instruction": instruction, "input": input, "output": example.messages[-1][1]}
         else:

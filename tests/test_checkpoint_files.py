@@ -322,6 +322,11 @@ FIELD_DAMAGE = {
                              r"the field 'history\[0\]\.usage\.source' must be one of allocator, resident"),
     "history.usage.peak": (_set("history", 1, "usage", "peak", -1),
                            r"the field 'history\[1\]\.usage\.peak' is negative"),
+    "history.preference": (_set("history", 0, "preference", {"margin": "wide"}),
+                           r"the field 'history\[0\]\.preference\.chosen_reward' is missing"),
+    "history.preference.extra": (_set("history", 0, "preference", {"chosen_reward": 0, "rejected_reward": 0,
+                                                                  "margin": 0, "accuracy": 0, "planted": 1}),
+                                 r"the field 'history\[0\]\.preference' must hold exactly"),
     "techniques": (_set("techniques", "lr", "fast"), r"the field 'techniques' does not hold valid techniques \(lr"),
     "params": (_set("optimizer", "param_groups", 0, "params", ["a"]), r"the field 'optimizer\.param_groups\[0\]\.params'"),
     # torch's load_state_dict would copy these over the run's own settings

@@ -43,7 +43,9 @@ def metrics_row(report, rank: int = 0) -> dict:
             "tokens_per_second": report.tokens_per_second, "lr": report.lr,
             "peak_bytes": memory.peak, "memory_measured": memory.measured,
             "memory": memory.categories, "eval_loss": report.eval_loss, "rank": rank,
-            **({"router_loss": report.router_loss} if report.router_loss is not None else {})}
+            **({"router_loss": report.router_loss} if report.router_loss is not None else {}),
+            **({f"rewards/{k}": v for k, v in vars(report.preference).items()}
+               if report.preference is not None else {})}
 
 
 def total_steps(settings, parts) -> int:
@@ -94,6 +96,8 @@ class _Loggers:
                 self.tensorboard.add_scalar("eval/loss", report.eval_loss, report.step)
             if report.router_loss is not None:
                 self.tensorboard.add_scalar("train/router_loss", report.router_loss, report.step)
+            for key in (k for k in row if k.startswith("rewards/")):  # TRL's names
+                self.tensorboard.add_scalar(f"train/{key}", row[key], report.step)
 
     def close(self) -> None:
         self.file.close()
@@ -132,6 +136,9 @@ def _line(report) -> str:
     mark = "" if memory.measured else " (last measured)"
     eval_part = f"  eval {report.eval_loss:.3f}" if report.eval_loss is not None else ""
     eval_part += f"  balance {report.router_loss:.3f}" if report.router_loss is not None else ""
+    if report.preference is not None:
+        eval_part += (f"  margin {report.preference.margin:.3f}"
+                      f"  accuracy {report.preference.accuracy:.0%}")
     return (f"step {report.step:5d}  loss {report.loss:7.4f}{eval_part}  "
             f"{report.tokens_per_second:7.0f} tok/s  peak {format_bytes(memory.peak)}{mark}")
 

@@ -589,7 +589,9 @@ class Panel(w.VBox):
         self._pacer.drew(started)
         if history and self.session.current_run is None:  # a step on its own: its numbers
             last = history[-1]
-            self.progress.value = (f"step {last.step}: loss {last.loss:.3f}, peak "
+            pairs = (f", margin {last.preference.margin:.3f} ({last.preference.accuracy:.0%} of "
+                     "pairs ranked right)" if last.preference is not None else "")
+            self.progress.value = (f"step {last.step}: loss {last.loss:.3f}{pairs}, peak "
                                    f"{format_bytes(last.memory.peak)}, "
                                    f"{last.tokens_per_second:,.0f} tokens/s")
 

@@ -32,6 +32,9 @@ def run_status(reports: list, total: int, elapsed: float,
     parts = [f"step {done} of {total}"]
     if reports:
         parts.append(f"loss {reports[-1].loss:.3f}")
+        if reports[-1].preference is not None:  # a preference objective: what its users watch
+            parts.append(f"margin {reports[-1].preference.margin:.3f}, "
+                         f"{reports[-1].preference.accuracy:.0%} of pairs ranked right")
         seconds = sum(r.seconds for r in reports)
         if seconds > 0:
             parts.append(f"{sum(r.tokens for r in reports) / seconds:,.0f} tokens/s")

@@ -218,3 +218,47 @@ def test_what_is_not_built_yet_is_refused_by_name_and_changes_nothing():
         with pytest.raises(ValueError, match=words):
             session.set(**change)
         assert session.techniques is before
+
+
+def test_a_dpo_run_resumed_from_a_checkpoint_equals_one_never_stopped(tmp_path):
+    """Stopped after 3 steps and resumed in a new session (another RNG state, dropout on):
+    the next 3 losses, the rewards and the weights are those of the run that never stopped."""
+    changes = dict(method="lora", objective="dpo", lora_dropout=0.2, lr=3e-3)
+    straight = small_session(**changes)
+    expected = [straight.step() for _ in range(6)]
+    first = small_session(**changes)
+    got = [first.step() for _ in range(3)]
+    first.save_checkpoint(tmp_path / "ckpt")
+    torch.manual_seed(1234)
+    second = small_session(**changes)
+    second.load_checkpoint(tmp_path / "ckpt")
+    assert second.techniques.objective == "dpo" and [r.preference for r in second.history] == \
+        [r.preference for r in got]
+    got += [second.step() for _ in range(3)]
+    assert [(r.loss, r.preference) for r in got] == [(r.loss, r.preference) for r in expected]
+    for (name, a), (_, b) in zip(straight.model.named_parameters(), second.model.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_a_dpo_session_saved_as_a_run_file_trains_the_same_under_nbtune_train(tmp_path):
+    """The pairs written beside the run file as they were given (TRL's form), the objective in
+    the techniques; nbtune train's metrics carry the rewards under TRL's names and equal the
+    notebook's steps."""
+    import nbtune.cli.main as cli
+
+    from nbtune.demos import demo_named
+
+    torch.manual_seed(0)
+    session = nt.Session.from_pretrained(demo_named("tiny").model(), demo_pairs(16), device="cpu",
+                                         techniques=dict(method="lora", objective="dpo", lr=3e-3,
+                                                         batch_size=4, seq_len=96))
+    path = session.save_config(tmp_path / "run.yaml", steps=3)
+    rows = [json.loads(line) for line in (tmp_path / "run.train.jsonl").read_text().splitlines()]
+    assert set(rows[0]) == {"prompt", "chosen", "rejected"} and isinstance(rows[0]["prompt"], str)
+    assert examples_from(rows) == session.data.train
+    expected = [session.step() for _ in range(3)]
+    assert cli.main(["train", str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["loss"] for m in metrics] == [r.loss for r in expected]
+    assert [m["rewards/margin"] for m in metrics] == [r.preference.margin for r in expected]
+    assert {"rewards/chosen_reward", "rewards/rejected_reward", "rewards/accuracy"} <= set(metrics[0])

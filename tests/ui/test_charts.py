@@ -242,6 +242,21 @@ def test_held_out_loss_and_the_evaluation_peak_are_drawn():
     assert bars.get_ylim()[1] >= 300
 
 
+def test_a_preference_runs_reward_margin_is_drawn_beside_the_loss():
+    from dataclasses import replace
+
+    from nbtune.charts import MARGIN_COLOR, memory_figure
+    from nbtune.objectives.preference import PreferenceMetrics
+
+    history = [replace(_report(i), preference=PreferenceMetrics(0.1 * i, -0.1, 0.1 * i - 0.25, 0.5))
+               for i in range(1, 4)]
+    loss_ax = memory_figure(history).axes[2]
+    (margin,) = [line for line in loss_ax.get_lines() if line.get_label() == "reward margin"]
+    assert list(margin.get_xdata()) == [1, 2, 3] and margin.get_color() == MARGIN_COLOR
+    assert list(margin.get_ydata()) == pytest.approx([-0.15, -0.05, 0.05])
+    assert loss_ax.get_ylim()[0] <= -0.15  # a negative margin stays on the axis
+
+
 def test_breakdown_bars_are_each_entrys_bytes_by_category_first_on_top():
     from nbtune.charts import breakdown_figure
 

@@ -293,7 +293,10 @@ def test_a_preference_objective_shows_its_own_settings_and_a_pair_batch_trains()
         shown = {n for n in ("beta", "gamma") if panel.controls[n].layout.display != "none"}
         assert shown == {"beta", "gamma"}
         panel.step_button.click()
-        assert session.history[-1].preference is not None
+        last = session.history[-1]
+        assert last.preference is not None
+        panel._redraw(force=True)
+        assert f"margin {last.preference.margin:.3f}" in panel.progress.value
     finally:
         assert panel._fitcheck.wait(120)
 

@@ -146,9 +146,9 @@ def _optimizer_state(tensors: dict, meta: dict) -> dict:
 
 def history_rows(history) -> list[dict]:
     """Step reports as JSON-ready dicts (``history_from_rows`` reads them back)."""
-    return [{**{k: v for k, v in vars(r).items() if k not in ("memory", "usage", "preference")},
+    return [{**{k: v for k, v in vars(r).items() if k not in ("memory", "usage") + _PREFERENCES},
              "memory": r.memory.as_dict(), "usage": r.usage.as_dict() if r.usage else None,
-             "preference": dataclasses.asdict(r.preference) if r.preference else None}
+             **{k: dataclasses.asdict(getattr(r, k)) if getattr(r, k) else None for k in _PREFERENCES}}
             for r in history]
 
 
@@ -156,7 +156,7 @@ def history_from_rows(rows: list[dict]) -> list[StepReport]:
     return [StepReport(**{**r, "shape": tuple(r.get("shape", (0, 0))),
                           "memory": MemoryBreakdown(**r["memory"]),
                           "usage": Usage(**r["usage"]) if r.get("usage") else None,
-                          "preference": PreferenceMetrics(**r["preference"]) if r.get("preference") else None})
+                          **{k: PreferenceMetrics(**r[k]) if r.get(k) else None for k in _PREFERENCES}})
             for r in rows]
 
 
@@ -305,6 +305,7 @@ _ROW_FIELDS = (("step", "an integer"), ("loss", "a number"), ("tokens", "an inte
                ("memory", "an object"))
 _MEMORY_NUMBERS = tuple(f.name for f in dataclasses.fields(MemoryBreakdown) if type(f.default) is int)
 _PREFERENCE_NUMBERS = tuple(f.name for f in dataclasses.fields(PreferenceMetrics))
+_PREFERENCES = ("preference", "eval_preference")  # a step's PreferenceMetrics, as JSON objects
 
 
 def _history(rows: list, path) -> list[StepReport]:
@@ -318,12 +319,12 @@ def _history(rows: list, path) -> list[StepReport]:
         for name in ("eval_loss", "router_loss"):
             if name in row:
                 state_field(row, name, "a number or null", path, where)
-        if row.get("preference") is not None:
-            metrics = state_field(row, "preference", "an object", path, where)
+        for key in (k for k in _PREFERENCES if row.get(k) is not None):
+            metrics = state_field(row, key, "an object", path, where)
             for name in _PREFERENCE_NUMBERS:
-                state_field(metrics, name, "a number", path, where + "preference.")
+                state_field(metrics, name, "a number", path, f"{where}{key}.")
             if set(metrics) != set(_PREFERENCE_NUMBERS):
-                raise refused(path, f"the field '{where}preference' must hold exactly "
+                raise refused(path, f"the field '{where}{key}' must hold exactly "
                                      f"{', '.join(_PREFERENCE_NUMBERS)}")
         if "shape" in row:
             shape = state_field(row, "shape", "a list", path, where)

@@ -84,6 +84,8 @@ class StepReport:
             ``loss`` as reported), the mean over micro-batches; None for a dense model.
         preference: A preference objective's rewards, margin and accuracy over the step's
             pairs (``PreferenceMetrics``); None for ``sft``. ``loss`` is then the objective's.
+        eval_preference: The same over the held-out pairs after this step (``eval_every``;
+            ``eval_loss`` is then the objective's loss on them), else None.
     """
 
     step: int
@@ -98,6 +100,7 @@ class StepReport:
     usage: Usage | None = None  # the cheap figure metered on every step (``memory.usage``)
     router_loss: float | None = None  # mixture of experts: the load-balancing loss (top_k: balanced)
     preference: PreferenceMetrics | None = None  # a preference objective's rewards and accuracy
+    eval_preference: PreferenceMetrics | None = None  # the same over the held-out pairs
 
     @property
     def tokens_per_second(self) -> float:
@@ -120,12 +123,14 @@ class StepReport:
 
 @dataclass(frozen=True)
 class EvalReport:
-    """A held-out evaluation: mean token loss, tokens, time and (when tracked) memory."""
+    """A held-out evaluation: mean token loss (a preference objective's: its loss over the
+    held-out pairs, and their rewards and accuracy), tokens, time and (when tracked) memory."""
 
     loss: float
     tokens: int
     seconds: float
     memory: MemoryBreakdown | None
+    preference: PreferenceMetrics | None = None
 
 
 def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], options: StepOptions, *,
@@ -139,35 +144,50 @@ def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], opti
     """
     started = time.perf_counter()
     trained = int(sum((b["labels"] != IGNORE).sum() for b in batches))
+    pairs = (sum(b["input_ids"].shape[0] // 2 for b in batches),
+             int(sum((b["labels"].chunk(2)[0] != IGNORE).sum() for b in batches)))
     inputs = [t for b in batches for t in b.values()]
     tracker = track_step(model, optimizer, *inputs) if track else _Untracked()
     was_training = model.training
     model.eval()
     try:
         with tracker as memory:
-            total = evaluate_sum(model, batches, memory, options, device=device)
+            total, rewards = evaluate_sum(model, batches, memory, options, device=device, pairs=pairs)
     finally:
         model.train(was_training)
-    return EvalReport(loss=float(total) / max(trained, 1), tokens=trained,
-                      seconds=time.perf_counter() - started, memory=memory.result())
+    preference = None if rewards is None else PreferenceMetrics.of(*rewards)
+    return EvalReport(loss=float(total) / (max(trained, 1) if preference is None else 1), tokens=trained,
+                      seconds=time.perf_counter() - started, memory=memory.result(),
+                      preference=preference)
 
 
 @torch.no_grad()
 def evaluate_sum(model: nn.Module, batches: list[dict[str, torch.Tensor]], memory,
-                 options: StepOptions, *, device: torch.device | None = None) -> torch.Tensor:
+                 options: StepOptions, *, device: torch.device | None = None,
+                 pairs: tuple[int, int] = (1, 1)) -> tuple[torch.Tensor, list | None]:
     """Summed token loss of ``batches``, moved to ``device`` one at a time (a tensor: the
-    estimator runs it on fake ones)."""
+    estimator runs it on fake ones), and None; a preference objective's batches of pairs:
+    its loss over ``pairs`` (the pairs and the chosen tokens of them all), and every pair's
+    (chosen, rejected) rewards."""
     total = torch.zeros((), dtype=torch.float32)
+    rewards = [] if options.objective != "sft" else None
     memory.before_forward()
     for batch in batches:
         if device is not None:
             batch = {k: v.to(device) for k, v in batch.items()}
+        if rewards is not None:
+            loss, chosen, rejected = pair_batch_loss(model, batch, options, *pairs)
+            total += loss.float().cpu()
+            rewards.append((chosen.float().cpu(), rejected.float().cpu()))
+            continue
         hidden = model.hidden_states(batch["input_ids"], positions=batch.get("positions"),
                                      document_ids=batch.get("document_ids"))
         total += cross_entropy_sum(model.lm_head, hidden, batch["labels"], options.chunked_loss,
                                    tile_tokens=options.tile_tokens).float().cpu()
         del hidden
-    return total
+    if rewards is not None:
+        rewards = [torch.cat(side) for side in zip(*rewards)]
+    return total, rewards
 
 
 class NonFiniteError(FloatingPointError):

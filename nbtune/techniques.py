@@ -414,9 +414,6 @@ PREFERENCE_RULES = (
     Rule(lambda t: t.objective != "sft" and t.tile_tokens,
          "Sequence tiling is not yet made for the preference objectives' per-row scores: set "
          "tile_tokens=0 (chunked_loss splits their head instead).", ("objective", "tile_tokens")),
-    Rule(lambda t: t.objective != "sft" and t.eval_every,
-         "Held-out preference accuracy is not measured during training yet: set eval_every=0.",
-         ("objective", "eval_every")),
 )
 RULES = RULES + PREFERENCE_RULES
 

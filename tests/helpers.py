@@ -11,12 +11,12 @@ from nbtune.data import load_examples
 from nbtune.session import demo_data_file
 
 
-def demo_pairs(n: int = 64) -> list[dict]:
+def demo_pairs(n: int = 64, split: str = "train") -> list[dict]:
     """Preference pairs from the demo's rows: the row's answer chosen, that answer reversed
     with a "!" after it rejected (always a different text)."""
     import json
 
-    rows = [json.loads(line) for line in open(demo_data_file("train"))][:n]
+    rows = [json.loads(line) for line in open(demo_data_file(split))][:n]
     return [{"prompt": row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else ""),
              "chosen": row["output"], "rejected": row["output"][::-1] + "!"} for row in rows]
 
@@ -34,6 +34,8 @@ def small_session(**changes) -> "nt.Session":
     torch.manual_seed(0)
     session = nt.Session.demo(**base, device="cpu")
     session.data.train = rows
+    if "objective" in changes:
+        session.data.heldout = examples_from(demo_pairs(16, "heldout"))
     session.trainer.stream, _ = session.data.stream(session.techniques)
     if objective != "sft":
         session.set(objective=objective)

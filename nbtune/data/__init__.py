@@ -64,6 +64,10 @@ class TrainingData:
         if t.eval_every and not self.heldout:
             out.append("eval_every needs held-out rows: create the session with heldout=... "
                        "(a JSONL path or rows), or leave eval_every=0.")
+        if t.objective != "sft" and t.eval_every and self.heldout and not isinstance(self.heldout[0], Pair):
+            out.append(f"eval_every under objective={t.objective!r} scores held-out pairs, but the "
+                       "held-out rows are instruction or chat rows: give held-out pairs (prompt, "
+                       "chosen, rejected), or set eval_every=0.")
         if self.train and not self.pairs and t.objective != "sft":
             out.append(f"objective={t.objective!r} trains on preference pairs (rows with 'prompt', "
                        "'chosen' and 'rejected'), but these rows are instruction or chat rows: give "
@@ -91,11 +95,17 @@ class TrainingData:
         return BatchStream(samples, t.batch_size, self.pad_id, seed=t.seed), notes
 
     def eval_batches(self, t) -> list[dict]:
-        """Every held-out row as batches of ``t``'s shape (no packing), made once per shape."""
+        """Every held-out row as batches of ``t``'s shape (no packing), made once per shape;
+        held-out pairs under a preference objective as pair batches."""
         if not self.heldout:
             return []
-        key = (t.seq_len, t.batch_size)
+        key = (t.seq_len, t.batch_size, t.objective == "sft")
         if self._eval is None or self._eval[0] != key:
+            if isinstance(self.heldout[0], Pair) and t.objective != "sft":
+                pairs, _ = tokenize_pairs(self.heldout, self.tokenizer, t.seq_len, "the held-out data")
+                self._eval = (key, [collate_pairs(pairs[i:i + t.batch_size], self.pad_id)
+                                    for i in range(0, len(pairs), t.batch_size)])
+                return self._eval[1]
             rows = [row.chosen if isinstance(row, Pair) else row for row in self.heldout]
             samples, _ = tokenize_all(rows, self.tokenizer, t.seq_len, source="the held-out data")
             self._eval = (key, [collate(samples[i:i + t.batch_size], self.pad_id)

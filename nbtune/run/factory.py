@@ -151,8 +151,9 @@ class Run:
 
     def evaluate(self, examples: Iterable[Example] | None = None,
                  match: str | Callable[[str, str], bool] | None = None) -> float:
-        """``Session.evaluate``: the share of greedy replies that match the references (a
-        preference pair's reference: its chosen completion)."""
+        """``Session.evaluate``: the share of greedy replies that match the references; for
+        preference pairs, the share of pairs whose chosen completion the model ranks above the
+        rejected one (by the objective's reward; under ``sft``, the average log-probability)."""
         from ..data import Pair
         from ..scoring import resolve_match
 
@@ -161,13 +162,29 @@ class Run:
         if not examples:
             raise DataError("No held-out rows to evaluate on: pass heldout= when creating the "
                             "session, or give examples.")
+        if isinstance(examples[0], Pair):
+            return self._ranked_right(examples)
         hits = 0
         for ex in examples:
-            prompt, reference = prompt_and_reference(ex.chosen if isinstance(ex, Pair) else ex,
-                                                     self.tokenizer)
+            prompt, reference = prompt_and_reference(ex, self.tokenizer)
             budget = len(self.tokenizer.encode(reference)) + 4
             hits += bool(matches(self.generate(prompt, raw=True, max_new_tokens=budget), reference))
         return hits / len(examples)
+
+
+    def _ranked_right(self, pairs: list) -> float:
+        """The share of ``pairs`` ranked right, scored as a held-out evaluation is."""
+        from ..data import collate_pairs, tokenize_pairs
+        from ..step import StepOptions, held_out_loss
+
+        t = self.trainer.techniques
+        tokenized, _ = tokenize_pairs(examples_from(pairs, "the pairs to evaluate"), self.tokenizer,
+                                      t.seq_len, "the pairs to evaluate")
+        batches = [collate_pairs(tokenized[i:i + t.batch_size], self.tokenizer.pad_id)
+                   for i in range(0, len(tokenized), t.batch_size)]
+        options = StepOptions.of(t, objective="simpo" if t.objective == "sft" else t.objective)
+        return held_out_loss(self.trainer.model, batches, options, device=self.trainer.device,
+                             track=False).preference.accuracy
 
 
 # ---- building ---------------------------------------------------------------------------------

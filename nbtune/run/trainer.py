@@ -308,7 +308,7 @@ class Trainer:
             raise
         if result.memory is not None:
             self._eval_peak = result.memory.highest
-        report = replace(report, eval_loss=result.loss,
+        report = replace(report, eval_loss=result.loss, eval_preference=result.preference,
                          memory=replace(report.memory, eval_peak=self._eval_peak or 0))
         self.history[-1] = report
         return report

@@ -211,13 +211,16 @@ def _save_single(trainer, folder, source: str | None) -> Path:
         "optimizer": opt_meta, "data": state["data"],
         "history": history_rows(state["history"]),
         "files": {"weights": [name for name, _ in weights],
-                  "optimizer": [name for name, _ in optimizer]},
+                  "optimizer": [name for name, _ in optimizer],
+                  **({"reference_logps": ["reference_logps.safetensors"]} if state.get("reference_logps") is not None else {})},
     }
 
     def write(tmp: Path) -> None:
         for name, tensors in weights + optimizer:  # one file at a time: see PART_BYTES
             save_file(tensors, str(tmp / name))
         save_file(state["rng"], str(tmp / "rng.safetensors"))
+        if state.get("reference_logps") is not None:  # the weights it came from may be gone: kept
+            save_file({"reference_logps": state["reference_logps"].contiguous()}, str(tmp / "reference_logps.safetensors"))
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer, indent=2))
 
     return write_atomically(folder, write)
@@ -432,7 +435,7 @@ def read_training_checkpoint(folder) -> dict:
     if not isinstance(files, dict):
         raise refused(path, f"the field 'files' is {shown(files)}, but it must be an object")
     names = {}
-    for part in ("weights", "optimizer"):
+    for part in ("weights", "optimizer") + (("reference_logps",) if "reference_logps" in files else ()):
         group = state_field(files, part, "a list", path, "files.")
         if not all(isinstance(name, str) for name in group):
             raise refused(path, f"the field 'files.{part}' is {shown(group)}, but it must list file names")
@@ -466,4 +469,19 @@ def read_training_checkpoint(folder) -> dict:
         "history": common["history"],
         "base_changed": common["base_changed"],
         "base_fingerprint": common["base_fingerprint"],
+        "reference_logps": reference_of(tensors.get("reference_logps"), common["data"], folder),
     }
+
+
+def reference_of(tensors: dict | None, data: dict, folder: Path) -> torch.Tensor | None:
+    """A preference run's precomputed reference: one (chosen, rejected) pair of float32
+    log-probs per pair of the data, or refused naming the file."""
+    if tensors is None:
+        return None
+    values = tensors.get("reference_logps")
+    if (set(tensors) != {"reference_logps"} or values.dtype != torch.float32
+            or tuple(values.shape) != (data["samples"], 2)):
+        raise refused(folder / "reference_logps.safetensors",
+                      f"it must hold one float32 tensor 'reference_logps' of [{data['samples']}, 2] (the "
+                      f"data's pairs), not {sorted(tensors)}")
+    return values

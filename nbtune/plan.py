@@ -22,7 +22,7 @@ from .techniques import LORA_TARGETS, Techniques
 REBUILDS_MODEL = frozenset({"dtype", "method", "lora_rank", "lora_targets"})
 RETUNES_MODEL = frozenset({"lora_alpha", "lora_dropout", "activation_checkpointing", "tile_tokens",
                            "compile"})
-REBUILDS_DATA = frozenset({"seq_len", "batch_size", "seed", "packing", "objective"})
+REBUILDS_DATA = frozenset({"seq_len", "batch_size", "seed", "packing", "objective", "reference"})
 REBUILDS_OPTIMIZER = REBUILDS_MODEL | {"optimizer", "optimizer_in_backward", "cpu_offload_optimizer"}
 # Fixed while the model is sharded over ranks: what FSDP2 sharded (the weights as method,
 # dtype and the LoRA shape made them) and compile, which would wrap the hooks FSDP2 put on
@@ -61,6 +61,19 @@ def check(t: Techniques, model: nn.Module, device: str) -> list[str]:
                     f"as NF4 (it needs 2-D weights whose size is a multiple of {NF4_BLOCK}): drop "
                     "those projections from lora_targets or use method='lora'.")
     return problems
+
+
+def reference_problems(new: Techniques, previous: Techniques, model: nn.Module) -> list[str]:
+    """A preference objective's reference is the model as it is when the objective starts:
+    with adapters already trained (sft steps, a loaded adapter), switching their update off
+    would compare against the base instead, so that choice is refused, naming the one that
+    keeps it (computed once from the model as it is)."""
+    if (new.reference_kind != "adapters_off" or previous.reference_kind == "adapters_off"
+            or not has_lora(model) or adapters_untrained(model)):
+        return []
+    return [f"objective={new.objective!r} would compare with the base (the adapters switched off), "
+            "but the adapters are already trained, so that is not the model this objective starts "
+            "from: set reference='precomputed' (every pair scored once by the model as it is now)."]
 
 
 def transform_model(model: nn.Module, new: Techniques, previous: Techniques | None,

@@ -665,10 +665,12 @@ class Session:
                  match: str | Callable[[str, str], bool] | None = None) -> float:
         """Share of greedy answers to the held-out rows (or ``examples``) that match the
         reference: ``match`` "exact", "json_keys" (a JSON object with the reference's keys)
-        or a function (reply, reference) -> bool; by default ``session.match``.
+        or a function (reply, reference) -> bool; by default ``session.match``. Preference
+        pairs: the share whose chosen completion the model ranks above the rejected one (by
+        the objective's reward; under sft, the average log-probability).
 
         Args:
-            examples: Rows to score (default: the held-out rows).
+            examples: Rows or pairs to score (default: the held-out rows).
             match: "exact", "json_keys" or a function (reply, reference) -> bool.
 
         Returns:

@@ -255,6 +255,9 @@ def save_sharded_checkpoint(trainer, folder, parallel, source: str | None) -> Pa
             "files": {"model": [n for n, _ in model_parts], "optimizer": [n for n, _ in opt_parts]},
             "optimizer": opt_values}, indent=2))
         if rank == 0:
+            if trainer.stream.reference_logps is not None:  # every rank holds the same: rank 0 keeps it
+                checkpoint.save_file({"reference_logps": trainer.stream.reference_logps.contiguous()},
+                                     str(tmp / "reference_logps.safetensors"))
             (tmp / TRAINER_STATE).write_text(json.dumps({
                 "format": SHARDED_FORMAT, "sharded": True, "world": parallel.world,
                 "frozen_skipped": frozen, "source": source,
@@ -304,7 +307,12 @@ def _read_sharded_state(folder: Path, trainer, parallel) -> dict:
                                 "than this run file's: resume with the run file that wrote it. "
                                 "Nothing was loaded.")
     trainer.stream.check_state(common["data"])
-    return {**common, "frozen_skipped": frozen}
+    reference = None
+    if common["techniques"].reference_kind == "precomputed" and (folder / "reference_logps.safetensors").is_file():
+        reference = checkpoint.reference_of(
+            checkpoint.load_tensors(inside(folder, "reference_logps.safetensors", "checkpoint file")),
+            common["data"], folder)
+    return {**common, "frozen_skipped": frozen, "reference_logps": reference}
 
 
 def _part_names(files: dict, part: str, stem: str, folder: Path, path: Path) -> list[Path]:
@@ -471,5 +479,5 @@ def load_sharded_checkpoint(trainer, folder, parallel) -> None:
     trainer.load_state_dict({
         "techniques": about["techniques"], "full_weights": None, "weights": None, "optimizer": None,
         "data": about["data"], "history": about["history"], "rng": read["rng"],
-        "base_changed": about["base_changed"], "base_fingerprint": about["base_fingerprint"]},
-        placed=True)
+        "base_changed": about["base_changed"], "base_fingerprint": about["base_fingerprint"],
+        "reference_logps": about["reference_logps"]}, placed=True)

@@ -254,7 +254,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                       seconds=time.perf_counter() - started,
                       lr=lr, memory=measured, usage=meter.settle(measured) if meter else None,
                       router_loss=None if balance is None else float(balance),
-                      preference=None if rewards is None else PreferenceMetrics.of(*rewards))
+                      preference=None if rewards is None else PreferenceMetrics.of(*_every_rank(rewards, context.parallel)))
+
+
+def _every_rank(rewards: list[torch.Tensor], parallel) -> list[torch.Tensor]:
+    """The step's pairs' (chosen, rejected) rewards from every rank (each holds its own)."""
+    if parallel is None:
+        return rewards
+    return [torch.cat(parallel.gather(side)) for side in rewards]
 
 
 class _Phases:
@@ -379,11 +386,8 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
     with critical() if critical is not None and not in_backward else contextlib.nullcontext():
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    pair_rewards = None
-    if rewards:  # every pair of the step, on every rank
-        pair_rewards = [torch.cat(side) for side in zip(*rewards)]
-        if parallel is not None:
-            pair_rewards = [torch.cat(parallel.gather(side)) for side in pair_rewards]
+    # this rank's pairs (gathered by the caller: fake tensors, as the estimator's, do not travel)
+    pair_rewards = [torch.cat(side) for side in zip(*rewards)] if rewards else None
     if not balances:
         return total, None, pair_rewards
     balance = torch.stack(balances).mean()

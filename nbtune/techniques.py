@@ -21,6 +21,7 @@ METHODS = ("full", "lora", "qlora")
 # completions of a prompt (``objectives/preference.py``; dpo and ipo against a reference).
 OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
+REFERENCES = ("auto", "adapters_off", "precomputed")
 DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit", "paged_adamw8bit", "paged_adamw", "ao_adamw8bit",
               "ao_adamw4bit")
@@ -45,6 +46,13 @@ CHOICE_HELP = {
                  "completions, apart by at least gamma.",
         "orpo": "ORPO on pairs: no reference model; cross-entropy on the chosen completion plus beta "
                 "times an odds-ratio term against the rejected one.",
+    },
+    "reference": {
+        "auto": "LoRA and QLoRA: the base with the adapters off; full finetuning: precomputed.",
+        "adapters_off": "The same model with its adapters switched off, run each step without "
+                        "gradients: no second copy of the weights, one more forward a step.",
+        "precomputed": "Each pair's reference log-probabilities computed once, before training, and "
+                       "kept on the host (8 bytes a pair): no reference forward in the step.",
     },
     "method": {
         "full": "Trains every weight: gradients and optimizer state for all of them, the most memory.",
@@ -130,6 +138,9 @@ class Techniques:
         beta: Preference objectives: how strongly the log-probability gap is scored (dpo, ipo:
             against the reference; simpo: its scale; orpo: the odds-ratio term's weight).
         gamma: SimPO's target margin between the chosen and rejected average log-probabilities.
+        reference: dpo and ipo's reference: adapters_off runs the base (adapters switched off)
+            each step; precomputed scores every pair once before training and keeps the
+            numbers on the host; auto picks adapters_off for LoRA / QLoRA, precomputed for full.
     """
 
     method: str = "full"
@@ -159,6 +170,7 @@ class Techniques:
     objective: str = "sft"
     beta: float = 0.1
     gamma: float = 0.5
+    reference: str = "auto"
 
     def __new__(cls, *args, **kwargs):
         _refuse_unknown("Techniques", kwargs)
@@ -195,6 +207,7 @@ class Techniques:
 
         choice("method", METHODS)
         choice("objective", OBJECTIVES)
+        choice("reference", REFERENCES)
         choice("dtype", DTYPES)
         choice("optimizer", OPTIMIZERS)
         for name in ("batch_size", "seq_len", "grad_accum", "lora_rank"):
@@ -277,6 +290,16 @@ class Techniques:
         """
         return [rule for rule in RULES
                 if (rule.device is None or rule.device != device) and rule.broken(self)]
+
+    @property
+    def reference_kind(self) -> str:
+        """The reference this run uses: "none" (sft and the reference-free objectives),
+        "adapters_off" or "precomputed" (``reference="auto"`` resolved by the method)."""
+        if self.objective not in ("dpo", "ipo"):
+            return "none"
+        if self.reference == "auto":
+            return "precomputed" if self.method == "full" else "adapters_off"
+        return self.reference
 
     @property
     def checkpoint_every(self) -> int:
@@ -406,11 +429,10 @@ PREFERENCE_RULES = (
     Rule(lambda t: t.objective != "sft" and t.packing,
          "A preference objective compares the chosen and the rejected completion of one prompt, "
          "each its own row of the batch: turn packing off.", ("objective", "packing")),
-    Rule(lambda t: t.objective in ("dpo", "ipo") and t.method == "full",
-         "dpo and ipo compare with a reference model: with LoRA or QLoRA it is the base with the "
-         "adapters off (no second copy); for full finetuning the frozen copy is not built yet: use "
-         "method='lora' or 'qlora', or a reference-free objective (simpo, orpo).",
-         ("objective", "method")),
+    Rule(lambda t: t.objective in ("dpo", "ipo") and t.reference == "adapters_off" and t.method == "full",
+         "reference='adapters_off' runs the base with the adapters switched off, but full finetuning "
+         "has no adapters: use reference='precomputed' (or 'auto'), or method='lora'.",
+         ("reference", "method", "objective")),
     Rule(lambda t: t.objective != "sft" and t.tile_tokens,
          "Sequence tiling is not yet made for the preference objectives' per-row scores: set "
          "tile_tokens=0 (chunked_loss splits their head instead).", ("objective", "tile_tokens")),

@@ -44,8 +44,16 @@ def metrics_row(report, rank: int = 0) -> dict:
             "peak_bytes": memory.peak, "memory_measured": memory.measured,
             "memory": memory.categories, "eval_loss": report.eval_loss, "rank": rank,
             **({"router_loss": report.router_loss} if report.router_loss is not None else {}),
-            **({f"rewards/{k}": v for k, v in vars(report.preference).items()}
-               if report.preference is not None else {})}
+            **_rewards("rewards/", report.preference), **_rewards("eval/rewards/", report.eval_preference)}
+
+
+TRL_NAMES = {"chosen_reward": "chosen", "rejected_reward": "rejected", "margin": "margins",
+             "accuracy": "accuracies"}  # as TRL logs them (``rewards/margins``, ...)
+
+
+def _rewards(prefix: str, metrics) -> dict:
+    """A preference step's (or held-out evaluation's) rewards under TRL's metric names."""
+    return {} if metrics is None else {prefix + TRL_NAMES[k]: v for k, v in vars(metrics).items()}
 
 
 def total_steps(settings, parts) -> int:
@@ -96,8 +104,9 @@ class _Loggers:
                 self.tensorboard.add_scalar("eval/loss", report.eval_loss, report.step)
             if report.router_loss is not None:
                 self.tensorboard.add_scalar("train/router_loss", report.router_loss, report.step)
-            for key in (k for k in row if k.startswith("rewards/")):  # TRL's names
-                self.tensorboard.add_scalar(f"train/{key}", row[key], report.step)
+            for key in (k for k in row if "rewards/" in k):  # TRL's names
+                self.tensorboard.add_scalar(key if key.startswith("eval/") else f"train/{key}",
+                                            row[key], report.step)
 
     def close(self) -> None:
         self.file.close()

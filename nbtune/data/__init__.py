@@ -85,7 +85,8 @@ class TrainingData:
                      f"seq_len={t.seq_len} and are skipped; raise seq_len to keep them."] if dropped else []
             return BatchStream(pairs, t.batch_size, self.pad_id, seed=t.seed, collate=collate_pairs), notes
         rows = [pair.chosen for pair in self.train] if self.pairs else self.train
-        samples, dropped = tokenize_all(rows, self.tokenizer, t.seq_len, source="the training data")
+        samples, dropped = tokenize_all(rows, self.tokenizer, t.seq_len, source="the training data",
+                                        last_only=self.pairs)  # a pair's completion, not its prompt's turns
         notes = []
         if dropped:
             notes.append(f"{dropped} of {len(self.train)} rows have no response within "
@@ -106,8 +107,10 @@ class TrainingData:
                 self._eval = (key, [collate_pairs(pairs[i:i + t.batch_size], self.pad_id)
                                     for i in range(0, len(pairs), t.batch_size)])
                 return self._eval[1]
-            rows = [row.chosen if isinstance(row, Pair) else row for row in self.heldout]
-            samples, _ = tokenize_all(rows, self.tokenizer, t.seq_len, source="the held-out data")
+            pairs = isinstance(self.heldout[0], Pair)
+            rows = [row.chosen for row in self.heldout] if pairs else self.heldout
+            samples, _ = tokenize_all(rows, self.tokenizer, t.seq_len, source="the held-out data",
+                                      last_only=pairs)
             self._eval = (key, [collate(samples[i:i + t.batch_size], self.pad_id)
                                 for i in range(0, len(samples), t.batch_size)])
         return self._eval[1]

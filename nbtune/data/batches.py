@@ -51,9 +51,10 @@ def tokenize(example: Example, tokenizer: Tokenizer, seq_len: int,
 
 
 def tokenize_all(examples: list[Example], tokenizer: Tokenizer, seq_len: int,
-                 source: str = "the data") -> tuple[list[Sample], int]:
-    """Tokenize every example; returns the samples and how many were dropped as too long."""
-    samples = [tokenize(ex, tokenizer, seq_len) for ex in examples]
+                 source: str = "the data", last_only: bool = False) -> tuple[list[Sample], int]:
+    """Tokenize every example; returns the samples and how many were dropped as too long.
+    ``last_only``: only each example's last assistant turn trained (``tokenize``)."""
+    samples = [tokenize(ex, tokenizer, seq_len, last_only) for ex in examples]
     kept = [s for s in samples if s is not None]
     if examples and not kept:
         raise DataError(f"Every row of {source} is longer than seq_len={seq_len} before its "
@@ -140,6 +141,9 @@ class BatchStream:
         """``samples``: ``Sample``s, or (chosen, rejected) pairs with ``collate_pairs``."""
         self.samples, self.batch_size, self.pad_id, self.seed = samples, batch_size, pad_id, seed
         self.collate = collate
+        # pairs with a precomputed reference: [samples, 2] log-probs (chosen, rejected), each
+        # batch's as "reference_logps" [2B] in its rows' order (set by the trainer, which has the model)
+        self.reference_logps: torch.Tensor | None = None
         self.epoch, self.position = 0, 0
         self._order = self._shuffle()
 
@@ -188,6 +192,10 @@ class BatchStream:
             if self.position == len(self._order):
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = self._shuffle()
-            picked.append(self.samples[self._order[self.position]])
+            picked.append(self._order[self.position])
             self.position += 1
-        return self.collate(picked, self.pad_id)
+        batch = self.collate([self.samples[i] for i in picked], self.pad_id)
+        if self.reference_logps is not None:
+            chosen_rejected = self.reference_logps[picked]
+            batch["reference_logps"] = torch.cat([chosen_rejected[:, 0], chosen_rejected[:, 1]])
+        return batch

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..data import IGNORE
+from ..data import IGNORE, collate_pairs
 from ..peft import adapters_off
 
 PREFERENCE = ("dpo", "ipo", "simpo", "orpo")
@@ -168,7 +168,9 @@ def pair_batch_loss(model: nn.Module, batch: dict[str, torch.Tensor], options, p
     ids, labels = batch["input_ids"], batch["labels"]
     pieces = max(options.chunked_loss, 1)
     reference = None
-    if options.objective not in REFERENCE_FREE:
+    if "reference_logps" in batch:  # precomputed before training (``reference_logps``)
+        reference = Completions(batch["reference_logps"], (labels != IGNORE).sum(-1)).halves()
+    elif options.objective not in REFERENCE_FREE:
         with torch.no_grad(), adapters_off(model):
             hidden = model.hidden_states(ids, positions=batch.get("positions"))
             reference = completion_sums(model.lm_head, hidden, labels, pieces).halves()
@@ -186,3 +188,27 @@ def pair_batch_loss(model: nn.Module, batch: dict[str, torch.Tensor], options, p
     if options.objective == "orpo":
         loss = loss - chosen.logps.sum() / chosen_tokens_total
     return loss, chosen_reward, rejected_reward
+
+
+@torch.no_grad()
+def reference_logps(model: nn.Module, pairs: list, pad_id: int, batch_size: int,
+                    device: torch.device, pieces: int = 1, base: bool = False) -> torch.Tensor:
+    """Every pair's reference log-probabilities, (chosen, rejected) [pairs, 2] in float32 on
+    the host: the model as it is now (the weights a preference objective starts from, its
+    adapters included: untrained, they change nothing), in eval mode, ``batch_size`` pairs at
+    a time; ``base``: with the adapters off (the reference a run had so far). Under FSDP2 every
+    rank runs every batch (a collective)."""
+    out = []
+    was_training = model.training
+    model.eval()
+    try:
+        with adapters_off(model) if base else contextlib.nullcontext():
+            for i in range(0, len(pairs), batch_size):
+                batch = {k: v.to(device) for k, v in collate_pairs(pairs[i:i + batch_size], pad_id).items()}
+                hidden = model.hidden_states(batch["input_ids"])
+                chosen, rejected = completion_sums(model.lm_head, hidden, batch["labels"], pieces).halves()
+                out.append(torch.stack([chosen.logps, rejected.logps], 1).float().cpu())
+                del hidden
+    finally:
+        model.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, 2)

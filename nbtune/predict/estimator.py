@@ -174,6 +174,8 @@ def _fake_batch(config: ModelConfig, t: Techniques, batch_size: int, seq_len: in
     if t.packing:
         batch["document_ids"] = torch.zeros(shape, dtype=torch.long)
         batch["positions"] = torch.arange(seq_len).expand(shape).contiguous()
+    if t.reference_kind == "precomputed":  # each row's reference log-prob, from the host
+        batch["reference_logps"] = torch.zeros(shape[0])
     return batch
 
 

@@ -34,7 +34,8 @@ def memory_twin(t: Techniques) -> Techniques:
     """``t`` with what does not change a step's memory set to one value, so equal-memory
     configurations share a cache entry: the peak is reached by the second micro-batch (the
     gradients of the first are then held), so grad_accum 2 stands for any more."""
-    return t.replace(grad_accum=min(t.grad_accum, 2), lr=Techniques.lr, warmup_steps=0, seed=0)
+    return t.replace(grad_accum=min(t.grad_accum, 2), lr=Techniques.lr, warmup_steps=0, seed=0,
+                     beta=Techniques.beta, gamma=Techniques.gamma)
 
 
 def config_key(config) -> tuple:

@@ -4,7 +4,7 @@ objective's) or run (a new front end's) knows what it must have, and none is pro
 member with ``getattr``.
 
 ``trainer.Trainer`` (one process) and ``ranked.RanksTrainer`` (every rank behind the kernel)
-are ``TrainerProtocol``s; ``runs.Run`` and ``ranked.RankedRun`` are ``RunProtocol``s.
+are ``TrainerProtocol``s; ``factory.Run`` and ``ranked.RankedRun`` are ``RunProtocol``s.
 ``tests/run/test_protocol.py`` checks each: every member present, methods with the protocol's
 parameters (``check``), and the live objects ``isinstance`` of it.
 """

@@ -154,7 +154,7 @@ class RanksTrainer:
 
 
 class RankedRun:
-    """The run a ``Session`` fronts, on N ranks (``runs.Run``'s commands, sent to each)."""
+    """The run a ``Session`` fronts, on N ranks (``factory.Run``'s commands, sent to each)."""
 
     def __init__(self, run_file, processes: int, overrides: dict | None = None,
                  timeout: float = 600.0, local: int | None = None, address: str | None = None) -> None:

@@ -412,9 +412,12 @@ class Runner:
                 planned = base.replace(**changes)  # bad values refused here and now, checked once
                 self.check(planned)
                 with self._lock:
-                    self._pending.append(Queued(dict(changes), base, planned))
-            self.emit(PendingChanged(tuple(self.pending), self.planned))
-            return planned
+                    queue = self._run is run  # the run may have ended meanwhile: apply it now
+                    if queue:
+                        self._pending.append(Queued(dict(changes), base, planned))
+            if queue:
+                self.emit(PendingChanged(tuple(self.pending), self.planned))
+                return planned
         with self.claim("set"):
             return self.apply(changes)
 

@@ -43,7 +43,7 @@ from .. import host
 from ..optim import OptimizerInBackward, build_optimizer, release_optimizer
 from ..peft import adapter_state_dict, has_lora
 from ..plan import (REBUILDS_DATA, REBUILDS_MODEL, REBUILDS_OPTIMIZER, RETUNES_MODEL, SHARDED_FIELDS,
-                   SHARDED_REASON, ModelJournal, check, transform_model)
+                   SHARDED_REASON, ModelJournal, check, reference_problems, transform_model)
 from ..step import NonFiniteError, StepContext, StepOptions, StepReport, held_out_loss, train_step
 from ..techniques import Techniques
 from ..state import (base_fingerprint, check_optimizer_state, check_param_groups, check_weights,
@@ -111,7 +111,9 @@ class Trainer:
         self.device, self.data = device, data
         self.notes: list[str] = []  # for the user, until taken
         self._eval_peak: int | None = None  # the last measured evaluation's peak
-        self.stream = self._new_stream(techniques)
+        # a preference objective's precomputed reference: ((seq_len, pairs, rows), [pairs, 2])
+        self._reference: tuple | None = None
+        self.stream = self._new_stream(techniques, with_reference=False)  # the model comes next
         if parallel is None:
             self.model = model.to(device)
             self.base_fingerprint = base_fingerprint(self.model)  # of the weights as loaded
@@ -123,6 +125,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, techniques)
         self.techniques = techniques
         self.history: list[StepReport] = []
+        self.stream.reference_logps = self._reference_of(self.stream, techniques)
         self.base_changed = False  # True once full training or a merge altered the base weights
         # Under torchrun a failed step ends the job (the other ranks wait in a collective), so
         # no undo copy is kept there.
@@ -174,10 +177,43 @@ class Trainer:
         notes, self.notes = self.notes, []
         return notes
 
-    def _new_stream(self, t: Techniques) -> BatchStream:
+    def _new_stream(self, t: Techniques, with_reference: bool = True) -> BatchStream:
         stream, notes = self.data.stream(t)
         self.notes += notes
+        if with_reference:
+            stream.reference_logps = self._reference_of(stream, t)
         return stream
+
+    def _reference_of(self, stream: BatchStream, t: Techniques) -> torch.Tensor | None:
+        """The precomputed reference of ``stream``'s pairs (``reference="precomputed"``): the
+        model as it is when the objective starts, scored once and kept while the pairs' tokens
+        stay the same (``seq_len``, the rows); switched from ``adapters_off`` mid-run, the
+        base's (the same reference). Once steps were trained against it, the weights it came
+        from may be gone: a change that needs it again is refused."""
+        if t.reference_kind != "precomputed":
+            return None
+        key = (t.seq_len, len(stream.samples), id(self.data.train))
+        if self._reference is not None and self._reference[0] == key:
+            return self._reference[1]
+        previous = getattr(self, "techniques", None)  # None while the trainer is being made
+        base = previous is not None and previous.reference_kind == "adapters_off"
+        trained_against = any(r.preference is not None for r in getattr(self, "history", []))
+        if self._reference is not None and trained_against and not base:
+            raise ValueError(f"seq_len={t.seq_len} (or other rows) needs the reference's log-probs "
+                             "again, but the reference was the weights when the preference "
+                             "objective started, trained since: keep "
+                             f"seq_len={self._reference[0][0]}, or save those weights first and "
+                             "start from them.")
+        from ..objectives.preference import reference_logps
+
+        started = time.perf_counter()
+        values = reference_logps(self.model, stream.samples, self.data.pad_id, t.batch_size,
+                                 self.device, max(t.chunked_loss, 1), base=base)
+        self._reference = (key, values)
+        self.notes.append(f"Reference log-probs of {len(values):,} pairs computed in "
+                          f"{time.perf_counter() - started:.1f} s, kept on the host "
+                          f"({values.numel() * 4:,} bytes): no reference forward in the steps.")
+        return values
 
     # ---- commands ------------------------------------------------------------------------
 
@@ -256,6 +292,8 @@ class Trainer:
             if not oom:
                 raise
             try:  # memory is back: now the estimator can say what would fit
+                if shape is not None and t.objective != "sft":  # rows are pairs: batch_size of them
+                    shape = (shape[0] // 2, shape[1])
                 explained = explain(err, phase[0], number, held, self.model.config, t,
                                     self.device, shape, self.parallel, damaged=damaged)
             except Exception:  # noqa: BLE001 - never hide the out-of-memory error itself
@@ -330,6 +368,7 @@ class Trainer:
             "history": list(self.history),
             "base_changed": self.base_changed,
             "base_fingerprint": self.base_fingerprint,
+            "reference_logps": self.stream.reference_logps,  # a preference run's precomputed reference, or None
         }
 
     def load_state_dict(self, state: dict, *, placed: bool = False) -> None:
@@ -360,6 +399,7 @@ class Trainer:
                                  "resume with the run file that wrote it.")
             stream = self.stream.copy()
             stream.load_state_dict(state["data"])
+            _restore_reference(stream, state, self.techniques)
             self.stream, self.history = stream, list(state["history"])
             self.base_changed, self.damaged = state["base_changed"], None
             set_rng_state(state["rng"])  # this rank's own
@@ -379,6 +419,7 @@ class Trainer:
             check_optimizer_state(prepared.optimizer)  # torch's load does not check shapes
             stream = prepared.stream
             stream.load_state_dict(state["data"])
+            _restore_reference(stream, state, state["techniques"])
         except BaseException:
             self._abort(prepared)
             raise
@@ -461,6 +502,7 @@ class Trainer:
     def _prepare(self, new: Techniques, fresh_optimizer: bool = False, checked: bool = False) -> _Prepared:
         """Build what ``new`` needs beside what exists; on failure, undo and re-raise."""
         problems = [] if checked else check(new, self.model, self.device.type) + self.data.problems(new)
+        problems += reference_problems(new, self.techniques, self.model)  # as the model is now
         if problems:
             raise ValueError(" ".join(problems))
         changed = new.changed(self.techniques)
@@ -676,3 +718,16 @@ def _drop_frames(err: BaseException) -> None:
         seen.add(id(err))
         traceback.clear_frames(err.__traceback__)
         err = err.__context__
+
+
+def _restore_reference(stream: BatchStream, state: dict, t: Techniques) -> None:
+    """A saved precomputed reference back onto ``stream`` (the weights it was computed from
+    may be gone), checked against its pairs; a state without one keeps the stream's own."""
+    values = state.get("reference_logps")
+    if values is None:
+        return
+    if t.reference_kind != "precomputed" or tuple(values.shape) != (len(stream.samples), 2):
+        raise ValueError(f"The state's precomputed reference holds {tuple(values.shape)} log-probs, "
+                         f"but this run has {len(stream.samples)} pairs with reference="
+                         f"{t.reference_kind!r}: resume with the same data and techniques.")
+    stream.reference_logps = values.float()

@@ -24,7 +24,8 @@ import ipywidgets as w
 
 from ..run.runner import (Message, PendingChanged, Refused, RunFinished, RunStarted, StepDone,
                       TechniquesChanged)
-from ..techniques import CHOICE_HELP, DTYPES, HELP, LORA_TARGETS, METHODS, NO_EFFECT, OBJECTIVES, OPTIMIZERS
+from ..techniques import (CHOICE_HELP, DTYPES, HELP, LORA_TARGETS, METHODS, NO_EFFECT, OBJECTIVES, OPTIMIZERS,
+                          REFERENCES)
 from ..plan import SHARDED_FIELDS, SHARDED_REASON, projections
 from ..units import format_bytes
 from ..charts import draw_memory, figure_png
@@ -114,6 +115,8 @@ def _controls(session) -> dict[str, w.ValueWidget]:
                                 description_allow_html=True),
         "beta": slider(w.FloatLogSlider, "beta", base=10, min=-2, max=1, step=0.1, readout_format=".2g"),
         "gamma": slider(w.FloatSlider, "gamma (SimPO margin)", min=0.0, max=5.0, step=0.1),
+        "reference": w.Dropdown(options=REFERENCES, description="reference", style=style, layout=wide(),
+                                description_allow_html=True),
     }
 
 
@@ -126,9 +129,9 @@ TABS = {"Method & adapter": ("method", "lora_rank", "lora_alpha", "lora_dropout"
                       "warmup_steps", "weight_decay", "max_grad_norm"),
         "Batch": ("batch_size", "seq_len", "packing", "grad_accum"),
         "Evaluation": ("eval_every",),
-        "Objective": ("objective", "beta", "gamma")}
+        "Objective": ("objective", "beta", "gamma", "reference")}
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")  # hidden under "full"
-PREFERENCE_FIELDS = ("beta", "gamma")  # hidden under "sft" (gamma: SimPO's alone)
+PREFERENCE_FIELDS = ("beta", "gamma", "reference")  # hidden where unused (gamma: SimPO's alone)
 # The value a control is moved to when a rule would stop it (checked to disable it ahead).
 PROBES = {"optimizer_in_backward": True, "cpu_offload_optimizer": True, "compile": True,
           "activation_offloading": True, "packing": True, "grad_accum": 2, "max_grad_norm": 1.0}
@@ -574,7 +577,9 @@ class Panel(w.VBox):
                 if name in LORA_FIELDS:
                     control.layout.display = "none" if techniques.method == "full" else None
                 if name in PREFERENCE_FIELDS:
-                    used = techniques.objective == "simpo" if name == "gamma" else techniques.objective != "sft"
+                    used = {"gamma": techniques.objective == "simpo",
+                            "reference": techniques.objective in ("dpo", "ipo")}.get(
+                        name, techniques.objective != "sft")
                     control.layout.display = None if used else "none"
             self.summary.value = _wrapped(f"<b>now:</b> {html.escape(techniques.summary())}", size="105%")
         finally:

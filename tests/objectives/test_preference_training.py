@@ -188,6 +188,8 @@ def test_two_accumulated_micro_batches_of_pairs_equal_one_batch_of_them(objectiv
     dict(objective="simpo"),
     dict(objective="orpo", grad_accum=2),
     dict(method="qlora", dtype="bf16", objective="dpo", activation_checkpointing=True),
+    dict(objective="dpo"),  # full finetuning: the reference precomputed, no reference forward
+    dict(method="lora", objective="ipo", reference="precomputed"),
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_the_estimate_equals_the_measured_step_of_pairs(changes):
     """Full-length pair rows of the demo's shape: the estimate (fake tensors, the same step)
@@ -200,6 +202,8 @@ def test_the_estimate_equals_the_measured_step_of_pairs(changes):
                          techniques=t, device="cpu")
     ids = torch.randint(0, config.vocab_size, (4, 96))
     batch = {"input_ids": ids, "labels": ids.clone()}
+    if t.reference_kind == "precomputed":
+        batch["reference_logps"] = torch.zeros(4)
     for _ in range(2):
         report = train_step(session.model, session.optimizer, [batch] * t.grad_accum,
                             StepOptions.of(t), pad_id=-1, step=1)
@@ -211,7 +215,8 @@ def test_the_estimate_equals_the_measured_step_of_pairs(changes):
 def test_what_is_not_built_yet_is_refused_by_name_and_changes_nothing():
     session = small_session(method="lora", objective="sft")
     before = session.techniques
-    for change, words in [({"objective": "dpo", "method": "full"}, "frozen copy is not built yet"),
+    for change, words in [({"objective": "dpo", "method": "full", "reference": "adapters_off"},
+                           "full finetuning has no adapters"),
                           ({"objective": "dpo", "packing": True}, "turn packing off"),
                           ({"objective": "simpo", "tile_tokens": 16}, "tile_tokens=0")]:
         with pytest.raises(ValueError, match=words):
@@ -259,8 +264,8 @@ def test_a_dpo_session_saved_as_a_run_file_trains_the_same_under_nbtune_train(tm
     assert cli.main(["train", str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [m["loss"] for m in metrics] == [r.loss for r in expected]
-    assert [m["rewards/margin"] for m in metrics] == [r.preference.margin for r in expected]
-    assert {"rewards/chosen_reward", "rewards/rejected_reward", "rewards/accuracy"} <= set(metrics[0])
+    assert [m["rewards/margins"] for m in metrics] == [r.preference.margin for r in expected]
+    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies"} <= set(metrics[0])
 
 
 def test_held_out_pairs_are_scored_every_n_steps_and_by_evaluate():
@@ -295,3 +300,141 @@ def test_held_out_pairs_are_scored_every_n_steps_and_by_evaluate():
     assert reports[-1].eval_preference.accuracy == pytest.approx(accuracy)
     assert reports[-1].eval_preference.margin == pytest.approx(float(beta * (chosen - rejected).mean()), abs=1e-6)
     assert session.evaluate() == pytest.approx(accuracy)
+
+
+def test_full_finetuning_dpo_scores_against_the_weights_it_started_from_computed_once(capsys):
+    """Full finetuning: the reference is every pair's log-probs under the weights when dpo
+    was switched on (here after two sft steps), computed once: the first dpo step's loss is
+    ln 2, no step runs a reference forward, and a change that would need those weights again
+    (seq_len) is refused by name, nothing changed."""
+    session = small_session(objective="sft", lr=1e-3)
+    session.step(), session.step()
+    capsys.readouterr()
+    session.set(objective="dpo")
+    assert session.techniques.reference_kind == "precomputed"
+    assert "Reference log-probs of 64 pairs computed in" in capsys.readouterr().out
+    forwards = []
+    original = session.model.hidden_states
+    session.model.hidden_states = lambda *a, **k: forwards.append(1) or original(*a, **k)
+    first = session.step()
+    assert first.loss == pytest.approx(math.log(2), abs=1e-6) and len(forwards) == 1
+    del session.model.hidden_states
+    later = [session.step() for _ in range(4)][-1]
+    assert later.preference.margin > 0
+    before = session.techniques
+    with pytest.raises(ValueError, match="the reference was the weights when the preference"):
+        session.set(seq_len=80)
+    assert session.techniques is before
+
+
+def test_a_precomputed_reference_is_saved_with_the_checkpoint_and_resumes_exactly(tmp_path):
+    """sft, then dpo against the sft'd weights: a fresh session on the base resumes from the
+    checkpoint with the saved reference (the base's own would differ) and goes on as the run
+    that never stopped; a reference file of another shape is refused naming it."""
+    from safetensors.torch import save_file
+
+    from nbtune.checkpoint import CheckpointRefused
+
+    def run(session, steps):
+        return [(r.loss, r.preference) for r in (session.step() for _ in range(steps))]
+
+    straight = small_session(objective="sft")
+    run(straight, 2)
+    straight.set(objective="dpo")
+    expected = run(straight, 5)
+    first = small_session(objective="sft")
+    run(first, 2)
+    first.set(objective="dpo")
+    got = run(first, 2)
+    first.save_checkpoint(tmp_path / "ckpt")
+    torch.manual_seed(1234)
+    second = small_session(objective="dpo")  # its own reference: the base's
+    second.load_checkpoint(tmp_path / "ckpt")
+    assert got + run(second, 3) == expected
+    save_file({"reference_logps": torch.zeros(3, 2)}, str(tmp_path / "ckpt" / "reference_logps.safetensors"))
+    with pytest.raises(CheckpointRefused, match="reference_logps.safetensors"):
+        small_session(objective="dpo").load_checkpoint(tmp_path / "ckpt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("techniques", [
+    dict(method="lora", objective="dpo", grad_accum=2),
+    dict(objective="dpo"),  # full finetuning, the reference precomputed on every rank
+    dict(objective="orpo"),
+], ids=["dpo-lora-accumulated", "dpo-full-precomputed", "orpo-full"])
+def test_two_ranks_train_pairs_as_one_process_does(tmp_path, techniques):
+    """Under torchrun (2 gloo ranks, FSDP2) each rank takes its half of every batch's pairs,
+    chosen with rejected: the global loss and rewards of every step equal one process's."""
+    import nbtune.cli.main as cli
+    from nbtune.demos import demo_named
+
+    from helpers import torchrun
+
+    torch.manual_seed(0)
+    session = nt.Session.from_pretrained(demo_named("tiny").model(), demo_pairs(32), device="cpu",
+                                         techniques=dict(batch_size=4, seq_len=96, lr=3e-3, **techniques))
+    path = session.save_config(tmp_path / "run.yaml", steps=3)
+    assert cli.main(["train", str(path), "--out", str(tmp_path / "one"), "--no-progress"]) == 0
+    torchrun(path, tmp_path / "two", ranks=2)
+    one, two = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+                for run in ("one", "two"))
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5
+        for key in ("rewards/margins", "rewards/accuracies", "rewards/chosen"):
+            assert abs(a[key] - b[key]) <= 1e-5, key
+
+
+def test_after_sft_the_reference_is_the_model_as_dpo_starts_not_the_base():
+    """LoRA trained with sft on the chosen completions, then dpo: the base with the adapters
+    off is not the model dpo starts from, so that choice is refused by name (nothing changed);
+    precomputed scores every pair with the model as it is, so the first dpo step is ln 2."""
+    session = small_session(method="lora", objective="sft", lr=1e-2)
+    for _ in range(3):
+        session.step()
+    before = session.techniques
+    with pytest.raises(ValueError, match="reference='precomputed'"):
+        session.set(objective="dpo")
+    assert session.techniques is before
+    session.set(objective="dpo", reference="precomputed")
+    assert session.step().loss == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_sft_on_pairs_trains_the_completion_not_the_prompts_own_assistant_turns():
+    tok = byte_tokenizer()
+    tok.chat_template = TEMPLATE
+    row = {"prompt": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"},
+                      {"role": "user", "content": "3+3?"}], "chosen": "6", "rejected": "7"}
+    stream, _ = TrainingData([row], tok).stream(nt.Techniques(objective="sft", batch_size=1))
+    labels = stream.next()["labels"][0]
+    assert labels[labels != IGNORE].tolist() == tok.encode("6<|end|>\n")
+
+
+def test_out_of_memory_advice_and_per_rank_estimates_take_pairs_as_batch_size(monkeypatch):
+    """A pair batch is 2 x batch_size rows: the advice after an out-of-memory error is asked
+    for batch_size pairs (not twice as many), and a rank's estimate of a preference step runs
+    (its rewards are gathered by the real step, never on fake tensors)."""
+    import nbtune.oom
+
+    from nbtune.predict.advice import suggest
+
+    asked = []
+    monkeypatch.setattr(nbtune.oom, "suggest",
+                        lambda config, t, device, shape, *a, **k: asked.append(shape) or (None, []))
+    session = small_session(method="lora", objective="dpo")
+    original = session.model.hidden_states
+
+    def full(*args, **kwargs):
+        session.model.hidden_states = original
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    session.model.hidden_states = full
+    with pytest.raises(nt.OutOfMemory):
+        session.step()
+    assert asked and asked[0][0] == session.techniques.batch_size
+    t = nt.Techniques(objective="simpo", batch_size=4, seq_len=64)
+    config = session.model.config
+    one, two = nt.estimate(config, t), nt.estimate(config, t, ranks=2)
+    assert 0 < two.peak < one.peak
+    monkeypatch.undo()
+    assert suggest(config, t, torch.device("cpu"), (4, 64), None)[0].peak == one.peak

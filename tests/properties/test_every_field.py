@@ -353,6 +353,21 @@ def recorded_pair_terms(session, ctx) -> list[tuple]:
     return calls
 
 
+def check_reference(session, ctx):
+    """Precomputed: the batches carry each row's reference log-prob, equal to the base's
+    (adapters off) computed here, and the step runs no reference forward (one a step)."""
+    from nbtune.objectives.preference import completion_logps
+    from nbtune.peft import adapters_off
+
+    batch = peek(session)
+    with torch.no_grad(), adapters_off(session.model):
+        expected = completion_logps(session.model(batch["input_ids"]), batch["labels"]).logps
+    torch.testing.assert_close(batch["reference_logps"], expected, atol=1e-5, rtol=0)
+    forwards = count_forwards(session, ctx)
+    session.step()
+    assert len(forwards) == 1
+
+
 def check_beta(session, ctx):
     assert recorded_pair_terms(session, ctx) == [(ctx.value, session.techniques.gamma)]
 
@@ -364,6 +379,7 @@ def check_gamma(session, ctx):
 LORA = {"method": "lora", "lr": 1e-2}  # a larger lr so adapters move the loss visibly
 PAIRS = {"objective": "sft"}  # the rows are preference pairs: sft trains on the chosen ones
 SIMPO = {"objective": "simpo"}  # reference-free: trains with full finetuning
+DPO_LORA = {"objective": "dpo", "method": "lora", "lr": 1e-2}  # the base with adapters off by default
 SGD = {"optimizer": "sgd", "lr": 0.1}  # no state to reset when the optimizer is rebuilt
 
 TABLE: dict[str, Row] = {
@@ -396,6 +412,8 @@ TABLE: dict[str, Row] = {
     "objective": Row("simpo", check_objective, base=PAIRS),
     "beta": Row(1.0, check_beta, base=SIMPO),
     "gamma": Row(2.0, check_gamma, base=SIMPO),
+    # LoRA's base is frozen: its log-probs computed once are those it gives every step
+    "reference": Row("precomputed", check_reference, base=DPO_LORA, maths=False),
 }
 
 # Second values of a field, tried the same way (not part of the one-row-per-field count).

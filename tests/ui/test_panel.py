@@ -277,7 +277,7 @@ def test_hiding_lora_fields_hides_nothing_else(session_and_panel):
     """Under full finetuning and sft: LoRA's fields and the preference objectives' hidden."""
     _, panel = session_and_panel
     hidden = {name for name, control in panel.controls.items() if control.layout.display == "none"}
-    assert hidden == {"lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "beta", "gamma"}
+    assert hidden == {"lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "beta", "gamma", "reference"}
 
 
 def test_a_preference_objective_shows_its_own_settings_and_a_pair_batch_trains():
@@ -290,7 +290,7 @@ def test_a_preference_objective_shows_its_own_settings_and_a_pair_batch_trains()
     try:
         panel.controls["objective"].value = "simpo"
         assert session.techniques.objective == "simpo"
-        shown = {n for n in ("beta", "gamma") if panel.controls[n].layout.display != "none"}
+        shown = {n for n in ("beta", "gamma", "reference") if panel.controls[n].layout.display != "none"}
         assert shown == {"beta", "gamma"}
         panel.step_button.click()
         last = session.history[-1]

@@ -438,3 +438,21 @@ def test_out_of_memory_advice_and_per_rank_estimates_take_pairs_as_batch_size(mo
     assert 0 < two.peak < one.peak
     monkeypatch.undo()
     assert suggest(config, t, torch.device("cpu"), (4, 64), None)[0].peak == one.peak
+
+
+@pytest.mark.slow
+def test_fit_and_the_longest_context_search_for_the_preference_objective():
+    """fit keeps the objective and its pairs (a batch twice the rows), predicting a dpo step
+    to fit where the same settings' step does not; the longest context of dpo is shorter than
+    sft's on the same budget."""
+    config = ModelConfig(vocab_size=259, hidden_size=128, intermediate_size=384, num_layers=4,
+                         num_heads=4, num_kv_heads=2, head_dim=32)
+    t = nt.Techniques(method="lora", objective="dpo", batch_size=8, seq_len=256)
+    whole = nt.estimate(config, t, device="cpu").peak
+    found = nt.fit(config, int(whole * 0.8), t, device="cpu", margin=0.0, reserve=0)
+    assert found.techniques is not None and found.techniques.objective == "dpo"
+    assert found.peak <= int(whole * 0.8) and found.peak == nt.estimate(config, found.techniques, device="cpu").peak
+    budget = f"{3 * whole / 2**30:.6f} GiB"
+    dpo = nt.longest_context(config, budget, t, device="cpu")
+    sft = nt.longest_context(config, budget, t.replace(objective="sft"), device="cpu")
+    assert 0 < dpo.tokens < sft.tokens

@@ -190,7 +190,7 @@ def _trainer_view(run):
     trainer = types.SimpleNamespace(
         techniques=run.t, model=run.model, optimizer=run.optimizer, history=[],
         base_changed=False, base_fingerprint="rehearsal",
-        stream=types.SimpleNamespace(state_dict=lambda: {"position": 0}),
+        stream=types.SimpleNamespace(state_dict=lambda: {"position": 0}, reference_logps=None),
         note_checkpoint=lambda folder: None)
     trainer.state_dict = lambda: Trainer.state_dict(trainer)
     return types.SimpleNamespace(trainer=trainer, source=None, model=run.model,

@@ -433,6 +433,11 @@ PREFERENCE_RULES = (
          "reference='adapters_off' runs the base with the adapters switched off, but full finetuning "
          "has no adapters: use reference='precomputed' (or 'auto'), or method='lora'.",
          ("reference", "method", "objective")),
+    Rule(lambda t: t.objective in ("dpo", "ipo") and t.eval_every and (
+            t.reference == "precomputed" or (t.reference == "auto" and t.method == "full")),
+         "Held-out pairs are not yet scored against a precomputed reference (only the training "
+         "pairs are precomputed): set eval_every=0, or reference='adapters_off' with LoRA.",
+         ("eval_every", "objective", "method")),
     Rule(lambda t: t.objective != "sft" and t.tile_tokens,
          "Sequence tiling is not yet made for the preference objectives' per-row scores: set "
          "tile_tokens=0 (chunked_loss splits their head instead).", ("objective", "tile_tokens")),

@@ -178,6 +178,10 @@ class Run:
         from ..step import StepOptions, held_out_loss
 
         t = self.trainer.techniques
+        if t.reference_kind == "precomputed":
+            raise ValueError("Held-out pairs are not yet scored against a precomputed reference "
+                             "(only the training pairs are precomputed): evaluate with "
+                             "reference='adapters_off' (LoRA), or compare generations with rows.")
         tokenized, _ = tokenize_pairs(examples_from(pairs, "the pairs to evaluate"), self.tokenizer,
                                       t.seq_len, "the pairs to evaluate")
         batches = [collate_pairs(tokenized[i:i + t.batch_size], self.tokenizer.pad_id)

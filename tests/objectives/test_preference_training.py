@@ -325,6 +325,11 @@ def test_full_finetuning_dpo_scores_against_the_weights_it_started_from_computed
     with pytest.raises(ValueError, match="the reference was the weights when the preference"):
         session.set(seq_len=80)
     assert session.techniques is before
+    with pytest.raises(ValueError, match="not yet scored against a precomputed reference"):
+        session.set(eval_every=1)
+    with pytest.raises(ValueError, match="not yet scored against a precomputed reference"):
+        session.evaluate()
+    assert session.techniques is before
 
 
 def test_a_precomputed_reference_is_saved_with_the_checkpoint_and_resumes_exactly(tmp_path):

@@ -31,7 +31,7 @@ RESERVED_COLOR = "#7F7F7F"  # what the CUDA caching allocator held
 RESIDENT_COLOR = "#17BECF"  # the process's peak resident memory (a CPU's every-step figure)
 LOSS_COLOR = "#999999"
 EVAL_COLOR = "#E377C2"  # held-out loss and the evaluation's memory
-MARGIN_COLOR = "#17BECF"  # a preference objective's reward margin (chosen minus rejected)
+MARGIN_COLOR = "#8C564B"  # a preference objective's reward margin (chosen minus rejected)
 _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 

@@ -39,6 +39,7 @@ class _RanksData:
     """The data lives on the ranks; a change the data cannot take is refused there."""
 
     train = heldout = ()
+    pairs = False  # not known here: the rows are on the ranks
 
     @staticmethod
     def problems(techniques) -> list[str]:

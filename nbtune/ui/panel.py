@@ -577,10 +577,14 @@ class Panel(w.VBox):
                 if name in LORA_FIELDS:
                     control.layout.display = "none" if techniques.method == "full" else None
                 if name in PREFERENCE_FIELDS:
+                    # the reference shows under sft too: it is chosen before switching to dpo
+                    # or ipo (after sft steps only "precomputed" is the model they start from)
                     used = {"gamma": techniques.objective == "simpo",
-                            "reference": techniques.objective in ("dpo", "ipo")}.get(
-                        name, techniques.objective != "sft")
+                            "reference": techniques.objective in ("sft", "dpo", "ipo")
+                            and self.session.data.pairs}.get(name, techniques.objective != "sft")
                     control.layout.display = None if used else "none"
+                    if name in self.choice_help:  # its line of help goes with it
+                        self.choice_help[name].layout.display = control.layout.display
             self.summary.value = _wrapped(f"<b>now:</b> {html.escape(techniques.summary())}", size="105%")
         finally:
             self._local.syncing = False

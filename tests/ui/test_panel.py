@@ -288,7 +288,11 @@ def test_a_preference_objective_shows_its_own_settings_and_a_pair_batch_trains()
     session = small_session(objective="sft")
     panel = session.panel()
     try:
+        # under sft on pairs the reference is chosen before a switch to dpo (after sft steps
+        # only "precomputed" is the model dpo starts from); hidden, its help line goes too
+        assert panel.controls["reference"].layout.display != "none"
         panel.controls["objective"].value = "simpo"
+        assert panel.choice_help["reference"].layout.display == "none"
         assert session.techniques.objective == "simpo"
         shown = {n for n in ("beta", "gamma", "reference") if panel.controls[n].layout.display != "none"}
         assert shown == {"beta", "gamma"}

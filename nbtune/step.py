@@ -144,8 +144,9 @@ def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], opti
     """
     started = time.perf_counter()
     trained = int(sum((b["labels"] != IGNORE).sum() for b in batches))
-    pairs = (sum(b["input_ids"].shape[0] // 2 for b in batches),
-             int(sum((b["labels"].chunk(2)[0] != IGNORE).sum() for b in batches)))
+    pairs = ((sum(b["input_ids"].shape[0] // 2 for b in batches),  # a preference objective's divisors
+              int(sum((b["labels"].chunk(2)[0] != IGNORE).sum() for b in batches)))
+             if options.objective != "sft" else (1, 1))
     inputs = [t for b in batches for t in b.values()]
     tracker = track_step(model, optimizer, *inputs) if track else _Untracked()
     was_training = model.training

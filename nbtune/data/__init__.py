@@ -1,27 +1,6 @@
-"""Training data: instruction and chat rows -> token ids with the prompt masked out of the loss.
-
-Row formats (JSONL, one object per line, or a .json file holding a list):
-
-* instruction: ``{"instruction": ..., "input": ... (optional), "output": ...}``
-* chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}``
-
-Rows are read without a tokenizer and become text only when tokenized, because the model
-decides how a conversation is written:
-
-* If its tokenizer has a chat template, every row is rendered through it exactly as
-  transformers' ``apply_chat_template`` renders it. An instruction row is one user message
-  (``instruction``, plus a blank line and ``input`` when there is one) and one assistant
-  message (``output``). Each assistant turn as the template writes it is trained, its
-  end-of-turn token included (Llama 3's <|eot_id|>, Qwen's <|im_end|>, Mistral's </s>);
-  no other EOS is added.
-* Without a template, instruction rows use the Alpaca prompt below and the ``output`` plus
-  an EOS after it are trained. Chat rows need a template: they raise ``DataError``.
-
-Everything else gets the label ``IGNORE``. BOS is put first when the tokenizer has one and
-the text does not already start with it (templates such as Llama 3's write it themselves).
-Truncation policy: sequences longer than ``seq_len`` are cut on the right; a row left with
-no response tokens is dropped and counted.
-"""
+"""Training data: rows (``rows.py``: the formats, from files, lists and Datasets) turned into
+token ids with the prompt masked out of the loss (``batches.py``), and ``TrainingData``, which
+holds a run's rows, held-out rows and tokenizer and makes its batch stream."""
 
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ RESIDENT_COLOR = "#17BECF"  # the process's peak resident memory (a CPU's every-
 LOSS_COLOR = "#999999"
 EVAL_COLOR = "#E377C2"  # held-out loss and the evaluation's memory
 MARGIN_COLOR = "#8C564B"  # a preference objective's reward margin (chosen minus rejected)
+GENERATION_COLOR = "#17BECF"  # GRPO: its mean reward and the writing of its completions
 _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
@@ -88,7 +89,8 @@ def _top(reports: list, history: list = ()) -> float:
     """The highest number of bytes any memory chart of ``reports`` draws, with every step's
     cheap figure in ``history`` (at least 1)."""
     return max([1] + [max(sum(_composition(r.memory).values()), r.memory.peak, r.memory.reserved,
-                          r.memory.eval_peak, *r.memory.categories.values()) for r in reports]
+                          r.memory.eval_peak, r.memory.generation_peak, *r.memory.categories.values())
+                      for r in reports]
                + [max(r.usage.peak, r.usage.reserved) for r in history if r.usage is not None])
 
 
@@ -146,8 +148,13 @@ def draw_memory(fig: Figure, history: list, ranks: list | None = None) -> Figure
         margins = [r.preference.margin for r in paired]
         loss_ax.plot([r.step for r in paired], margins, color=MARGIN_COLOR, linewidth=1.2,
                      linestyle="--", label="reward margin")
-    loss_ax.set_ylabel("loss" + (" and margin" if paired else ""))
-    loss_ax.set_ylim(bottom=min([0.0] + [r.preference.margin for r in paired]))
+    rewarded = [r for r in history if getattr(r, "rollouts", None) is not None]
+    if rewarded:  # GRPO: its loss hovers near 0 on policy; the reward is what moves
+        loss_ax.plot([r.step for r in rewarded], [r.rollouts.reward for r in rewarded],
+                     color=GENERATION_COLOR, linewidth=1.2, linestyle="--", label="mean reward")
+    loss_ax.set_ylabel("loss" + (" and margin" if paired else " and reward" if rewarded else ""))
+    loss_ax.set_ylim(bottom=min([0.0] + [r.preference.margin for r in paired]
+                                + [r.rollouts.reward for r in rewarded]))
     timeline.set_title("Peak memory and loss per step", fontsize=10)
     _legend(fig, (bars, timeline, loss_ax), ncol=3)
     fig.subplots_adjust(left=0.08, right=0.93, top=0.9, bottom=0.4, wspace=0.4)
@@ -164,6 +171,9 @@ def _draw_peak_bar(ax, report, latest_step: int, size: int) -> None:
     if memory.eval_peak:
         ax.axhline(memory.eval_peak / size, color=EVAL_COLOR, linestyle=":", linewidth=1.4,
                    label=f"held-out evaluation peak ({format_bytes(memory.eval_peak)})")
+    if memory.generation_peak:
+        ax.axhline(memory.generation_peak / size, color=GENERATION_COLOR, linestyle=":", linewidth=1.4,
+                   label=f"writing the completions ({format_bytes(memory.generation_peak)})")
     step = f"step {report.step}" + ("" if report.step == latest_step else "\n(last broken down)")
     if split:
         # One stem per category, spread so that equal highs stay apart.

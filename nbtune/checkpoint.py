@@ -26,6 +26,7 @@ from .files import FileRefused, inside, read_json, shown
 from .memory import MemoryBreakdown
 from .memory.usage import SOURCES, Usage
 from .models.filling import check_finite
+from .objectives.grpo import RolloutMetrics
 from .objectives.preference import PreferenceMetrics
 from .models.hf import (PART_BYTES, dense_weights, stream_safetensors, write_atomically,
                         write_hf_folder)
@@ -146,8 +147,9 @@ def _optimizer_state(tensors: dict, meta: dict) -> dict:
 
 def history_rows(history) -> list[dict]:
     """Step reports as JSON-ready dicts (``history_from_rows`` reads them back)."""
-    return [{**{k: v for k, v in vars(r).items() if k not in ("memory", "usage") + _PREFERENCES},
+    return [{**{k: v for k, v in vars(r).items() if k not in ("memory", "usage", "rollouts") + _PREFERENCES},
              "memory": r.memory.as_dict(), "usage": r.usage.as_dict() if r.usage else None,
+             "rollouts": dataclasses.asdict(r.rollouts) if r.rollouts else None,
              **{k: dataclasses.asdict(getattr(r, k)) if getattr(r, k) else None for k in _PREFERENCES}}
             for r in history]
 
@@ -156,6 +158,7 @@ def history_from_rows(rows: list[dict]) -> list[StepReport]:
     return [StepReport(**{**r, "shape": tuple(r.get("shape", (0, 0))),
                           "memory": MemoryBreakdown(**r["memory"]),
                           "usage": Usage(**r["usage"]) if r.get("usage") else None,
+                          "rollouts": RolloutMetrics(**r["rollouts"]) if r.get("rollouts") else None,
                           **{k: PreferenceMetrics(**r[k]) if r.get(k) else None for k in _PREFERENCES}})
             for r in rows]
 
@@ -309,6 +312,20 @@ _ROW_FIELDS = (("step", "an integer"), ("loss", "a number"), ("tokens", "an inte
 _MEMORY_NUMBERS = tuple(f.name for f in dataclasses.fields(MemoryBreakdown) if type(f.default) is int)
 _PREFERENCE_NUMBERS = tuple(f.name for f in dataclasses.fields(PreferenceMetrics))
 _PREFERENCES = ("preference", "eval_preference")  # a step's PreferenceMetrics, as JSON objects
+_ROLLOUT_NUMBERS = tuple(f.name for f in dataclasses.fields(RolloutMetrics) if f.name != "rewards")
+
+
+def _rollouts(row: dict, path, where: str) -> None:
+    """GRPO's ``rollouts`` of a history row: its numbers, and each reward function's mean."""
+    metrics = state_field(row, "rollouts", "an object", path, where)
+    if set(metrics) != {*_ROLLOUT_NUMBERS, "rewards"}:
+        raise refused(path, f"the field '{where}rollouts' must hold exactly "
+                            f"{', '.join(_ROLLOUT_NUMBERS)} and rewards")
+    for name in _ROLLOUT_NUMBERS:
+        state_field(metrics, name, "a number", path, f"{where}rollouts.")
+    rewards = state_field(metrics, "rewards", "an object", path, f"{where}rollouts.")
+    for name in rewards:
+        state_field(rewards, name, "a number", path, f"{where}rollouts.rewards.")
 
 
 def _history(rows: list, path) -> list[StepReport]:
@@ -319,7 +336,9 @@ def _history(rows: list, path) -> list[StepReport]:
             raise refused(path, f"the field 'history[{i}]' is {shown(row)}, but it must be an object")
         for name, kind in _ROW_FIELDS:
             state_field(row, name, kind, path, where)
-        for name in ("eval_loss", "router_loss"):
+        if row.get("rollouts") is not None:
+            _rollouts(row, path, where)
+        for name in ("eval_loss", "router_loss", "mean_kl"):
             if name in row:
                 state_field(row, name, "a number or null", path, where)
         for key in (k for k in _PREFERENCES if row.get(k) is not None):

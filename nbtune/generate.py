@@ -24,16 +24,32 @@ class Reply(str):
 def next_token(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
                generator: torch.Generator | None = None) -> int:
     """Pick one token from ``logits`` [V]: argmax at temperature 0, else nucleus sampling."""
+    return int(sample_tokens(logits[None], temperature, top_p, generator)[0])
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``logits`` [N, V], on the host: argmax at temperature 0, else
+    sampled from the softmax at ``temperature`` within the smallest set of tokens whose
+    probability reaches ``top_p`` (``generator``, a CPU one, draws)."""
+    logits = logits.detach().float().cpu()
     if temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
         # keep the smallest set of tokens whose probability reaches top_p
         outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_rows(logits: torch.Tensor, temperature: float, top_p: float,
+                generators: list) -> torch.Tensor:
+    """``sample_tokens`` for each row of ``logits`` [N, V] with its own generator, so that a
+    row's draw does not depend on which rows are sampled beside it."""
+    return torch.cat([sample_tokens(logits[i:i + 1], temperature, top_p, g) for i, g in enumerate(generators)])
 
 
 def _is_number(value) -> bool:

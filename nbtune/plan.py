@@ -22,7 +22,8 @@ from .techniques import LORA_TARGETS, Techniques
 REBUILDS_MODEL = frozenset({"dtype", "method", "lora_rank", "lora_targets"})
 RETUNES_MODEL = frozenset({"lora_alpha", "lora_dropout", "activation_checkpointing", "tile_tokens",
                            "compile"})
-REBUILDS_DATA = frozenset({"seq_len", "batch_size", "seed", "packing", "objective", "reference"})
+REBUILDS_DATA = frozenset({"seq_len", "batch_size", "seed", "packing", "objective", "reference",
+                           "max_completion"})  # (GRPO's prompts must leave it room)
 REBUILDS_OPTIMIZER = REBUILDS_MODEL | {"optimizer", "optimizer_in_backward", "cpu_offload_optimizer"}
 # Fixed while the model is sharded over ranks: what FSDP2 sharded (the weights as method,
 # dtype and the LoRA shape made them) and compile, which would wrap the hooks FSDP2 put on
@@ -71,6 +72,10 @@ def reference_problems(new: Techniques, previous: Techniques, model: nn.Module) 
     if (new.reference_kind != "adapters_off" or previous.reference_kind == "adapters_off"
             or not has_lora(model) or adapters_untrained(model)):
         return []
+    if new.objective == "grpo":  # its completions are new each step: nothing can be precomputed
+        return ["kl > 0 measures GRPO's distance to the base (the adapters switched off), but the "
+                "adapters are already trained, so the base is not the model GRPO started from: set "
+                "kl before the first GRPO step (on fresh adapters), or keep kl=0."]
     return [f"objective={new.objective!r} would compare with the base (the adapters switched off), "
             "but the adapters are already trained, so that is not the model this objective starts "
             "from: set reference='precomputed' (every pair scored once by the model as it is now)."]

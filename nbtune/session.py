@@ -121,6 +121,19 @@ class Session:
                             doc="True once full training or a merge altered the base weights.")
     train_examples = property(lambda self: self.data.train, doc="The training rows.")
     heldout_examples = property(lambda self: self.data.heldout, doc="The held-out rows.")
+
+    @property
+    def rewards(self) -> tuple:
+        """GRPO's reward functions, each a ``Reward`` (the function and its weight)."""
+        return self.data.rewards
+
+    @rewards.setter
+    def rewards(self, value) -> None:
+        """``session.rewards = fn``, ``[fn, ...]`` or ``[(fn, weight), ...]``: each
+        ``fn(prompts, completions, **columns)`` returns a number per completion (TRL's form)."""
+        from .objectives.grpo import as_rewards
+
+        self.data.rewards = as_rewards(value)
     overhead = property(lambda self: self.runner.overhead,
                         doc="What memory tracking and live charts may cost (OverheadBudget).")
     pending = property(lambda self: self.runner.pending,

@@ -15,7 +15,8 @@ from .data import IGNORE
 from .loss import cross_entropy_sum, loss_pieces
 from .memory import MemoryBreakdown, track_step
 from .memory.usage import Usage, UsageMeter
-from .objectives.preference import PreferenceMetrics, pair_batch_loss
+from .objectives.grpo import RolloutMetrics, grpo_batch_loss
+from .objectives.preference import PREFERENCE, PreferenceMetrics, pair_batch_loss
 from .optim import OptimizerInBackward
 
 
@@ -37,6 +38,19 @@ class StepOptions:
     objective: str = "sft"  # a preference objective's batches are pairs (objectives/preference.py)
     beta: float = 0.1
     gamma: float = 0.5
+    # GRPO's (objectives/grpo.py): the rollout's and the loss's settings
+    generations: int = 4
+    max_completion: int = 64
+    rollout_temperature: float = 1.0
+    rollout_top_p: float = 1.0
+    kl: float = 0.0
+    grpo_loss: str = "dapo"
+    scale_rewards: bool = True
+    generation_batch: int = 0
+
+    @property
+    def paired(self) -> bool:
+        return self.objective in PREFERENCE
 
     @classmethod
     def of(cls, techniques, **extra) -> "StepOptions":
@@ -86,6 +100,10 @@ class StepReport:
             pairs (``PreferenceMetrics``); None for ``sft``. ``loss`` is then the objective's.
         eval_preference: The same over the held-out pairs after this step (``eval_every``;
             ``eval_loss`` is then the objective's loss on them), else None.
+        rollouts: GRPO's rewards and completions over the step (``RolloutMetrics``), else None;
+            ``seconds`` then includes writing the completions.
+        mean_kl: GRPO's mean KL estimate per completion token to the reference (``kl`` > 0),
+            else None.
     """
 
     step: int
@@ -101,6 +119,8 @@ class StepReport:
     router_loss: float | None = None  # mixture of experts: the load-balancing loss (top_k: balanced)
     preference: PreferenceMetrics | None = None  # a preference objective's rewards and accuracy
     eval_preference: PreferenceMetrics | None = None  # the same over the held-out pairs
+    rollouts: RolloutMetrics | None = None  # GRPO's rewards and completion lengths
+    mean_kl: float | None = None  # GRPO's mean KL per completion token to the reference
 
     @property
     def tokens_per_second(self) -> float:
@@ -116,6 +136,9 @@ class StepReport:
         if self.preference is not None:
             held_out += (f", margin {self.preference.margin:.3f}, "
                          f"accuracy {self.preference.accuracy:.0%}")
+        if self.rollouts is not None:
+            held_out += (f", reward {self.rollouts.reward:.3f}, "
+                         f"{self.rollouts.completion_length:.0f} tokens a completion")
         return (f"StepReport(step {self.step}: loss {self.loss:.4f}{held_out}, {self.tokens:,} tokens "
                 f"in {self.seconds:.2f} s, lr {self.lr:.3g}, peak {format_bytes(self.memory.peak)}"
                 f"{'' if self.memory.measured else ' (carried)'})")
@@ -146,7 +169,7 @@ def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], opti
     trained = int(sum((b["labels"] != IGNORE).sum() for b in batches))
     pairs = ((sum(b["input_ids"].shape[0] // 2 for b in batches),  # a preference objective's divisors
               int(sum((b["labels"].chunk(2)[0] != IGNORE).sum() for b in batches)))
-             if options.objective != "sft" else (1, 1))
+             if options.paired else (1, 1))
     inputs = [t for b in batches for t in b.values()]
     tracker = track_step(model, optimizer, *inputs) if track else _Untracked()
     was_training = model.training
@@ -171,7 +194,7 @@ def evaluate_sum(model: nn.Module, batches: list[dict[str, torch.Tensor]], memor
     its loss over ``pairs`` (the pairs and the chosen tokens of them all), and every pair's
     (chosen, rejected) rewards."""
     total = torch.zeros((), dtype=torch.float32)
-    rewards = [] if options.objective != "sft" else None
+    rewards = [] if options.paired else None
     memory.before_forward()
     for batch in batches:
         if device is not None:
@@ -233,7 +256,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     global step's.
     """
     started = time.perf_counter()
-    pairs = options.objective != "sft"  # each micro-batch's chosen rows, then its rejected ones
+    pairs = options.paired  # each micro-batch's chosen rows, then its rejected ones
     counts = torch.tensor([int(sum((b["labels"] != IGNORE).sum() for b in micro_batches)),
                            int(sum((b["input_ids"] != pad_id).sum() for b in micro_batches)),
                            int(sum((b["labels"].chunk(2)[0] != IGNORE).sum() for b in micro_batches))
@@ -249,13 +272,18 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         total, balance, rewards = update(model, optimizer, micro_batches,
                                          int(counts[2]) if pairs else trained, memory, options,
                                          replace(context, guard=finite_guard(step, lr)))
+    mean_kl = None
+    if options.objective == "grpo" and options.kl:  # the tokens' summed KL, over every rank's
+        summed = torch.stack(rewards).sum()
+        mean_kl = float(summed if context.parallel is None else context.parallel.sum_(summed)) / max(trained, 1)
     shape = max((tuple(b["input_ids"].shape) for b in micro_batches), key=lambda s: s[0] * s[1])
     measured = memory.result()
     return StepReport(step=step, loss=float(total), tokens=read, trained_tokens=trained, shape=shape,
                       seconds=time.perf_counter() - started,
                       lr=lr, memory=measured, usage=meter.settle(measured) if meter else None,
                       router_loss=None if balance is None else float(balance),
-                      preference=None if rewards is None else PreferenceMetrics.of(*_every_rank(rewards, context.parallel)))
+                      preference=PreferenceMetrics.of(*_every_rank(rewards, context.parallel)) if pairs else None,
+                      mean_kl=mean_kl)
 
 
 def _every_rank(rewards: list[torch.Tensor], parallel) -> list[torch.Tensor]:
@@ -319,9 +347,10 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
     """The step's tensor work, telling ``memory`` its phases; returns the loss (a tensor), a
     mixture-of-experts model's mean load-balancing loss (``CausalLM.router_loss``; None for
     a dense one), whose ``router_aux_loss_coef`` share of each micro-batch's backward is added,
-    and a preference objective's (chosen, rejected) rewards of every pair (else None).
-    ``trained``: the step's trained tokens over every rank (a preference objective's: its
-    chosen completions' tokens, ORPO's cross-entropy's divisor).
+    and a preference objective's (chosen, rejected) rewards of every pair (GRPO: each
+    micro-batch's summed KL estimate; else None). ``trained``: the step's trained tokens over
+    every rank (a preference objective's: its chosen completions' tokens, ORPO's
+    cross-entropy's divisor; GRPO's: its completion tokens).
 
     ``context.guard(loss, grad_norm)`` runs before the optimizer changes anything (after
     backward; with the optimizer stepped in backward, on the loss alone before backward); it
@@ -336,15 +365,17 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
     balances = []  # each micro-batch's load-balancing loss (mixture of experts)
     rewards = []  # a preference objective's (chosen, rejected) rewards, each micro-batch's
     coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", 0.0)
-    pairs_total = sum(b["input_ids"].shape[0] // 2 for b in micro_batches) * (
-        1 if parallel is None else parallel.world)
+    rows_total = sum(b["input_ids"].shape[0] for b in micro_batches) * (1 if parallel is None else parallel.world)
     for batch in micro_batches:
         memory.before_forward()
         offload = (OffloadActivations(model, to=options.offload_to)
                    if options.activation_offloading else None)
-        if options.objective != "sft":  # pairs: the objective's loss from each row's score
-            loss, *pair_rewards = pair_batch_loss(model, batch, options, pairs_total, trained, offload)
+        if options.paired:  # pairs: the objective's loss from each row's score
+            loss, *pair_rewards = pair_batch_loss(model, batch, options, rows_total // 2, trained, offload)
             rewards.append([r.float().cpu() for r in pair_rewards])
+        elif options.objective == "grpo":  # completions written by the rollout, with advantages
+            loss, kl_sum = grpo_batch_loss(model, batch, options, rows_total, trained, offload)
+            rewards.append(kl_sum.float().cpu())
         else:
             loss = _token_loss(model, batch, options, trained, offload)
         balance = model.router_loss() if coef else None
@@ -388,7 +419,8 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     # this rank's pairs (gathered by the caller: fake tensors, as the estimator's, do not travel)
-    pair_rewards = [torch.cat(side) for side in zip(*rewards)] if rewards else None
+    pair_rewards = [torch.cat(side) for side in zip(*rewards)] if options.paired else \
+        rewards if options.objective == "grpo" else None
     if not balances:
         return total, None, pair_rewards
     balance = torch.stack(balances).mean()

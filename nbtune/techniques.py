@@ -17,10 +17,13 @@ from dataclasses import dataclass, fields
 from typing import Callable
 
 METHODS = ("full", "lora", "qlora")
-# What a run trains for: next-token cross-entropy on the rows, or a preference between two
-# completions of a prompt (``objectives/preference.py``; dpo and ipo against a reference).
-OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo")
+# What a run trains for: next-token cross-entropy on the rows, a preference between two
+# completions of a prompt (``objectives/preference.py``; dpo and ipo against a reference), or
+# rewards of completions the model writes in the step (``objectives/grpo.py``).
+OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo", "grpo")
+PAIRED = ("dpo", "ipo", "simpo", "orpo")  # batches of pairs
 REFERENCE_FREE = ("simpo", "orpo")
+GRPO_LOSSES = ("dapo", "grpo", "dr_grpo")
 REFERENCES = ("auto", "adapters_off", "precomputed")
 DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit", "paged_adamw8bit", "paged_adamw", "ao_adamw8bit",
@@ -46,6 +49,16 @@ CHOICE_HELP = {
                  "completions, apart by at least gamma.",
         "orpo": "ORPO on pairs: no reference model; cross-entropy on the chosen completion plus beta "
                 "times an odds-ratio term against the rejected one.",
+        "grpo": "GRPO on prompts: the model writes several completions of each, your reward "
+                "functions score them, and each is pushed up or down by how it beat its group.",
+    },
+    "grpo_loss": {
+        "dapo": "DAPO's (TRL's default): every completion token of the step weighs the same, long "
+                "completions count by their length.",
+        "grpo": "The GRPO paper's: each completion's tokens averaged first, so every completion "
+                "weighs the same whatever its length.",
+        "dr_grpo": "Dr. GRPO's: token losses summed and divided by completions × max_completion, a "
+                   "constant, so length biases neither way (pair it with scale_rewards=False).",
     },
     "reference": {
         "auto": "LoRA and QLoRA: the base with the adapters off; full finetuning: precomputed.",
@@ -141,6 +154,19 @@ class Techniques:
         reference: dpo and ipo's reference: adapters_off runs the base (adapters switched off)
             each step; precomputed scores every pair once before training and keeps the
             numbers on the host; auto picks adapters_off for LoRA / QLoRA, precomputed for full.
+        generations: GRPO: completions written per prompt, the group each is compared with
+            (batch_size counts prompts: a micro-batch trains batch_size × generations rows).
+        max_completion: GRPO: the most tokens a completion may have (generation stops there).
+        rollout_temperature: GRPO: the sampling temperature of the completions (the update scores
+            them at the same temperature, as TRL does).
+        rollout_top_p: GRPO: nucleus sampling, the share of probability mass sampled from (1 = all).
+        kl: GRPO: weight of the KL term to the reference, the base with the adapters off
+            (TRL's beta; 0, TRL's default, runs no reference).
+        grpo_loss: GRPO: how token losses are averaged: dapo (over the step's tokens), grpo
+            (per completion, then over completions) or dr_grpo (over a constant).
+        scale_rewards: GRPO: divide each advantage by its group's reward standard deviation.
+        generation_batch: GRPO: completions generated at once, each with its own KV cache
+            (0 = a prompt's whole group): less memory, more time.
     """
 
     method: str = "full"
@@ -171,6 +197,14 @@ class Techniques:
     beta: float = 0.1
     gamma: float = 0.5
     reference: str = "auto"
+    generations: int = 4
+    max_completion: int = 64
+    rollout_temperature: float = 1.0
+    rollout_top_p: float = 1.0
+    kl: float = 0.0
+    grpo_loss: str = "dapo"
+    scale_rewards: bool = True
+    generation_batch: int = 0  # 0 = a prompt's whole group at once
 
     def __new__(cls, *args, **kwargs):
         _refuse_unknown("Techniques", kwargs)
@@ -208,29 +242,38 @@ class Techniques:
         choice("method", METHODS)
         choice("objective", OBJECTIVES)
         choice("reference", REFERENCES)
+        choice("grpo_loss", GRPO_LOSSES)
         choice("dtype", DTYPES)
         choice("optimizer", OPTIMIZERS)
-        for name in ("batch_size", "seq_len", "grad_accum", "lora_rank"):
+        for name in ("batch_size", "seq_len", "grad_accum", "lora_rank", "max_completion", "generations"):
             positive(name)
-        for name in ("lr", "lora_alpha", "beta"):
+        for name in ("lr", "lora_alpha", "rollout_temperature"):
             positive(name, float)
+        if isinstance(self.generations, int) and self.generations == 1:
+            out.append("generations must be 2 or more: GRPO compares each completion with the others "
+                       "of its group (one alone has nothing to beat).")
+        if not _number(self.rollout_top_p) or not 0 < self.rollout_top_p <= 1:
+            out.append(f"rollout_top_p must be in (0, 1], the share of probability mass sampled "
+                       f"from; got {self.rollout_top_p!r}. Use 1.0 to keep every token.")
         ac = self.activation_checkpointing
         if not isinstance(ac, (bool, int)) or ac < 0:
             out.append("activation_checkpointing must be True/False or a layer interval N >= 0, "
                        f"got {ac!r}.")
         if not isinstance(self.lora_dropout, (int, float)) or not 0.0 <= self.lora_dropout < 1.0:
             out.append(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}.")
-        for name in ("warmup_steps", "chunked_loss", "tile_tokens", "eval_every"):
+        for name in ("warmup_steps", "chunked_loss", "tile_tokens", "eval_every", "generation_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 out.append(f"{name} must be an int >= 0, got {value!r}.")
         for name in ("packing", "optimizer_in_backward", "cpu_offload_optimizer",
-                     "activation_offloading", "compile"):
+                     "activation_offloading", "compile", "scale_rewards"):
             if not isinstance(getattr(self, name), bool):
                 out.append(f"{name} must be True or False, got {getattr(self, name)!r}.")
         for name, what in (("max_grad_norm", "a finite number >= 0 (0 = off), e.g. 1.0"),
                            ("weight_decay", "a finite number >= 0, e.g. 0.01"),
-                           ("gamma", "a finite number >= 0, e.g. 0.5")):
+                           ("gamma", "a finite number >= 0, e.g. 0.5"),
+                           ("beta", "a finite number >= 0, e.g. 0.1"),
+                           ("kl", "a finite number >= 0 (0 = no KL term), e.g. 0.04")):
             value = getattr(self, name)
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not math.isfinite(value) or value < 0):
@@ -292,9 +335,16 @@ class Techniques:
                 if (rule.device is None or rule.device != device) and rule.broken(self)]
 
     @property
+    def paired(self) -> bool:
+        """Whether batches are preference pairs (dpo, ipo, simpo, orpo)."""
+        return self.objective in PAIRED
+
+    @property
     def reference_kind(self) -> str:
         """The reference this run uses: "none" (sft and the reference-free objectives),
         "adapters_off" or "precomputed" (``reference="auto"`` resolved by the method)."""
+        if self.objective == "grpo":  # its KL term's: completions are new each step
+            return "adapters_off" if self.kl and self.method != "full" else "none"
         if self.objective not in ("dpo", "ipo"):
             return "none"
         if self.reference == "auto":
@@ -370,6 +420,10 @@ class Techniques:
         return dataclasses.asdict(self)
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _refuse_assignment(self, name, value):
     raise AttributeError(
         f"Techniques is immutable: use session.set({name}=...) to change a live session, "
@@ -426,7 +480,7 @@ RULES = (
 )
 
 PREFERENCE_RULES = (
-    Rule(lambda t: t.objective != "sft" and t.packing,
+    Rule(lambda t: t.objective in PAIRED and t.packing,
          "A preference objective compares the chosen and the rejected completion of one prompt, "
          "each its own row of the batch: turn packing off.", ("objective", "packing")),
     Rule(lambda t: t.objective in ("dpo", "ipo") and t.reference == "adapters_off" and t.method == "full",
@@ -438,7 +492,32 @@ PREFERENCE_RULES = (
          "Held-out pairs are not yet scored against a precomputed reference (only the training "
          "pairs are precomputed): set eval_every=0, or reference='adapters_off' with LoRA.",
          ("eval_every", "objective", "method")),
-    Rule(lambda t: t.objective != "sft" and t.tile_tokens,
+    Rule(lambda t: t.objective in PAIRED and not t.beta,
+         "beta=0 leaves a preference objective nothing to score (dpo's and simpo's loss would be a "
+         "constant, ipo's margin infinite): give beta > 0, e.g. 0.1.", ("beta", "objective")),
+    Rule(lambda t: t.objective == "grpo" and t.kl and t.method == "full",
+         "GRPO's KL term (kl > 0) needs a reference model: the base with the adapters off, and "
+         "full finetuning has none (its completions are new each step, so nothing can be "
+         "precomputed): set kl=0 (TRL's default), or method='lora'.", ("kl", "method", "objective")),
+    Rule(lambda t: t.objective == "grpo" and t.reference == "precomputed",
+         "GRPO's completions are written in each step, so their reference log-probs cannot be "
+         "computed before training: use reference='auto' (the base with the adapters off).",
+         ("reference", "objective")),
+    Rule(lambda t: t.objective == "grpo" and t.packing,
+         "GRPO trains on the completions it writes, each its own row of the batch: turn packing off.",
+         ("objective", "packing")),
+    Rule(lambda t: t.objective == "grpo" and t.tile_tokens,
+         "Sequence tiling is not yet made for GRPO's per-token ratios: set tile_tokens=0 "
+         "(chunked_loss splits its head instead).", ("objective", "tile_tokens")),
+    Rule(lambda t: t.objective == "grpo" and t.eval_every,
+         "Held-out evaluation is not yet made for GRPO (its held-out score would be the rewards of "
+         "new completions): set eval_every=0; the step's rewards are on the chart.",
+         ("eval_every", "objective")),
+    Rule(lambda t: t.objective == "grpo" and t.max_completion >= t.seq_len,
+         "max_completion must leave room for the prompt within seq_len (each row is the prompt and "
+         "its completion): raise seq_len or lower max_completion.",
+         ("max_completion", "seq_len", "objective")),
+    Rule(lambda t: t.objective in PAIRED and t.tile_tokens,
          "Sequence tiling is not yet made for the preference objectives' per-row scores: set "
          "tile_tokens=0 (chunked_loss splits their head instead).", ("objective", "tile_tokens")),
 )

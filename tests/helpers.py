@@ -21,14 +21,41 @@ def demo_pairs(n: int = 64, split: str = "train") -> list[dict]:
              "chosen": row["output"], "rejected": row["output"][::-1] + "!"} for row in rows]
 
 
+def overlap(prompts, completions, chosen, **_):
+    """A GRPO reward: the share of the chosen answer's characters the completion uses."""
+    return [len(set(c) & set(a)) / len(set(a)) for c, a in zip(completions, chosen)]
+
+
+def letters(prompts, completions, **_):
+    """A GRPO reward: the share of the completion's characters that are ASCII letters."""
+    return [sum(ch.isascii() and ch.isalpha() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def brevity(prompts, completions, **_):
+    """A GRPO reward: shorter is better."""
+    return [-len(c) / 16 for c in completions]
+
+
+GRPO_BASE = dict(batch_size=2, max_completion=16, generations=4)  # small_session's GRPO shape
+# The random demo model rarely writes its end-of-text byte; GRPO tests end a completion at any
+# of these too, so that completions have several lengths (as a trained model's do)
+TEST_STOPS = frozenset(range(32, 64))
+
+
 def small_session(**changes) -> "nt.Session":
     """The embedded default on 64 training rows, short sequences: fast and deterministic.
-    Given an ``objective`` (even "sft"), the rows are 64 preference pairs (``demo_pairs``)."""
+    Given an ``objective`` (even "sft"), the rows are 64 preference pairs (``demo_pairs``);
+    under "grpo" their prompts, rewarded by ``letters``, ``overlap`` and ``brevity`` (weight 0.5), each
+    completion ended at a ``TEST_STOPS`` byte too, in ``GRPO_BASE``'s shape unless changed."""
+    import copy
+
     from nbtune.data import examples_from
 
     rows = (examples_from(demo_pairs()) if "objective" in changes
             else load_examples(demo_data_file("train"))[:64])
     base = dict(batch_size=4, seq_len=96, lr=1e-3)
+    if changes.get("objective") == "grpo":
+        base.update(GRPO_BASE)
     base.update(changes)
     objective = base.pop("objective", "sft")  # set once the rows are pairs
     torch.manual_seed(0)
@@ -36,6 +63,10 @@ def small_session(**changes) -> "nt.Session":
     session.data.train = rows
     if "objective" in changes:
         session.data.heldout = examples_from(demo_pairs(16, "heldout"))
+    if objective == "grpo":
+        session.rewards = [letters, overlap, (brevity, 0.5)]
+        session.data.tokenizer = copy.copy(session.data.tokenizer)
+        session.data.tokenizer.stop_ids = session.data.tokenizer.stop_ids | TEST_STOPS
     session.trainer.stream, _ = session.data.stream(session.techniques)
     if objective != "sft":
         session.set(objective=objective)

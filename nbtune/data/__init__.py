@@ -5,16 +5,17 @@ holds a run's rows, held-out rows and tokenizer and makes its batch stream."""
 from __future__ import annotations
 
 from ..models.tokenizer import Tokenizer
-from .batches import (NO_TRAINING_DATA, BatchStream, Sample, collate, collate_pairs, pack, tokenize,
-                      tokenize_all, tokenize_pairs)
-from .rows import (ACCEPTED, IGNORE, PROMPT, PROMPT_WITH_INPUT, ROLES, DataError, Example, Pair,
-                   check_renderable, examples_from, format_prompt, load_examples, prompt_and_reference,
-                   prompt_ids, prompt_text)
+from .batches import (NO_TRAINING_DATA, BatchStream, PromptSample, Sample, collate, collate_pairs,
+                      collate_prompts, pack, tokenize, tokenize_all, tokenize_pairs, tokenize_prompts)
+from .rows import (ACCEPTED, IGNORE, PROMPT, PROMPT_WITH_INPUT, ROLES, DataError, Example, Pair, PromptRow,
+                   as_prompt, check_renderable, examples_from, format_prompt, load_examples,
+                   prompt_and_reference, prompt_ids, prompt_text)
 
 __all__ = ["ACCEPTED", "IGNORE", "NO_TRAINING_DATA", "PROMPT", "PROMPT_WITH_INPUT", "ROLES", "BatchStream",
-           "DataError", "Example", "Pair", "Sample", "TrainingData", "check_renderable", "collate",
-           "collate_pairs", "examples_from", "format_prompt", "load_examples", "pack", "prompt_and_reference",
-           "prompt_ids", "prompt_text", "tokenize", "tokenize_all", "tokenize_pairs"]
+           "DataError", "Example", "Pair", "PromptRow", "PromptSample", "Sample", "TrainingData", "as_prompt",
+           "check_renderable", "collate", "collate_pairs", "collate_prompts", "examples_from", "format_prompt",
+           "load_examples", "pack", "prompt_and_reference", "prompt_ids", "prompt_text", "tokenize",
+           "tokenize_all", "tokenize_pairs", "tokenize_prompts"]
 
 
 class TrainingData:
@@ -26,6 +27,7 @@ class TrainingData:
         self.train = examples_from(train) if train is not None else []  # None: chat, save only
         self.heldout = examples_from(heldout, "the held-out data") if heldout is not None else []
         self.tokenizer = tokenizer
+        self.rewards: tuple = ()  # GRPO's reward functions (``objectives.grpo.Reward``), set by the user
         self._eval: tuple | None = None  # (seq_len, batch_size), batches: the last made
 
     @property
@@ -37,17 +39,26 @@ class TrainingData:
         """Whether the rows are preference pairs (for a preference objective)."""
         return bool(self.train) and isinstance(self.train[0], Pair)
 
+    def prompt_row(self, index: int) -> PromptRow:
+        """Training row ``index`` as a prompt, its fields for GRPO's reward functions."""
+        return as_prompt(self.train[index])
+
     def problems(self, t) -> list[str]:
         """What this data cannot do for techniques ``t``, in words (nothing: [])."""
         out = []
         if t.eval_every and not self.heldout:
             out.append("eval_every needs held-out rows: create the session with heldout=... "
                        "(a JSONL path or rows), or leave eval_every=0.")
-        if t.objective != "sft" and t.eval_every and self.heldout and not isinstance(self.heldout[0], Pair):
+        if t.paired and t.eval_every and self.heldout and not isinstance(self.heldout[0], Pair):
             out.append(f"eval_every under objective={t.objective!r} scores held-out pairs, but the "
                        "held-out rows are instruction or chat rows: give held-out pairs (prompt, "
                        "chosen, rejected), or set eval_every=0.")
-        if self.train and not self.pairs and t.objective != "sft":
+        prompts = bool(self.train) and isinstance(self.train[0], PromptRow)
+        if prompts and t.objective != "grpo":
+            out.append(f"These rows are prompts alone (no answer to imitate or compare), which only "
+                       f"objective='grpo' trains on (its completions are generated and rewarded): "
+                       f"set objective='grpo', or give rows with answers for {t.objective!r}.")
+        elif self.train and not self.pairs and t.paired:
             out.append(f"objective={t.objective!r} trains on preference pairs (rows with 'prompt', "
                        "'chosen' and 'rejected'), but these rows are instruction or chat rows: give "
                        "pairs, or set objective='sft'.")
@@ -58,7 +69,14 @@ class TrainingData:
         notes the user should read (rows skipped for want of room). Pairs: ``batch_size``
         pairs a batch, chosen rows then rejected; under ``sft`` the chosen completions alone
         (supervised finetuning on the preferred answers, the usual start before DPO)."""
-        if self.pairs and t.objective != "sft":
+        if t.objective == "grpo":
+            prompts, dropped = tokenize_prompts([as_prompt(row) for row in self.train], self.tokenizer,
+                                                t.seq_len, t.max_completion, "the training data")
+            notes = [f"{dropped} of {len(self.train)} prompts leave less than max_completion="
+                     f"{t.max_completion} tokens within seq_len={t.seq_len} and are skipped; raise "
+                     "seq_len to keep them."] if dropped else []
+            return BatchStream(prompts, t.batch_size, self.pad_id, seed=t.seed, collate=collate_prompts), notes
+        if self.pairs and t.paired:
             pairs, dropped = tokenize_pairs(self.train, self.tokenizer, t.seq_len, "the training data")
             notes = [f"{dropped} of {len(self.train)} pairs have a completion with no token within "
                      f"seq_len={t.seq_len} and are skipped; raise seq_len to keep them."] if dropped else []
@@ -79,9 +97,9 @@ class TrainingData:
         held-out pairs under a preference objective as pair batches."""
         if not self.heldout:
             return []
-        key = (t.seq_len, t.batch_size, t.objective == "sft")
+        key = (t.seq_len, t.batch_size, t.paired)
         if self._eval is None or self._eval[0] != key:
-            if isinstance(self.heldout[0], Pair) and t.objective != "sft":
+            if isinstance(self.heldout[0], Pair) and t.paired:
                 pairs, _ = tokenize_pairs(self.heldout, self.tokenizer, t.seq_len, "the held-out data")
                 self._eval = (key, [collate_pairs(pairs[i:i + t.batch_size], self.pad_id)
                                     for i in range(0, len(pairs), t.batch_size)])

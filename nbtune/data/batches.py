@@ -1,5 +1,6 @@
 """Token ids: rows tokenized with the prompt masked out of the loss, packed, collated and
-streamed in shuffled batches (a preference pair as two rows, chosen then rejected)."""
+streamed in shuffled batches (a preference pair as two rows, chosen then rejected; GRPO's
+prompts as their ids alone, the completions made in the step)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from ..models.tokenizer import Tokenizer
-from .rows import IGNORE, DataError, Example, Pair, alpaca_fields, chat_spans, format_prompt, with_bos
+from .rows import (IGNORE, DataError, Example, Pair, PromptRow, alpaca_fields, chat_spans, format_prompt,
+                   prompt_and_reference, prompt_ids, with_bos)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,43 @@ def tokenize_pairs(pairs: list[Pair], tokenizer: Tokenizer, seq_len: int,
         raise DataError(f"Every pair of {source} has a prompt longer than seq_len={seq_len}, so "
                         "no completion is left to compare. Raise seq_len.")
     return kept, len(pairs) - len(kept)
+
+
+@dataclass(frozen=True)
+class PromptSample:
+    """GRPO's sample: a prompt's ids and which training row it is (the rewards read its fields)."""
+
+    input_ids: torch.Tensor  # [P]
+    row: int
+
+
+def tokenize_prompts(rows: list[PromptRow], tokenizer: Tokenizer, seq_len: int, completion: int,
+                     source: str = "the data") -> tuple[list[PromptSample], int]:
+    """Each prompt's ids as generation starts from them (the chat template's generation prompt
+    included), kept when ``completion`` more tokens fit within ``seq_len``; returns them and
+    how many were dropped as too long."""
+    kept = []
+    room = seq_len + 1 - completion  # a row of prompt + completion reads all but its last token
+    for i, row in enumerate(rows):
+        text, _ = prompt_and_reference(row.example, tokenizer)
+        ids = prompt_ids(tokenizer, text[:(room + 2) * tokenizer.longest_token + 4096])
+        if len(ids) <= room:
+            kept.append(PromptSample(torch.tensor(ids), i))
+    if rows and not kept:
+        raise DataError(f"Every prompt of {source} is too long: seq_len={seq_len} leaves room for "
+                        f"{max(room, 0)} prompt tokens once max_completion={completion} are kept for the "
+                        "completion. Raise seq_len or lower max_completion.")
+    return kept, len(rows) - len(kept)
+
+
+def collate_prompts(samples: list[PromptSample], pad_id: int) -> dict[str, torch.Tensor]:
+    """B prompts: their ids padded on the right [B, P], their lengths [B] and rows [B]."""
+    longest = max(len(s.input_ids) for s in samples)
+    ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids[i, :len(s.input_ids)] = s.input_ids
+    return {"prompt_ids": ids, "prompt_lengths": torch.tensor([len(s.input_ids) for s in samples]),
+            "rows": torch.tensor([s.row for s in samples])}
 
 
 def collate_pairs(pairs: list[tuple[Sample, Sample]], pad_id: int) -> dict[str, torch.Tensor]:

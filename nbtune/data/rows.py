@@ -1,4 +1,4 @@
-"""Rows: instruction and chat rows, and preference pairs, read from files, lists and Datasets.
+"""Rows: instruction and chat rows, preference pairs and prompts, read from files, lists and Datasets.
 
 Row formats (JSONL, one object per line, or a .json file holding a list):
 
@@ -8,6 +8,10 @@ Row formats (JSONL, one object per line, or a .json file holding a list):
   or a list of messages (the prompt's ending with a user turn, each completion one assistant
   message); a text prompt is one user message, as an instruction row's is. Only the
   completions are scored.
+* prompt (TRL's form, for GRPO): ``{"prompt": ..., ...}``, a string or messages ending with a
+  user turn; the row's other fields go to the reward functions. GRPO takes the prompt of
+  any row: an instruction or chat row's (its answer as the field ``output``), a pair's
+  (``chosen`` and ``rejected`` as fields).
 
 Rows are read without a tokenizer and become text only when tokenized, because the model
 decides how a conversation is written:
@@ -126,11 +130,50 @@ class Pair:
         return self.chosen.where
 
 
+@dataclass(frozen=True)
+class PromptRow:
+    """A prompt to complete (GRPO), with the row's other fields for the reward functions:
+    ``prompt`` as the row gave it (text or messages: the rewards get it so), ``fields`` its
+    other JSON values, by name."""
+
+    example: Example  # the prompt's messages and a placeholder answer, to render it
+    prompt: object  # the row's "prompt" (a string or a list of message dicts)
+    fields: tuple[tuple[str, object], ...] = ()
+    where: str = field(default="", compare=False)
+
+    @property
+    def conversational(self) -> bool:
+        return not isinstance(self.prompt, str)
+
+
+def as_prompt(row) -> PromptRow:
+    """Any row as a prompt for GRPO: a prompt row itself; an instruction or chat row's turns
+    before its last answer (the answer a field, ``output``, for a reward to compare with);
+    a pair's prompt (``chosen`` and ``rejected`` fields)."""
+    if isinstance(row, PromptRow):
+        return row
+    if isinstance(row, Pair):
+        messages = row.chosen.messages[:-1]
+        fields = (("chosen", row.chosen.messages[-1][1]), ("rejected", row.rejected.messages[-1][1]))
+        example = row.chosen
+    else:
+        last = max(i for i, (role, _) in enumerate(row.messages) if role == "assistant")
+        messages, fields, example = row.messages[:last], (("output", row.messages[last][1]),), row
+    plain = example.instruction is not None
+    prompt = (example.instruction[0] if plain and not example.instruction[1] else
+              messages[-1][1] if plain else [{"role": r, "content": c} for r, c in messages])
+    if plain and example.instruction[1]:
+        fields = (("instruction", example.instruction[0]), ("input", example.instruction[1])) + fields
+    return PromptRow(Example(messages + (("assistant", ""),), instruction=example.instruction,
+                             where=example.where), prompt, fields, example.where)
+
+
 def check_renderable(examples: list, tokenizer: Tokenizer) -> None:
     """Fail now, before weights are loaded, if chat rows meet a tokenizer with no template."""
     if tokenizer.chat_template is None:
         for example in examples:
-            for one in (example.chosen, example.rejected) if isinstance(example, Pair) else (example,):
+            for one in ((example.chosen, example.rejected) if isinstance(example, Pair) else
+                        (example.example,) if isinstance(example, PromptRow) else (example,)):
                 alpaca_fields(one)
 
 
@@ -229,11 +272,26 @@ def _check_text(texts: list[str], where: str) -> None:
                             "written by a broken encoder. Fix or drop the row.") from None
 
 
-def _row_to_example(row, where: str) -> Example | Pair:
+def _row_to_prompt(row: dict, where: str) -> PromptRow:
+    prompt = _messages(row["prompt"], where, "prompt", ROLES, "user")
+    if prompt[-1][0] != "user":
+        raise DataError(f"{where}: the prompt must end with a user message (the completions "
+                        f"answer it); it ends with a {prompt[-1][0]} message.")
+    _check_text([content for _, content in prompt], where)
+    plain = isinstance(row["prompt"], str)
+    fields = tuple((k, v) for k, v in row.items() if k != "prompt")
+    example = Example(prompt + (("assistant", ""),), instruction=(row["prompt"], "") if plain else None,
+                      where=where)
+    return PromptRow(example, row["prompt"], fields, where)
+
+
+def _row_to_example(row, where: str) -> Example | Pair | PromptRow:
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}.")
     if "chosen" in row or "rejected" in row:
         return _row_to_pair(row, where)
+    if "prompt" in row and not any(k in row for k in ("messages", "instruction", "output")):
+        return _row_to_prompt(row, where)
     if "messages" in row:
         messages = row["messages"]
         if not isinstance(messages, list) or not messages:
@@ -462,7 +520,7 @@ def examples_from(data, source: str = "the data") -> list[Example]:
     examples = []
     for i, row in enumerate(data):
         where = f"{source}: row {i + 1}"
-        if isinstance(row, (Example, Pair)):
+        if isinstance(row, (Example, Pair, PromptRow)):
             examples.append(row)
         elif isinstance(row, Mapping):
             examples.append(_row_to_example(dict(row), where))
@@ -475,12 +533,16 @@ def examples_from(data, source: str = "the data") -> list[Example]:
     return _one_kind(examples, source)
 
 
+_KINDS = {Example: "instruction or chat rows", Pair: "preference pairs ('prompt', 'chosen', 'rejected')",
+          PromptRow: "prompts (rows with a 'prompt' alone)"}
+
+
 def _one_kind(examples: list, source: str) -> list:
-    """Preference pairs and rows to imitate do not mix: a run trains for one objective."""
-    pairs = [isinstance(e, Pair) for e in examples]
-    if any(pairs) and not all(pairs):
-        first = examples[pairs.index(not pairs[0])]
-        raise DataError(f"{_cap(source)} mixes preference pairs ('prompt', 'chosen', 'rejected') "
-                        f"with instruction or chat rows ({first.where or 'a row'} is the first "
-                        f"that differs from row 1): a run trains for one objective. Keep one kind.")
+    """Preference pairs, prompts and rows to imitate do not mix: a run trains for one objective."""
+    kinds = [type(e) for e in examples]
+    if any(kind is not kinds[0] for kind in kinds):
+        first = next(e for e in examples if type(e) is not kinds[0])
+        raise DataError(f"{_cap(source)} mixes {_KINDS[kinds[0]]} with {_KINDS[type(first)]} "
+                        f"({first.where or 'a row'} is the first that differs from row 1): a run "
+                        f"trains for one objective. Keep one kind.")
     return examples

@@ -99,6 +99,8 @@ class MemoryBreakdown:
             predicted (``estimate``).
         eval_peak: The peak of the held-out evaluation after the step when ``eval_every`` is
             set (the last one measured), else 0.
+        generation_peak: GRPO's: the peak while the completions are written (the weights,
+            the optimizer state and the KV cache of ``generation_batch`` sequences), else 0.
         loading: The most the device holds while the weights are read (``estimate`` predicts
             it; 0 where measured: a step does not load).
         at_peak: What made up the peak moment, by category.
@@ -122,6 +124,7 @@ class MemoryBreakdown:
     device: str = "cpu"
     measured: bool = True
     eval_peak: int = 0
+    generation_peak: int = 0
     loading: int = 0
     at_peak: dict = field(default_factory=dict, compare=False)
     phases: dict = field(default_factory=dict, compare=False)  # phase -> {"peak", "largest"}
@@ -135,9 +138,16 @@ class MemoryBreakdown:
 
     @property
     def highest(self) -> int:
-        """The most held at one moment: training step, held-out evaluation or, where predicted,
-        loading the weights."""
-        return max(self.peak, self.eval_peak, self.loading)
+        """The most held at one moment: training step, held-out evaluation, GRPO's generation
+        or, where predicted, loading the weights."""
+        return max(self.peak, self.eval_peak, self.generation_peak, self.loading)
+
+    @property
+    def highest_phase(self) -> str:
+        """Which moment holds ``highest``: "update", "evaluation", "generation" or "loading"."""
+        moments = {"update": self.peak, "evaluation": self.eval_peak,
+                   "generation": self.generation_peak, "loading": self.loading}
+        return max(moments, key=moments.get)
 
     @property
     def largest_at_peak(self) -> str:
@@ -164,6 +174,8 @@ class MemoryBreakdown:
         parts = ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}"
                           for name, value in self.categories.items() if value)
         how = "measured" if self.measured else "carried or predicted"
+        if self.generation_peak:
+            how += f"; generation peak {format_bytes(self.generation_peak)}"
         return f"MemoryBreakdown(peak {format_bytes(self.peak)} on {self.device}: {parts}; {how})"
 
     def carried(self) -> "MemoryBreakdown":

@@ -163,6 +163,12 @@ class KVCache:
         return self.length if window is None or window not in self.windows \
             else min(self.length, window - 1)
 
+    def expand(self, rows: int) -> None:
+        """Share one sequence's keys and values with ``rows`` sequences that continue it (views:
+        each layer's copy is made as the next token extends it)."""
+        self.keys = [k if k is None else k.expand(rows, *k.shape[1:]) for k in self.keys]
+        self.values = [v if v is None else v.expand(rows, *v.shape[1:]) for v in self.values]
+
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Append this step's keys/values [B, Hkv, T, D]; return those this step attends to."""
         if self.keys[layer] is not None:

@@ -42,6 +42,7 @@ from ..memory.breakdown import HostMemory, MemoryBreakdown
 from ..memory.tracker import CpuStepMemory, Segment, breakdown_of
 from ..models.config import ModelConfig
 from ..models.hf import PART_BYTES
+from ..generate import sample_rows
 from ..models.decoder import CausalLM
 from ..models import gguf as _gguf_writer
 from ..models.filling import CHECK_BYTES, DTYPES
@@ -167,8 +168,10 @@ def _make_state(optimizer: torch.optim.Optimizer) -> None:
 
 def _fake_batch(config: ModelConfig, t: Techniques, batch_size: int, seq_len: int) -> dict:
     """A full-length batch (the worst case: no padding), shaped as the data pipeline makes it
-    (a preference objective's ``batch_size`` pairs: twice the rows)."""
-    shape = (batch_size * (1 if t.objective == "sft" else 2), seq_len)
+    (a preference objective's ``batch_size`` pairs: twice the rows; GRPO's ``batch_size``
+    prompts: ``generations`` completions each, with their advantages)."""
+    rows = 2 if t.paired else t.generations if t.objective == "grpo" else 1
+    shape = (batch_size * rows, seq_len)
     batch = {"input_ids": torch.zeros(shape, dtype=torch.long),
              "labels": torch.zeros(shape, dtype=torch.long)}
     if t.packing:
@@ -176,7 +179,47 @@ def _fake_batch(config: ModelConfig, t: Techniques, batch_size: int, seq_len: in
         batch["positions"] = torch.arange(seq_len).expand(shape).contiguous()
     if t.reference_kind == "precomputed":  # each row's reference log-prob, from the host
         batch["reference_logps"] = torch.zeros(shape[0])
+    if t.objective == "grpo":
+        batch["advantages"] = torch.zeros(shape[0])
     return batch
+
+
+def _fake_generation(built: CausalLM, t: Techniques, seq_len: int, target: str, last: bool) -> None:
+    """GRPO's writing at its fullest, as ``objectives.grpo.generate_group`` runs it: the
+    longest prompt room allows read once (``last=False``), or the last token's forward
+    (``last=True``), its KV cache of ``generation_batch`` sequences holding every token but
+    that one, beside the previous token's logits (the tokens between only grow the cache).
+    Each moment is made here whole, so that each is tracked alone: which of them holds more
+    changes with the depth, and each is affine in it. The sampling runs on the host: on
+    CUDA only its float copy of the logits is the device's."""
+    prompt = seq_len + 1 - t.max_completion
+    rows = min(t.generation_batch or t.generations, t.generations)
+
+    def sample(logits):
+        return (sample_rows(logits, t.rollout_temperature, t.rollout_top_p, [None] * rows) if target == "cpu"
+                else logits.float()[:, 0])
+
+    cache = built.new_cache()
+    if not last:
+        hidden = built.hidden_states(torch.zeros(1, prompt, dtype=torch.long), cache=cache)
+        logits = built.lm_head(hidden[:, -1]).expand(rows, -1)
+        del hidden
+        cache.expand(rows)
+        sample(logits)
+        return
+    grown = prompt + t.max_completion - 2  # what the cache holds before the last forward
+    shape = (rows, built.config.num_kv_heads, grown, built.config.head_dim)
+    dtype = built.model.embed_tokens.weight.dtype
+    for i, window in enumerate(cache.windows):
+        kept = grown if window is None else min(grown, window - 1)
+        cache.keys[i] = torch.zeros(*shape[:2], kept, shape[3], dtype=dtype)
+        cache.values[i] = torch.zeros(*shape[:2], kept, shape[3], dtype=dtype)
+    cache.length = grown
+    previous = built.lm_head(torch.zeros(rows, built.config.hidden_size, dtype=dtype))
+    tokens = sample(previous)
+    logits = built.lm_head(built.hidden_states(torch.zeros(rows, 1, dtype=torch.long), cache=cache)[:, -1])
+    del previous, tokens
+    sample(logits)
 
 
 def estimate(model, techniques: Techniques | None = None, *, batch_size: int | None = None,
@@ -250,7 +293,7 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
         step, offloaded = _offloaded(step)
     result = breakdown_of(step.segments.items(), step.state, step.weights)
     result = replace(result, device=target, measured=False, outside=step.paged,
-                     eval_peak=step.eval_peak)
+                     eval_peak=step.eval_peak, generation_peak=max(step.generation_peaks))
     result = replace(result, loading=loading_peak(config, t, target, result.parameters, spread))
     if target == "cuda":
         result = held_throughout(result, cublas_workspaces())
@@ -276,6 +319,7 @@ def held_throughout(result: MemoryBreakdown, nbytes: int) -> MemoryBreakdown:
     at_peak = {**result.at_peak, "other": result.at_peak.get("other", 0) + nbytes}
     return replace(result, other=result.other + nbytes, peak=result.peak + nbytes,
                    eval_peak=result.eval_peak + nbytes if result.eval_peak else 0,
+                   generation_peak=result.generation_peak + nbytes if result.generation_peak else 0,
                    at_peak=at_peak, phases=phases)
 
 
@@ -503,6 +547,7 @@ class _FakeStep:
     paged: int
     eval_peak: int
     recorded: tuple | None = None  # every moment, where recorded (``carry``)
+    generation_peaks: tuple[int, int] = (0, 0)  # GRPO's writing: the prompt read, the last token
 
 
 def _traced(config: ModelConfig, t: Techniques, target: str, shape: tuple[int, int],
@@ -582,9 +627,17 @@ def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int
             with evaluation:
                 evaluate_sum(built, batches[:1], evaluation, options)
             eval_peak = evaluation.result().peak
+        generation_peaks = (0, 0)
+        if t.objective == "grpo" and t.max_completion > 1:  # written before the update, no gradients
+            built.eval()
+            moments = [CpuStepMemory(built, optimizer) for _ in range(2)]
+            for moment, last in zip(moments, (False, True)):
+                with moment, torch.no_grad():
+                    _fake_generation(built, t, shape[1], target, last)
+            generation_peaks = tuple(moment.result().peak for moment in moments)
     return _FakeStep(dict(memory.segments), optimizer_state_bytes(optimizer),
                      parameter_bytes(built), optimizer_state_bytes(optimizer, torch.device("meta")),
-                     eval_peak, memory.recorded)
+                     eval_peak, memory.recorded, generation_peaks)
 
 
 def _slots(step: _FakeStep, depth: int, period: int, apart: tuple[int, int]) -> dict:
@@ -639,4 +692,5 @@ def _extrapolated(a: _FakeStep, b: _FakeStep, depth_a: int, depth_b: int, depth:
                              highs=carried(slots_a[key].highs, segment.highs))
                 for key, segment in slots_b.items()}  # in the deeper run's order
     return _FakeStep(segments, line(a.state, b.state), carried(a.weights, b.weights),
-                     line(a.paged, b.paged), line(a.eval_peak, b.eval_peak))
+                     line(a.paged, b.paged), line(a.eval_peak, b.eval_peak),
+                     generation_peaks=tuple(map(line, a.generation_peaks, b.generation_peaks)))

@@ -23,6 +23,7 @@ either complete or leave the state exactly as it was.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import traceback
@@ -111,6 +112,7 @@ class Trainer:
         self.device, self.data = device, data
         self.notes: list[str] = []  # for the user, until taken
         self._eval_peak: int | None = None  # the last measured evaluation's peak
+        self._generation_peak = 0  # GRPO's: the last measured writing of the completions
         # a preference objective's precomputed reference: ((seq_len, pairs, rows), [pairs, 2])
         self._reference: tuple | None = None
         self.stream = self._new_stream(techniques, with_reference=False)  # the model comes next
@@ -268,7 +270,10 @@ class Trainer:
         try:
             batches = [self.stream.next() for _ in range(t.grad_accum)]
             if self.parallel is not None:  # the global batch: this rank keeps its rows
-                batches = [self.parallel.rows(b, pairs=t.objective != "sft") for b in batches]
+                batches = [self.parallel.rows(b, pairs=t.paired) for b in batches]
+            if t.objective == "grpo":  # prompts: their completions written and rewarded first
+                phase[0] = "generation"
+                batches, rollouts = self._rollouts(batches, t, options, number, track)
             batches = [{k: v.to(self.device) for k, v in b.items()} for b in batches]
             shape = max((tuple(b["input_ids"].shape) for b in batches), key=lambda s: s[0] * s[1])
             for group in self.optimizer.param_groups:
@@ -277,6 +282,10 @@ class Trainer:
                                   undo=undo, parallel=self.parallel)
             report = train_step(self.model, self.optimizer, batches, options, context,
                                 pad_id=self.data.pad_id, step=number, track=track, usage=usage)
+            if t.objective == "grpo":
+                report = replace(report, rollouts=rollouts[1], seconds=report.seconds + rollouts[0],
+                                 memory=report.memory and replace(report.memory,
+                                                                  generation_peak=self._generation_peak))
         except BaseException as err:
             oom = isinstance(err, torch.OutOfMemoryError) and not isinstance(err, OutOfMemory)
             held = held_now(self.model, self.optimizer, self.device) if oom else None
@@ -292,7 +301,7 @@ class Trainer:
             if not oom:
                 raise
             try:  # memory is back: now the estimator can say what would fit
-                if shape is not None and t.objective != "sft":  # rows are pairs: batch_size of them
+                if shape is not None and t.paired:  # rows are pairs: batch_size of them
                     shape = (shape[0] // 2, shape[1])
                 explained = explain(err, phase[0], number, held, self.model.config, t,
                                     self.device, shape, self.parallel, damaged=damaged)
@@ -318,6 +327,38 @@ class Trainer:
             self._interrupted = False
             raise KeyboardInterrupt
         return report
+
+    def _rollouts(self, batches: list[dict], t: Techniques, options: StepOptions, number: int,
+                  track: bool):
+        """GRPO: each micro-batch of prompts written and rewarded (``objectives/grpo.py``), as
+        the update's micro-batches; and (seconds taken, ``RolloutMetrics``). Each prompt's
+        completion draws from ``seed``, the step, its prompt's place in the step's batch and
+        its own place in the group, so a resumed or retried step writes what the run that
+        never stopped wrote, however the batch is accumulated or the group written. ``track``: the writing's peak is measured (``generation_peak``)."""
+        from ..memory import track_step
+        from ..objectives.grpo import RolloutMetrics, completion_seed, rollout
+
+        rewards = self.data.rewards
+        if not rewards:
+            raise ValueError("objective='grpo' needs reward functions to score its completions: "
+                             "session.rewards = [my_reward, ...] (each def my_reward(prompts, "
+                             "completions, **columns) -> a number per completion).")
+        started, tokenizer, out, peak = time.perf_counter(), self.data.tokenizer, [], 0
+        for prompts in batches:
+            first = len(out) * len(prompts["rows"])  # the prompts' place in the step's batch
+            generators = [[torch.Generator().manual_seed(completion_seed(t.seed, number, first + k, j))
+                           for j in range(t.generations)] for k in range(len(prompts["rows"]))]
+            tracker = track_step(self.model, self.optimizer) if track else contextlib.nullcontext()
+            with tracker:
+                out.append(rollout(self.model, prompts, [self.data.prompt_row(r) for r in prompts["rows"].tolist()],
+                                   tokenizer.decode, rewards, options, stop_ids=tokenizer.stop_ids,
+                                   pad_id=self.data.pad_id, generators=generators))
+            if track:
+                peak = max(peak, tracker.result().peak)
+        if track:
+            self._generation_peak = peak
+        metrics = RolloutMetrics.of(out, rewards, t.generations)
+        return [r.batch for r in out], (time.perf_counter() - started, metrics)
 
     def steps(self, track: bool, track_rest: bool, most: int, until=None) -> list[StepReport]:
         """One step: each step here is its own command (``TrainerProtocol.steps``)."""

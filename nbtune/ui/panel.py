@@ -24,15 +24,15 @@ import ipywidgets as w
 
 from ..run.runner import (Message, PendingChanged, Refused, RunFinished, RunStarted, StepDone,
                       TechniquesChanged)
-from ..techniques import (CHOICE_HELP, DTYPES, HELP, LORA_TARGETS, METHODS, NO_EFFECT, OBJECTIVES, OPTIMIZERS,
-                          REFERENCES)
+from ..techniques import (CHOICE_HELP, DTYPES, GRPO_LOSSES, HELP, LORA_TARGETS, METHODS, NO_EFFECT,
+                          OBJECTIVES, OPTIMIZERS, REFERENCES)
 from ..plan import SHARDED_FIELDS, SHARDED_REASON, projections
 from ..units import format_bytes
 from ..charts import draw_memory, figure_png
 from ..predict import APPLY_IN_CODE, CARDS, HOST_RAM, Predictor
 from .fitcheck import FitCheck, in_background
 from .live import PacedRedraw
-from .status import run_status
+from .status import objective_words, run_status
 from matplotlib.figure import Figure
 
 
@@ -117,9 +117,20 @@ def _controls(session) -> dict[str, w.ValueWidget]:
         "gamma": slider(w.FloatSlider, "gamma (SimPO margin)", min=0.0, max=5.0, step=0.1),
         "reference": w.Dropdown(options=REFERENCES, description="reference", style=style, layout=wide(),
                                 description_allow_html=True),
+        "generations": slider(w.IntSlider, "completions per prompt", min=2, max=16),
+        "max_completion": slider(w.IntSlider, "max completion tokens", min=8, max=limit, step=8),
+        "rollout_temperature": slider(w.FloatSlider, "sampling temperature", min=0.1, max=2.0, step=0.05),
+        "rollout_top_p": slider(w.FloatSlider, "top-p", min=0.05, max=1.0, step=0.05),
+        "kl": slider(w.FloatSlider, "KL weight", min=0.0, max=0.5, step=0.01),
+        "grpo_loss": w.Dropdown(options=GRPO_LOSSES, description="token averaging", style=style,
+                                layout=wide(), description_allow_html=True),
+        "scale_rewards": toggle("advantages over the group's std"),
+        "generation_batch": slider(w.IntSlider, "written at once (0: a group)", min=0, max=16),
     }
 
 
+GRPO_FIELDS = ("generations", "max_completion", "rollout_temperature", "rollout_top_p", "kl", "grpo_loss",
+               "scale_rewards", "generation_batch")
 # Controls grouped by concern, one tab each.
 TABS = {"Method & adapter": ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
         "Precision": ("dtype", "compile"),
@@ -129,9 +140,10 @@ TABS = {"Method & adapter": ("method", "lora_rank", "lora_alpha", "lora_dropout"
                       "warmup_steps", "weight_decay", "max_grad_norm"),
         "Batch": ("batch_size", "seq_len", "packing", "grad_accum"),
         "Evaluation": ("eval_every",),
-        "Objective": ("objective", "beta", "gamma", "reference")}
+        "Objective": ("objective", "beta", "gamma", "reference", *GRPO_FIELDS)}
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")  # hidden under "full"
-PREFERENCE_FIELDS = ("beta", "gamma", "reference")  # hidden where unused (gamma: SimPO's alone)
+# hidden where unused (gamma: SimPO's alone; GRPO's under grpo alone)
+PREFERENCE_FIELDS = ("beta", "gamma", "reference", *GRPO_FIELDS)
 # The value a control is moved to when a rule would stop it (checked to disable it ahead).
 PROBES = {"optimizer_in_backward": True, "cpu_offload_optimizer": True, "compile": True,
           "activation_offloading": True, "packing": True, "grad_accum": 2, "max_grad_norm": 1.0}
@@ -581,7 +593,8 @@ class Panel(w.VBox):
                     # or ipo (after sft steps only "precomputed" is the model they start from)
                     used = {"gamma": techniques.objective == "simpo",
                             "reference": techniques.objective in ("sft", "dpo", "ipo")
-                            and self.session.data.pairs}.get(name, techniques.objective != "sft")
+                            and self.session.data.pairs,
+                            "beta": techniques.paired}.get(name, techniques.objective == "grpo")
                     control.layout.display = None if used else "none"
                     if name in self.choice_help:  # its line of help goes with it
                         self.choice_help[name].layout.display = control.layout.display
@@ -598,9 +611,8 @@ class Panel(w.VBox):
         self._pacer.drew(started)
         if history and self.session.current_run is None:  # a step on its own: its numbers
             last = history[-1]
-            pairs = (f", margin {last.preference.margin:.3f} ({last.preference.accuracy:.0%} of "
-                     "pairs ranked right)" if last.preference is not None else "")
-            self.progress.value = (f"step {last.step}: loss {last.loss:.3f}{pairs}, peak "
+            watched = objective_words(last)
+            self.progress.value = (f"step {last.step}: loss {last.loss:.3f}{', ' * bool(watched)}{watched}, peak "
                                    f"{format_bytes(last.memory.peak)}, "
                                    f"{last.tokens_per_second:,.0f} tokens/s")
 

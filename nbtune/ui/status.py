@@ -7,6 +7,17 @@ share it. Time left assumes the steps to come take as long as this run's steps s
 from __future__ import annotations
 
 
+def objective_words(report) -> str:
+    """What an objective's users watch beside the loss, in words ("" under sft): a
+    preference objective's margin and accuracy, GRPO's reward (its loss hovers near 0)."""
+    if report.preference is not None:
+        return (f"margin {report.preference.margin:.3f}, "
+                f"{report.preference.accuracy:.0%} of pairs ranked right")
+    if report.rollouts is not None:
+        return f"reward {report.rollouts.reward:.3f}, {report.rollouts.completion_length:.0f} tokens a completion"
+    return ""
+
+
 def format_duration(seconds: float) -> str:
     """``42 s``, ``3 min 05 s``, ``2 h 07 min``."""
     seconds = max(0.0, seconds)
@@ -32,9 +43,8 @@ def run_status(reports: list, total: int, elapsed: float,
     parts = [f"step {done} of {total}"]
     if reports:
         parts.append(f"loss {reports[-1].loss:.3f}")
-        if reports[-1].preference is not None:  # a preference objective: what its users watch
-            parts.append(f"margin {reports[-1].preference.margin:.3f}, "
-                         f"{reports[-1].preference.accuracy:.0%} of pairs ranked right")
+        if objective_words(reports[-1]):
+            parts.append(objective_words(reports[-1]))
         seconds = sum(r.seconds for r in reports)
         if seconds > 0:
             parts.append(f"{sum(r.tokens for r in reports) / seconds:,.0f} tokens/s")

@@ -376,11 +376,93 @@ def check_gamma(session, ctx):
     assert recorded_pair_terms(session, ctx) == [(session.techniques.beta, ctx.value)]
 
 
+def recorded_grpo(session, ctx, name: str) -> list[tuple]:
+    """The calls the next step makes to ``nbtune.objectives.grpo``'s function ``name``:
+    (args, kwargs) each."""
+    import nbtune.objectives.grpo as grpo
+
+    calls, original = [], getattr(grpo, name)
+
+    def recording(*args, **kwargs):
+        calls.append((args, kwargs))
+        return original(*args, **kwargs)
+
+    ctx.monkeypatch.setattr(grpo, name, recording)
+    return calls
+
+
+def check_generations(session, ctx):
+    report = session.step()
+    assert report.shape[0] == session.techniques.batch_size * ctx.value
+    assert all(r.rollouts is not None for r in session.history[ctx.changed_at:])
+
+
+def check_max_completion(session, ctx):
+    lengths = recorded_grpo(session, ctx, "generate_group")
+    session.step()
+    assert lengths and all(kwargs["max_new"] == ctx.value for _, kwargs in lengths)
+    assert all(r.rollouts.completion_length <= ctx.value for r in session.history[ctx.changed_at:])
+    assert session.history[-1].shape[1] <= session.techniques.seq_len
+
+
+def check_sampling(field):
+    def check(session, ctx):
+        calls = recorded_grpo(session, ctx, "sample_rows")
+        scored = recorded_grpo(session, ctx, "token_logps")
+        session.step()
+        position = {"rollout_temperature": 1, "rollout_top_p": 2}[field]
+        assert calls and {args[position] for args, _ in calls} == {ctx.value}
+        if field == "rollout_temperature":  # the update scores the completions at that temperature too
+            assert scored and {args[4] for args, _ in scored} == {ctx.value}
+    return check
+
+
+def check_kl(session, ctx):
+    losses = recorded_grpo(session, ctx, "token_losses")
+    forwards = count_forwards(session, ctx)
+    report = session.step()
+    assert losses and {args[5] for args, _ in losses} == {ctx.value}
+    assert all(args[3] is not None for args, _ in losses)  # the reference's log-probs
+    assert report.mean_kl is not None and report.mean_kl > 0
+    # generation's forwards, then the reference (adapters off) and the policy: two per micro-batch
+    assert len(forwards) >= 2 * session.techniques.grad_accum
+
+
+def check_grpo_loss(session, ctx):
+    kinds = recorded_grpo(session, ctx, "aggregate")
+    session.step()
+    assert kinds and {args[2] for args, _ in kinds} == {ctx.value}
+
+
+def check_scale_rewards(session, ctx):
+    made = recorded_grpo(session, ctx, "advantages")
+    session.step()
+    assert made and {args[2] for args, _ in made} == {False}
+    total = made[0][0][0].view(-1, session.techniques.generations)
+    torch.testing.assert_close(nbtune_grpo().advantages(*made[0][0]),
+                               (total - total.mean(1, keepdim=True)).flatten())
+
+
+def nbtune_grpo():
+    import nbtune.objectives.grpo as grpo
+
+    return grpo
+
+
+def check_generation_batch(session, ctx):
+    groups = recorded_grpo(session, ctx, "generate_group")
+    session.step()
+    assert groups and {kwargs["at_once"] for _, kwargs in groups} == {ctx.value}
+
+
 LORA = {"method": "lora", "lr": 1e-2}  # a larger lr so adapters move the loss visibly
 PAIRS = {"objective": "sft"}  # the rows are preference pairs: sft trains on the chosen ones
 SIMPO = {"objective": "simpo"}  # reference-free: trains with full finetuning
 DPO_LORA = {"objective": "dpo", "method": "lora", "lr": 1e-2}  # the base with adapters off by default
 SGD = {"optimizer": "sgd", "lr": 0.1}  # no state to reset when the optimizer is rebuilt
+GRPO = {"objective": "grpo"}  # small_session's prompts, rewards and shape (helpers.GRPO_BASE)
+# kl > 0 from the start: the base is then the model GRPO started from (set later, it is refused)
+GRPO_LORA = {"objective": "grpo", "method": "lora", "lr": 5e-2, "kl": 0.01}
 
 TABLE: dict[str, Row] = {
     "method": Row("lora", check_method),
@@ -414,6 +496,15 @@ TABLE: dict[str, Row] = {
     "gamma": Row(2.0, check_gamma, base=SIMPO),
     # LoRA's base is frozen: its log-probs computed once are those it gives every step
     "reference": Row("precomputed", check_reference, base=DPO_LORA, maths=False),
+    "generations": Row(3, check_generations, base=GRPO),
+    "max_completion": Row(8, check_max_completion, base=GRPO),
+    "rollout_temperature": Row(0.5, check_sampling("rollout_temperature"), base=GRPO),
+    "rollout_top_p": Row(0.6, check_sampling("rollout_top_p"), base=GRPO),
+    "kl": Row(0.5, check_kl, base=GRPO_LORA),
+    "grpo_loss": Row("grpo", check_grpo_loss, base=GRPO),
+    "scale_rewards": Row(False, check_scale_rewards, base=GRPO),
+    # each completion draws from its own generator: how many are written at once is memory only
+    "generation_batch": Row(1, check_generation_batch, base=GRPO, maths=False),
 }
 
 # Second values of a field, tried the same way (not part of the one-row-per-field count).

@@ -277,7 +277,10 @@ def test_hiding_lora_fields_hides_nothing_else(session_and_panel):
     """Under full finetuning and sft: LoRA's fields and the preference objectives' hidden."""
     _, panel = session_and_panel
     hidden = {name for name, control in panel.controls.items() if control.layout.display == "none"}
-    assert hidden == {"lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "beta", "gamma", "reference"}
+    from nbtune.ui.panel import GRPO_FIELDS
+
+    assert hidden == {"lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "beta", "gamma", "reference",
+                      *GRPO_FIELDS}
 
 
 def test_a_preference_objective_shows_its_own_settings_and_a_pair_batch_trains():
@@ -301,6 +304,32 @@ def test_a_preference_objective_shows_its_own_settings_and_a_pair_batch_trains()
         assert last.preference is not None
         panel._redraw(force=True)
         assert f"margin {last.preference.margin:.3f}" in panel.progress.value
+    finally:
+        assert panel._fitcheck.wait(120)
+
+
+def test_grpo_in_the_panel_shows_its_settings_and_a_step_reports_its_rewards():
+    """Choosing grpo shows its settings (and hides the pairs' beta, gamma and reference); a
+    step from the panel reports the rewards, on the status line and the chart's reward line."""
+    from helpers import small_session
+    from nbtune.ui.panel import GRPO_FIELDS
+
+    session = small_session(objective="simpo", max_completion=16)  # (room for the prompts)
+    session.rewards = small_session(objective="grpo").rewards
+    panel = session.panel()
+    try:
+        assert all(panel.controls[n].layout.display == "none" for n in GRPO_FIELDS)
+        panel.controls["objective"].value = "grpo"
+        assert session.techniques.objective == "grpo"
+        assert all(panel.controls[n].layout.display != "none" for n in GRPO_FIELDS)
+        assert all(panel.controls[n].layout.display == "none" for n in ("beta", "gamma", "reference"))
+        panel.controls["generations"].value = 3
+        assert session.techniques.generations == 3
+        panel.step_button.click()
+        last = session.history[-1]
+        assert last.rollouts is not None and last.shape[0] == 3 * session.techniques.batch_size
+        panel._redraw(force=True)
+        assert f"reward {last.rollouts.reward:.3f}" in panel.progress.value
     finally:
         assert panel._fitcheck.wait(120)
 

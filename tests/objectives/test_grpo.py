@@ -1,0 +1,309 @@
+"""GRPO (``nbtune/objectives/grpo.py``): its loss against TRL's own ``GRPOTrainer._compute_loss``,
+its advantages against TRL's ``nanstd``, the group written with a KV cache against one token
+at a time, prompts from every kind of row, reward functions given TRL's arguments and
+refused by name when they misbehave (then the session gives what a never-failed twin gives),
+a step recomputed here from the model's logits, accumulation, resuming, and the estimate of
+both phases against the measured ones."""
+
+from unittest import mock
+
+import pytest
+import torch
+
+import nbtune as nt
+from nbtune.data import IGNORE, DataError, PromptRow, TrainingData, as_prompt, examples_from
+from nbtune.generate import generate_ids
+from nbtune.models.tiny import byte_tokenizer
+from nbtune.objectives.grpo import (RewardError, advantages, aggregate, as_rewards, generate_group,
+                                    score, token_losses)
+
+from helpers import TEST_STOPS, small_session
+
+trl = pytest.importorskip("trl")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- the loss, against TRL's code --------------------------------------------------------
+
+def _trl_loss(kind, logps, old, ref, adv, mask, beta, epsilon, max_len, accumulation=1):
+    """TRL 1.16's ``GRPOTrainer._compute_loss`` run on a stand-in trainer that hands it these
+    per-token log-probs (its model call is the only part replaced)."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    rows, T = logps.shape
+    fake = mock.MagicMock()
+    fake.loss_type, fake.beta, fake.epsilon_low, fake.epsilon_high = kind, beta, epsilon, epsilon
+    fake.top_entropy_quantile, fake.off_policy_mask_threshold, fake.use_vllm = 1.0, None, False
+    fake.importance_sampling_level = "token"
+    fake.args.use_bias_correction_kl, fake.args.delta, fake.args.steps_per_generation = False, None, accumulation
+    fake._entropy_bonus_enabled, fake.aux_loss_enabled = False, False
+    fake.max_completion_length, fake.current_gradient_accumulation_steps = max_len, accumulation
+    fake.accelerator.num_processes, fake.model.training = 1, True
+    fake.accelerator.gather = fake.accelerator.gather_for_metrics = lambda x: x
+    fake._get_per_token_logps_and_entropies = lambda *a, **k: (logps, torch.zeros(rows, T), None)
+    inputs = {"prompt_ids": torch.zeros(rows, 2, dtype=torch.long), "prompt_mask": torch.ones(rows, 2),
+              "completion_ids": torch.zeros(rows, T, dtype=torch.long), "completion_mask": mask.float(),
+              "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum().float()}
+    if beta:
+        inputs["ref_per_token_logps"] = ref
+    return GRPOTrainer._compute_loss(fake, None, inputs)
+
+
+@pytest.mark.parametrize("kl", [0.0, 0.04])
+@pytest.mark.parametrize("kind", ["dapo", "grpo", "dr_grpo"])
+def test_the_loss_and_its_gradient_are_trls(kind, kl):
+    g = torch.Generator().manual_seed(0)
+    rows, T = 6, 9
+    base = torch.randn(rows, T, generator=g) - 2
+    mask = torch.rand(rows, T, generator=g) > 0.25
+    mask[:, 0] = True
+    old = base + 0.3 * torch.randn(rows, T, generator=g)  # off policy: the clip acts on some tokens
+    ref = base + 0.2 * torch.randn(rows, T, generator=g)
+    adv = torch.randn(rows, generator=g)
+    ours_logps, theirs_logps = base.clone().requires_grad_(), base.clone().requires_grad_()
+    losses, _ = token_losses(ours_logps, old, adv, ref if kl else None, 0.2, kl)
+    ours = aggregate(losses, mask, kind, rows, int(mask.sum()), T)
+    theirs = _trl_loss(kind, theirs_logps, old, ref, adv, mask, kl, 0.2, T)
+    ratio = (base - old).exp()
+    assert ((ratio < 0.8) | (ratio > 1.2))[mask].any()  # the clip was reached
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    ours.backward()
+    theirs.backward()
+    torch.testing.assert_close(ours_logps.grad, theirs_logps.grad, rtol=1e-5, atol=1e-8)
+
+
+def test_advantages_are_trls_group_normalisation():
+    from trl.trainer.utils import nanstd
+
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0, -1.0, 3.0, 0.0, 1.0])
+    grouped = rewards.view(-1, 4)
+    mean = grouped.mean(1).repeat_interleave(4)
+    std = torch.stack([nanstd(row) for row in grouped]).repeat_interleave(4)
+    torch.testing.assert_close(advantages(rewards, 4, True), (rewards - mean) / (std + 1e-4))
+    torch.testing.assert_close(advantages(rewards, 4, False), rewards - mean)
+    assert advantages(rewards, 4, True)[4:8].eq(0).all()  # a group all alike teaches nothing
+
+
+# ---- writing the completions -------------------------------------------------------------
+
+def test_a_group_written_together_equals_each_written_alone():
+    """Greedy, the lockstep batch with its shared prompt cache writes what one-at-a-time
+    generation writes; sampled, how many are written at once changes no completion."""
+    session = small_session()
+    model, prompt = session.model.eval(), [5, 70, 71, 72, 73, 9]
+    stops = frozenset({0})
+    alone = generate_ids(model, prompt, max_new_tokens=12, stop_ids=stops)
+    together = generate_group(model, prompt, [None] * 3, max_new=12, stop_ids=stops, temperature=0.0,
+                              top_p=1.0, at_once=3)
+    assert together == [alone] * 3
+
+    def sampled(at_once):
+        draws = [torch.Generator().manual_seed(i) for i in range(4)]
+        return generate_group(model, prompt, draws, max_new=12, stop_ids=frozenset(TEST_STOPS),
+                              temperature=1.0, top_p=0.9, at_once=at_once)
+
+    first = sampled(4)
+    assert first == sampled(1) == sampled(3)
+    assert len({tuple(c) for c in first}) > 1  # sampled: the completions differ
+    for completion in first:  # a stop token ends a completion and is kept (its probability trained)
+        assert len(completion) == 12 or (completion[-1] in TEST_STOPS
+                                          and not set(completion[:-1]) & TEST_STOPS)
+
+
+# ---- prompts and rewards -----------------------------------------------------------------
+
+def test_every_kind_of_row_gives_grpo_a_prompt_and_its_fields():
+    rows = examples_from([{"prompt": "2+2?", "answer": "4", "level": 1},
+                          {"prompt": [{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "3+3?"}], "answer": "6"}])
+    assert all(isinstance(r, PromptRow) for r in rows)
+    assert rows[0].prompt == "2+2?" and dict(rows[0].fields) == {"answer": "4", "level": 1}
+    assert rows[1].conversational and rows[1].prompt[1]["content"] == "3+3?"
+    instruction, = examples_from([{"instruction": "Add", "input": "2 and 2", "output": "4"}])
+    assert dict(as_prompt(instruction).fields) == {"instruction": "Add", "input": "2 and 2", "output": "4"}
+    pair, = examples_from([{"prompt": "Hi", "chosen": "Hello", "rejected": "Go away"}])
+    assert as_prompt(pair).prompt == "Hi"
+    assert dict(as_prompt(pair).fields) == {"chosen": "Hello", "rejected": "Go away"}
+    with pytest.raises(DataError, match="mixes prompts"):
+        examples_from([{"prompt": "a"}, {"instruction": "a", "output": "b"}])
+    with pytest.raises(DataError, match="must end with a user message"):
+        examples_from([{"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}])
+    data = TrainingData([{"prompt": "2+2?"}], byte_tokenizer())
+    assert "only objective='grpo' trains on" in " ".join(data.problems(nt.Techniques(objective="sft")))
+    assert data.problems(nt.Techniques(objective="grpo", seq_len=128)) == []
+
+
+def test_rewards_get_trls_arguments_and_are_summed_with_their_weights():
+    seen = {}
+
+    def record(prompts, completions, **columns):
+        seen.update(prompts=prompts, completions=completions, **columns)
+        return [len(c) if isinstance(c, str) else len(c[0]["content"]) for c in completions]
+
+    rows = examples_from([{"prompt": "2+2?", "answer": "4"},
+                          {"prompt": [{"role": "user", "content": "3+3?"}], "answer": "6", "hard": True}])
+    group = [rows[0], rows[0], rows[1], rows[1]]
+    values = score(as_rewards([record, (lambda prompts, completions, **_: [1.0] * 4, -2.0)]),
+                   group, ["4", "five", "6", "six!"], group=2)
+    assert values.tolist() == [[1, 1], [4, 1], [1, 1], [4, 1]]
+    assert seen["prompts"][0] == "2+2?" and seen["prompts"][2] == [{"role": "user", "content": "3+3?"}]
+    assert seen["completions"][:2] == ["4", "five"]  # text prompt: text; chat prompt: one message
+    assert seen["completions"][3] == [{"role": "assistant", "content": "six!"}]
+    assert seen["answer"] == ["4", "4", "6", "6"] and seen["hard"] == [None, None, True, True]
+
+
+@pytest.mark.parametrize("reward, message", [
+    (lambda prompts, completions, **_: 1 / 0, "'bad' raised ZeroDivisionError"),
+    (lambda prompts, completions, **_: [float("nan")] * len(completions), "gave nan for completion 1"),
+    (lambda prompts, completions, **_: [None] * len(completions), "gave None"),
+    (lambda prompts, completions, **_: ["1"] * len(completions), "gave '1'"),
+    (lambda prompts, completions, **_: [1.0], "one number per completion"),
+    (lambda prompts, completions, **_: "good", "one number per completion"),
+])
+def test_a_misbehaving_reward_is_named_and_the_session_goes_on_as_its_twin(reward, message):
+    reward.__name__ = "bad"
+    twin, session = small_session(objective="grpo"), small_session(objective="grpo")
+    for s in (twin, session):
+        s.step()
+    good = session.rewards
+    session.rewards = [*good, reward]
+    with pytest.raises(RewardError, match=message) as err:
+        session.step()
+    assert "Nothing" in str(err.value) and ("row" in str(err.value) or "prompt" in str(err.value))
+    assert len(session.history) == 1
+    session.rewards = good
+    for _ in range(2):
+        ours, theirs = session.step(), twin.step()
+        assert (ours.loss, ours.rollouts) == (theirs.loss, theirs.rollouts)
+    for (name, a), (_, b) in zip(session.model.state_dict().items(), twin.model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_bad_reward_settings_and_missing_rewards_are_refused_by_name():
+    with pytest.raises(TypeError, match="is not a function"):
+        as_rewards(["len"])
+    with pytest.raises(TypeError, match="weight of 'len' is nan"):
+        as_rewards([(len, float("nan"))])
+    session = small_session(objective="grpo")
+    session.data.rewards = ()
+    with pytest.raises(ValueError, match=r"session.rewards = \[my_reward"):
+        session.step()
+    assert session.history == []
+    with pytest.raises(ValueError, match="set kl=0"):
+        session.set(kl=0.1)  # full finetuning has no adapters to switch off
+    with pytest.raises(ValueError, match="generations must be 2 or more"):
+        session.set(generations=1)
+
+
+# ---- the step ------------------------------------------------------------------------------
+
+def _captured(session, monkeypatch):
+    """The rollouts the next step makes (its update's batches and the rewards)."""
+    import nbtune.objectives.grpo as grpo
+
+    made, original = [], grpo.rollout
+
+    def keeping(*args, **kwargs):
+        made.append(original(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(grpo, "rollout", keeping)
+    return made
+
+
+@pytest.mark.parametrize("kind", ["dapo", "grpo", "dr_grpo"])
+def test_a_step_is_the_loss_computed_here_from_the_models_logits(kind, monkeypatch):
+    """The reported loss and the SGD update equal the GRPO loss computed in this test from
+    log_softmax of the model's logits over the temperature, the rewards' weighted sum and
+    the group statistics (on policy: the ratio is 1, its gradient the log-prob's)."""
+    session = small_session(objective="grpo", optimizer="sgd", lr=0.5, grpo_loss=kind, rollout_temperature=0.7)
+    made = _captured(session, monkeypatch)
+    before = {n: p.detach().clone() for n, p in session.model.named_parameters()}
+    report = session.step()
+    batch, = [r.batch for r in made]
+    rewards = made[0].rewards @ torch.tensor([1.0, 1.0, 0.5])
+    grouped = rewards.view(-1, 4)
+    adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
+    torch.testing.assert_close(batch["advantages"], adv)
+    model = session.model
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():  # back to the weights the step started from
+        p.data.copy_(before[n])
+    model.zero_grad()
+    labels = batch["labels"]
+    mask = labels != IGNORE
+    logps = torch.log_softmax(model(batch["input_ids"]).float() / 0.7, -1).gather(
+        -1, labels.clamp(min=0)[..., None])[..., 0]
+    per_token = -(adv[:, None] * torch.exp(logps - logps.detach())) * mask
+    loss = {"dapo": per_token.sum() / mask.sum(), "grpo": (per_token.sum(1) / mask.sum(1)).mean(),
+            "dr_grpo": per_token.sum() / (len(mask) * 16)}[kind]
+    assert report.loss == pytest.approx(float(loss), abs=1e-6)
+    loss.backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(after[n], before[n] - 0.5 * p.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("kind", ["dapo", "grpo", "dr_grpo"])
+def test_two_accumulated_micro_batches_equal_one_batch_of_their_prompts(kind):
+    """The same prompts write the same completions however they are batched (each
+    completion's sampling is seeded by its place in the step), and the loss is over the step."""
+    one = small_session(objective="grpo", grpo_loss=kind, optimizer="sgd", lr=0.5)
+    two = small_session(objective="grpo", grpo_loss=kind, optimizer="sgd", lr=0.5, batch_size=1, grad_accum=2)
+    for _ in range(2):
+        a, b = one.step(), two.step()
+        assert a.rollouts == b.rollouts
+        assert a.loss == pytest.approx(b.loss, abs=1e-6)
+    for (n, p), q in zip(one.model.named_parameters(), two.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_the_kl_term_runs_the_base_with_the_adapters_off_and_reports_its_mean():
+    session = small_session(objective="grpo", method="lora", kl=0.5, lr=5e-2)
+    first = session.step()
+    assert first.mean_kl == pytest.approx(0.0, abs=1e-7)  # the adapters start at zero: policy = base
+    later = [session.step() for _ in range(3)]
+    assert later[-1].mean_kl > 1e-5  # trained adapters: the policy left the base
+    none = small_session(objective="grpo", method="lora", lr=5e-2)
+    assert none.step().mean_kl is None
+
+
+def test_a_grpo_run_resumed_from_a_checkpoint_equals_one_never_stopped(tmp_path):
+    twin, session = small_session(objective="grpo"), small_session(objective="grpo")
+    for s in (twin, session, twin, session):
+        s.step()
+    session.save_checkpoint(tmp_path / "ckpt")
+    resumed = small_session(objective="grpo")
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert [r.rollouts for r in resumed.history] == [r.rollouts for r in twin.history]
+    for _ in range(2):
+        ours, theirs = resumed.step(), twin.step()
+        assert (ours.loss, ours.rollouts) == (theirs.loss, theirs.rollouts)
+
+
+# ---- memory ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("changes", [
+    {}, {"generation_batch": 1}, {"method": "lora", "kl": 0.04}, {"chunked_loss": 4},
+    {"activation_checkpointing": True, "generations": 6}, {"dtype": "bf16", "method": "qlora"},
+])
+def test_the_estimate_of_both_phases_equals_the_measured_ones(changes):
+    """Completions written to max_completion (no stop token): the rows are full length, as
+    the estimate takes them; the writing's peak and the update's are each predicted."""
+    session = small_session(objective="grpo", **changes)
+    session.data.tokenizer.stop_ids = frozenset()
+    session.step()
+    report = session.step()
+    predicted = nt.estimate(session.model.config, session.techniques, seq_len=report.shape[1], device="cpu")
+    measured = report.memory
+    assert measured.generation_peak > 0
+    assert predicted.peak == pytest.approx(measured.peak, rel=0.02)
+    assert predicted.generation_peak == pytest.approx(measured.generation_peak, rel=0.02)
+    assert predicted.highest_phase == measured.highest_phase == "update"
+
+
+def test_writing_fewer_completions_at_once_holds_less_and_writes_the_same():
+    whole, apart = (small_session(objective="grpo", generation_batch=n) for n in (0, 1))
+    a, b = whole.step(), apart.step()
+    assert a.rollouts == b.rollouts and a.loss == b.loss
+    assert b.memory.generation_peak < a.memory.generation_peak

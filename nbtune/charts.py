@@ -32,7 +32,7 @@ RESIDENT_COLOR = "#17BECF"  # the process's peak resident memory (a CPU's every-
 LOSS_COLOR = "#999999"
 EVAL_COLOR = "#E377C2"  # held-out loss and the evaluation's memory
 MARGIN_COLOR = "#8C564B"  # a preference objective's reward margin (chosen minus rejected)
-GENERATION_COLOR = "#17BECF"  # GRPO: its mean reward and the writing of its completions
+GENERATION_COLOR = "#BCBD22"  # GRPO: its mean reward and the writing of its completions
 _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 

@@ -235,6 +235,16 @@ def prime_units(model: nn.Module) -> None:
             module.reshard()
 
 
+def objective_problems(techniques) -> list[str]:
+    """What an objective cannot do on several processes yet (checked when a run starts there
+    and on every change)."""
+    if techniques.objective == "grpo":
+        return ["objective='grpo' does not yet run on several processes (every rank would have "
+                "to run the same generation forwards as the others): train GRPO in one process; "
+                "the estimate and fit answer for one card."]
+    return []
+
+
 def check_sharding(sharding: Sharding, model: nn.Module, techniques, device: str,
                    world: int = 2) -> list[str]:
     """Every reason ``sharding`` cannot run here over ``world`` ranks, each naming the fix
@@ -256,10 +266,7 @@ def check_sharding(sharding: Sharding, model: nn.Module, techniques, device: str
         problems.append("shard_embeddings needs separate embedding and output weights, but this "
                         "model ties them (tie_word_embeddings): they are one tensor, sharded with the "
                         "root. Set distributed.shard_embeddings: false.")
-    if techniques.objective == "grpo":
-        problems.append("objective='grpo' does not yet run on several processes (every rank would "
-                        "have to run the same generation forwards as the others): train GRPO in one "
-                        "process; the estimate and fit answer for one card.")
+    problems += objective_problems(techniques)
     if sharding.mixed_precision not in (None, "bf16"):
         problems.append(f"distributed.mixed_precision={sharding.mixed_precision!r} is not null or 'bf16'.")
     return problems

@@ -111,6 +111,11 @@ def explain(err: BaseException, phase: str | None, step: int, held: dict, config
     else:
         lines.append("No single toggle change is predicted to lower the peak: shorten seq_len or "
                      "lower batch_size.")
+    if phase == "generation":  # GRPO's writing: its KV cache, which the toggles above do not touch
+        at_once = min(t.generation_batch or t.generations, t.generations)
+        lines.append(f"The completions were being written, {at_once} at a time, each with a KV cache of "
+                     f"up to {t.seq_len} tokens: a lower generation_batch (1 writes one at a time) or "
+                     "max_completion shrinks it.")
     if err.args:
         lines.append(f"(torch: {str(err.args[0]).splitlines()[0][:200]})")
     return OutOfMemory("\n".join(lines), phase, held, predicted, suggestions)

@@ -69,13 +69,15 @@ def reference_problems(new: Techniques, previous: Techniques, model: nn.Module) 
     with adapters already trained (sft steps, a loaded adapter), switching their update off
     would compare against the base instead, so that choice is refused, naming the one that
     keeps it (computed once from the model as it is)."""
-    if (new.reference_kind != "adapters_off" or previous.reference_kind == "adapters_off"
-            or not has_lora(model) or adapters_untrained(model)):
+    # (already against the base under the same kind of objective: dpo and ipo, or grpo's kl)
+    same = previous.reference_kind == "adapters_off" and previous.paired == new.paired
+    if new.reference_kind != "adapters_off" or same or not has_lora(model) or adapters_untrained(model):
         return []
     if new.objective == "grpo":  # its completions are new each step: nothing can be precomputed
         return ["kl > 0 measures GRPO's distance to the base (the adapters switched off), but the "
-                "adapters are already trained, so the base is not the model GRPO started from: set "
-                "kl before the first GRPO step (on fresh adapters), or keep kl=0."]
+                "adapters are already trained (by earlier steps or a loaded adapter), so the base is "
+                "not the model GRPO starts from: keep kl=0, or start GRPO with kl > 0 on fresh "
+                "adapters."]
     return [f"objective={new.objective!r} would compare with the base (the adapters switched off), "
             "but the adapters are already trained, so that is not the model this objective starts "
             "from: set reference='precomputed' (every pair scored once by the model as it is now)."]

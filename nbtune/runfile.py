@@ -42,6 +42,11 @@ class RunFileError(ValueError):
     """A run file that cannot be used: each problem names its line and field."""
 
 
+GRPO_NOT_IN_RUN_FILES = ("techniques.objective: grpo scores its completions with reward functions, "
+                         "which are Python a run file cannot name yet: train GRPO from a notebook or "
+                         "a script (session.rewards = [...], then session.run(n)).")
+
+
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader with YAML 1.2's booleans (true and false only): under YAML 1.1's,
     ``yes``, ``no``, ``on`` and ``off`` are booleans too, so ``memory_tracking: off`` read
@@ -130,6 +135,8 @@ class RunConfig(_Strict):
         return value  # not a path here: a Hub repo id
 
     def to_techniques(self) -> Techniques:
+        if self.techniques.objective == "grpo":
+            raise RunFileError(GRPO_NOT_IN_RUN_FILES)
         return Techniques(**self.techniques.model_dump())
 
     def to_sharding(self):
@@ -328,11 +335,13 @@ def written_by_nbtune(path: Path) -> bool:
 
 def write_rows(examples, path: Path) -> None:
     """Rows as JSONL in the format they were read from (instruction rows stay instruction rows)."""
-    from .data import Pair
+    from .data import Pair, PromptRow
 
     lines = []
     for example in examples:
-        if isinstance(example, Pair):  # TRL's form: a text prompt stays text, else messages
+        if isinstance(example, PromptRow):  # TRL's form: the prompt as given, its other fields
+            row = {"prompt": example.prompt, **dict(example.fields)}
+        elif isinstance(example, Pair):  # TRL's form: a text prompt stays text, else messages
             chosen, rejected = example.chosen, example.rejected
             prompt = (chosen.instruction[0] if chosen.instruction is not None else
                       [{"role": r, "content": c} for r, c in chosen.messages[:-1]])
@@ -361,6 +370,8 @@ def save_config(session, path: str | Path, **changes) -> Path:
     out, checkpoint_every, save, evaluate; None keeps the session's) applied."""
     path = Path(path)
     folder = path.parent
+    if session.techniques.objective == "grpo":
+        raise RunFileError(GRPO_NOT_IN_RUN_FILES)
     if session.source is None and session.demo_name is None:
         raise RunFileError(
             "This session's model was built in code, not loaded, so a run file cannot name it: "

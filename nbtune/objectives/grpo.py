@@ -63,7 +63,8 @@ def as_rewards(value) -> tuple[Reward, ...]:
     """Reward functions as a user gives them: one function, a list of functions, or
     ``(function, weight)`` pairs (or ``Reward``s) among them; anything else refused naming
     what to pass."""
-    items = [value] if callable(value) else value
+    single = isinstance(value, tuple) and len(value) == 2 and callable(value[0]) and not callable(value[1])
+    items = [value] if callable(value) or single else value
     if not isinstance(items, (list, tuple)) or not items:
         raise TypeError(f"rewards={value!r:.60}: give a function, or a list of functions (each "
                         "def reward(prompts, completions, **columns) -> a number per completion), "
@@ -110,7 +111,8 @@ def score(rewards: tuple[Reward, ...], rows: list[PromptRow], completions: list[
                               f"{batch}; it must return one number per completion ({len(rows)} here, "
                               "a list). Nothing was trained.")
         for i, v in enumerate(values):
-            number = isinstance(v, numbers.Real) and math.isfinite(float(v))
+            number = (isinstance(v, numbers.Real) or str(getattr(v, "dtype", "")) == "bool") \
+                and math.isfinite(float(v))
             if not number:
                 raise RewardError(f"The reward function {reward.name!r} gave {v!r:.60} for completion "
                                   f"{i % group + 1} of {rows[i].where or f'prompt {i // group + 1}'}: each "
@@ -132,13 +134,14 @@ def advantages(total: torch.Tensor, group: int, scale: bool) -> torch.Tensor:
 
 @torch.no_grad()
 def generate_group(model: nn.Module, prompt: list[int], generators: list[torch.Generator], *,
-                   max_new: int, stop_ids, temperature: float, top_p: float, at_once: int,
-                   more: Callable[[bool], bool] = lambda going: going) -> list[list[int]]:
+                   max_new: int, stop_ids, temperature: float, top_p: float,
+                   at_once: int) -> list[list[int]]:
     """A completion of ``prompt`` for each of ``generators`` (each draws its completion's
-    samples: how many are written at once changes no completion), ``at_once`` at a time in
+    samples, so how many are written at once changes no completion on a CPU; on a GPU, matrix
+    products of another batch size may differ in the last bits), ``at_once`` at a time in
     lockstep: the prompt read once and its KV cache shared, then one forward of the batch per
-    token. A completion keeps the stop token that ends it. ``more(going)`` says whether to go
-    on (on several ranks every rank must run the same forwards: it asks them all)."""
+    token until every completion has ended. A completion keeps the stop token that ends it.
+    Each token's logits are dropped once sampled, before the next forward."""
     device = next(model.parameters()).device
     out: list[list[int]] = []
     for start in range(0, len(generators), at_once):
@@ -151,17 +154,18 @@ def generate_group(model: nn.Module, prompt: list[int], generators: list[torch.G
         cache.expand(n)
         seqs: list[list[int]] = [[] for _ in range(n)]
         done = [False] * n
-        for _ in range(max_new):
+        for written in range(1, max_new + 1):
             tokens = sample_rows(logits, temperature, top_p, draws)
+            del logits
             for i, token in enumerate(tokens.tolist()):
                 if not done[i]:
                     seqs[i].append(token)
                     done[i] = token in stop_ids
-            if len(seqs[0]) >= max_new or not more(not all(done)):
+            if written == max_new or all(done):
                 break
             logits = model(tokens[:, None].to(device), cache=cache)[:, -1]
         out += seqs
-        del logits, tokens, cache  # before the next sequences' prompt is read
+        del tokens, cache  # before the next sequences' prompt is read
     return out
 
 
@@ -184,7 +188,7 @@ class Rollout:
 
 def rollout(model: nn.Module, prompts: dict[str, torch.Tensor], rows: list[PromptRow], decode,
             rewards: tuple[Reward, ...], options, *, stop_ids, pad_id: int,
-            generators: list[list[torch.Generator]], more=lambda going: going) -> Rollout:
+            generators: list[list[torch.Generator]]) -> Rollout:
     """Write ``options.generations`` completions of each prompt of a collated prompt batch
     (``collate_prompts``; ``rows`` its rows; ``generators`` one per completion, a list per
     prompt), score them and make the update's batch."""
@@ -198,7 +202,7 @@ def rollout(model: nn.Module, prompts: dict[str, torch.Tensor], rows: list[Promp
             written.append((ids[:length], generate_group(
                 model, ids[:length], draws, max_new=options.max_completion, stop_ids=stop_ids,
                 temperature=options.rollout_temperature, top_p=options.rollout_top_p,
-                at_once=min(options.generation_batch or group, group), more=more)))
+                at_once=min(options.generation_batch or group, group))))
     finally:
         model.train(was_training)
     samples, texts, completion_rows, ended, lengths = [], [], [], [], []
@@ -307,6 +311,8 @@ class RolloutMetrics:
         total = values @ torch.tensor([r.weight for r in rewards])
         lengths = torch.cat([r.lengths for r in rollouts]).float()
         ended = torch.cat([r.ended for r in rollouts])
+        seen = [sum(q.name == r.name for q in rewards[:j]) for j, r in enumerate(rewards)]
+        names = [r.name if not n else f"{r.name}_{n + 1}" for r, n in zip(rewards, seen)]  # two lambdas apart
         return cls(reward=total.mean().item(), reward_std=total.view(-1, group).std(1).mean().item(),
-                   rewards={r.name: values[:, j].mean().item() for j, r in enumerate(rewards)},
+                   rewards={name: values[:, j].mean().item() for j, name in enumerate(names)},
                    completion_length=lengths.mean().item(), clipped=(~ended).float().mean().item())

@@ -188,16 +188,16 @@ def _fake_generation(built: CausalLM, t: Techniques, seq_len: int, target: str, 
     """GRPO's writing at its fullest, as ``objectives.grpo.generate_group`` runs it: the
     longest prompt room allows read once (``last=False``), or the last token's forward
     (``last=True``), its KV cache of ``generation_batch`` sequences holding every token but
-    that one, beside the previous token's logits (the tokens between only grow the cache).
-    Each moment is made here whole, so that each is tracked alone: which of them holds more
-    changes with the depth, and each is affine in it. The sampling runs on the host: on
-    CUDA only its float copy of the logits is the device's."""
+    that one (the tokens between only grow the cache). Each moment is made here whole, so
+    that each is tracked alone: which of them holds more changes with the depth, and each is
+    affine in it. The sampling runs on the host, a row at a time: on CUDA only each row's
+    float copy of the logits is the device's."""
     prompt = seq_len + 1 - t.max_completion
     rows = min(t.generation_batch or t.generations, t.generations)
 
     def sample(logits):
         return (sample_rows(logits, t.rollout_temperature, t.rollout_top_p, [None] * rows) if target == "cpu"
-                else logits.float()[:, 0])
+                else logits[:1].float()[:, 0])
 
     cache = built.new_cache()
     if not last:
@@ -215,10 +215,9 @@ def _fake_generation(built: CausalLM, t: Techniques, seq_len: int, target: str, 
         cache.keys[i] = torch.zeros(*shape[:2], kept, shape[3], dtype=dtype)
         cache.values[i] = torch.zeros(*shape[:2], kept, shape[3], dtype=dtype)
     cache.length = grown
-    previous = built.lm_head(torch.zeros(rows, built.config.hidden_size, dtype=dtype))
-    tokens = sample(previous)
+    tokens = sample(built.lm_head(torch.zeros(rows, built.config.hidden_size, dtype=dtype)))
     logits = built.lm_head(built.hidden_states(torch.zeros(rows, 1, dtype=torch.long), cache=cache)[:, -1])
-    del previous, tokens
+    del tokens
     sample(logits)
 
 
@@ -274,6 +273,10 @@ def estimate(model, techniques: Techniques | None = None, *, batch_size: int | N
         if shape[0] % spread.world:
             problems.append(f"batch_size={shape[0]} does not split over {spread.world} ranks: "
                             "batch_size is the global batch, so make it a multiple of ranks.")
+    if t.objective == "grpo" and shape[1] <= t.max_completion:
+        problems.append(f"seq_len={shape[1]} leaves no room for a prompt beside max_completion="
+                        f"{t.max_completion} (each row is a prompt and its completion): estimate a "
+                        "longer seq_len or a lower max_completion.")
     if problems:  # (an explicit seq_len may go beyond the context: the estimate says what it costs)
         raise ValueError(" ".join(problems))
     period = layer_period(config, t, spread is not None) if extrapolate else None
@@ -628,13 +631,15 @@ def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int
                 evaluate_sum(built, batches[:1], evaluation, options)
             eval_peak = evaluation.result().peak
         generation_peaks = (0, 0)
-        if t.objective == "grpo" and t.max_completion > 1:  # written before the update, no gradients
+        if t.objective == "grpo":  # written before the update, no gradients
             built.eval()
-            moments = [CpuStepMemory(built, optimizer) for _ in range(2)]
-            for moment, last in zip(moments, (False, True)):
+            lasts = (False, True) if t.max_completion > 1 else (False,)  # (one token: no forward after)
+            moments = [CpuStepMemory(built, optimizer) for _ in lasts]
+            for moment, last in zip(moments, lasts):
                 with moment, torch.no_grad():
                     _fake_generation(built, t, shape[1], target, last)
-            generation_peaks = tuple(moment.result().peak for moment in moments)
+            generation_peaks = (*(moment.result().peak for moment in moments), 0)[:2]
+            built.train()
     return _FakeStep(dict(memory.segments), optimizer_state_bytes(optimizer),
                      parameter_bytes(built), optimizer_state_bytes(optimizer, torch.device("meta")),
                      eval_peak, memory.recorded, generation_peaks)

@@ -154,7 +154,7 @@ class Run:
         """``Session.evaluate``: the share of greedy replies that match the references; for
         preference pairs, the share of pairs whose chosen completion the model ranks above the
         rejected one (by the objective's reward; under ``sft``, the average log-probability)."""
-        from ..data import Pair
+        from ..data import Pair, PromptRow
         from ..scoring import resolve_match
 
         matches = resolve_match(self.match if match is None else match)
@@ -164,6 +164,10 @@ class Run:
                             "session, or give examples.")
         if isinstance(examples[0], Pair):
             return self._ranked_right(examples)
+        if isinstance(examples[0], PromptRow):
+            raise DataError("These held-out rows are prompts alone, with no answer to compare a reply "
+                            "with: evaluate on rows with answers (instruction, chat or pairs); GRPO's "
+                            "rewards of each step are in session.history[-1].rollouts.")
         hits = 0
         for ex in examples:
             prompt, reference = prompt_and_reference(ex, self.tokenizer)
@@ -186,7 +190,7 @@ class Run:
                                       t.seq_len, "the pairs to evaluate")
         batches = [collate_pairs(tokenized[i:i + t.batch_size], self.tokenizer.pad_id)
                    for i in range(0, len(tokenized), t.batch_size)]
-        options = StepOptions.of(t, objective="simpo" if t.objective == "sft" else t.objective)
+        options = StepOptions.of(t, objective=t.objective if t.paired else "simpo")  # (sft, grpo: avg log-prob)
         return held_out_loss(self.trainer.model, batches, options, device=self.trainer.device,
                              track=False).preference.accuracy
 

@@ -43,7 +43,18 @@ class _RanksData:
 
     @staticmethod
     def problems(techniques) -> list[str]:
-        return []
+        from ..distributed import objective_problems
+
+        return objective_problems(techniques)
+
+    @property
+    def rewards(self) -> tuple:
+        return ()
+
+    @rewards.setter
+    def rewards(self, value) -> None:
+        raise ValueError("session.rewards: the data lives on the ranks, and objective='grpo' does not "
+                         "yet run on several processes: train GRPO in one process.")
 
 
 class RanksTrainer:

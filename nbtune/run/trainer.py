@@ -113,6 +113,7 @@ class Trainer:
         self.notes: list[str] = []  # for the user, until taken
         self._eval_peak: int | None = None  # the last measured evaluation's peak
         self._generation_peak = 0  # GRPO's: the last measured writing of the completions
+        self._generation_measured: tuple | None = None  # ... under these techniques, optimizer
         # a preference objective's precomputed reference: ((seq_len, pairs, rows), [pairs, 2])
         self._reference: tuple | None = None
         self.stream = self._new_stream(techniques, with_reference=False)  # the model comes next
@@ -303,6 +304,8 @@ class Trainer:
             try:  # memory is back: now the estimator can say what would fit
                 if shape is not None and t.paired:  # rows are pairs: batch_size of them
                     shape = (shape[0] // 2, shape[1])
+                elif shape is not None and t.objective == "grpo":  # prompts, and room for their completions
+                    shape = (shape[0] // t.generations, t.seq_len)
                 explained = explain(err, phase[0], number, held, self.model.config, t,
                                     self.device, shape, self.parallel, damaged=damaged)
             except Exception:  # noqa: BLE001 - never hide the out-of-memory error itself
@@ -334,7 +337,10 @@ class Trainer:
         the update's micro-batches; and (seconds taken, ``RolloutMetrics``). Each prompt's
         completion draws from ``seed``, the step, its prompt's place in the step's batch and
         its own place in the group, so a resumed or retried step writes what the run that
-        never stopped wrote, however the batch is accumulated or the group written. ``track``: the writing's peak is measured (``generation_peak``)."""
+        never stopped wrote, however the batch is accumulated or the group written.
+        ``track``: the writing's peak is measured (``generation_peak``), once a configuration
+        (and its optimizer's state): watching every operator of a token-by-token loop costs
+        ten times the writing itself."""
         from ..memory import track_step
         from ..objectives.grpo import RolloutMetrics, completion_seed, rollout
 
@@ -344,6 +350,8 @@ class Trainer:
                              "session.rewards = [my_reward, ...] (each def my_reward(prompts, "
                              "completions, **columns) -> a number per completion).")
         started, tokenizer, out, peak = time.perf_counter(), self.data.tokenizer, [], 0
+        key = (t, self._new_optimizer)  # (before the first update the optimizer holds no state)
+        track = track and self._generation_measured != key
         for prompts in batches:
             first = len(out) * len(prompts["rows"])  # the prompts' place in the step's batch
             generators = [[torch.Generator().manual_seed(completion_seed(t.seed, number, first + k, j))
@@ -356,7 +364,7 @@ class Trainer:
             if track:
                 peak = max(peak, tracker.result().peak)
         if track:
-            self._generation_peak = peak
+            self._generation_peak, self._generation_measured = peak, key
         metrics = RolloutMetrics.of(out, rewards, t.generations)
         return [r.batch for r in out], (time.perf_counter() - started, metrics)
 
@@ -544,6 +552,10 @@ class Trainer:
         """Build what ``new`` needs beside what exists; on failure, undo and re-raise."""
         problems = [] if checked else check(new, self.model, self.device.type) + self.data.problems(new)
         problems += reference_problems(new, self.techniques, self.model)  # as the model is now
+        if self.parallel is not None:
+            from ..distributed import objective_problems
+
+            problems += objective_problems(new)
         if problems:
             raise ValueError(" ".join(problems))
         changed = new.changed(self.techniques)

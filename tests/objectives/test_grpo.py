@@ -106,6 +106,7 @@ def test_a_group_written_together_equals_each_written_alone():
     first = sampled(4)
     assert first == sampled(1) == sampled(3)
     assert len({tuple(c) for c in first}) > 1  # sampled: the completions differ
+    assert any(len(c) < 12 for c in first)  # (some end early, at a stop token)
     for completion in first:  # a stop token ends a completion and is kept (its probability trained)
         assert len(completion) == 12 or (completion[-1] in TEST_STOPS
                                           and not set(completion[:-1]) & TEST_STOPS)
@@ -132,6 +133,23 @@ def test_every_kind_of_row_gives_grpo_a_prompt_and_its_fields():
     data = TrainingData([{"prompt": "2+2?"}], byte_tokenizer())
     assert "only objective='grpo' trains on" in " ".join(data.problems(nt.Techniques(objective="sft")))
     assert data.problems(nt.Techniques(objective="grpo", seq_len=128)) == []
+
+
+def test_a_prompt_that_leaves_no_room_for_max_completion_is_skipped_and_said():
+    """seq_len holds the prompt and its completion: a prompt of more than seq_len + 1 -
+    max_completion tokens (its row reads all but the completion's last token) is skipped."""
+    from nbtune.data import prompt_and_reference, prompt_ids
+
+    tok = byte_tokenizer()
+    rows = examples_from([{"prompt": "x" * 10}, {"prompt": "y" * 11}])
+    short, longer = (len(prompt_ids(tok, prompt_and_reference(as_prompt(r).example, tok)[0])) for r in rows)
+    assert longer == short + 1
+    t = nt.Techniques(objective="grpo", seq_len=short + 15, max_completion=16)  # room: short tokens
+    stream, notes = TrainingData(rows, tok).stream(t)
+    assert [len(s.input_ids) for s in stream.samples] == [short]
+    assert "1 of 2 prompts leave less than max_completion=16" in notes[0]
+    with pytest.raises(DataError, match=f"leaves room for {short - 1} prompt tokens"):
+        TrainingData(rows, tok).stream(t.replace(seq_len=short + 14))
 
 
 def test_rewards_get_trls_arguments_and_are_summed_with_their_weights():
@@ -297,8 +315,8 @@ def test_the_estimate_of_both_phases_equals_the_measured_ones(changes):
     predicted = nt.estimate(session.model.config, session.techniques, seq_len=report.shape[1], device="cpu")
     measured = report.memory
     assert measured.generation_peak > 0
-    assert predicted.peak == pytest.approx(measured.peak, rel=0.02)
-    assert predicted.generation_peak == pytest.approx(measured.generation_peak, rel=0.02)
+    assert predicted.peak == pytest.approx(measured.peak, rel=1e-3)  # (exact to 3e-5 when written)
+    assert predicted.generation_peak == pytest.approx(measured.generation_peak, rel=1e-3)
     assert predicted.highest_phase == measured.highest_phase == "update"
 
 
@@ -307,3 +325,87 @@ def test_writing_fewer_completions_at_once_holds_less_and_writes_the_same():
     a, b = whole.step(), apart.step()
     assert a.rollouts == b.rollouts and a.loss == b.loss
     assert b.memory.generation_peak < a.memory.generation_peak
+
+
+@pytest.mark.parametrize("where", ["generation", "update"])
+def test_out_of_memory_names_the_phase_and_asks_advice_for_batch_size_prompts(where, monkeypatch):
+    """Out of memory while writing the completions or while training on them: the error
+    names the phase, the advice is asked for batch_size prompts (not their completions'
+    rows), and the session goes on as its never-failed twin."""
+    import nbtune.objectives.grpo as grpo
+    import nbtune.oom
+
+    asked = []
+    monkeypatch.setattr(nbtune.oom, "suggest",
+                        lambda config, t, device, shape, *a, **k: asked.append(shape) or (None, []))
+    twin, session = small_session(objective="grpo"), small_session(objective="grpo")
+    target = (grpo, "generate_group") if where == "generation" else (session.model, "hidden_states")
+    original = getattr(*target)
+
+    def full(*args, **kwargs):
+        if where == "update" and torch.is_grad_enabled() or where == "generation":
+            monkeypatch.setattr(*target, original)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(*target, full)
+    with pytest.raises(nt.OutOfMemory, match=f"in the {'generation' if where == 'generation' else 'forward'} phase") as err:
+        session.step()
+    assert ("a lower generation_batch" in str(err.value)) == (where == "generation")
+    assert asked == [None] if where == "generation" else asked[0][0] == session.techniques.batch_size
+    assert session.history == []
+    ours, theirs = session.step(), twin.step()
+    assert (ours.loss, ours.rollouts) == (theirs.loss, theirs.rollouts)
+
+
+def test_what_grpo_does_not_do_yet_is_refused_by_name(tmp_path):
+    """Several processes, run files, held-out prompts: each refused naming why; and a reward
+    given as one bare (function, weight) pair, or under a name already taken, is kept apart."""
+    from nbtune.distributed import Sharding, check_sharding
+    from nbtune.run.ranked import _RanksData
+    from nbtune.runfile import RunFileError, write_rows
+
+    t = nt.Techniques(objective="grpo")
+    assert "does not yet run on several processes" in " ".join(_RanksData.problems(t))
+    with pytest.raises(ValueError, match="train GRPO in one process"):
+        _RanksData().rewards = [len]
+    session = small_session(objective="grpo")
+    assert any("several processes" in p for p in check_sharding(Sharding(), session.model, t, "cpu", 2))
+    with pytest.raises(RunFileError, match="reward functions"):
+        session.save_config(tmp_path / "run.yaml", steps=2)
+    assert not (tmp_path / "run.yaml").exists()
+    rows = examples_from([{"prompt": "2+2?", "answer": 4}, {"prompt": [{"role": "user", "content": "hi"}]}])
+    write_rows(rows, tmp_path / "rows.jsonl")
+    assert examples_from(str(tmp_path / "rows.jsonl")) == rows  # prompt rows written as read
+    with pytest.raises(DataError, match="prompts alone"):
+        session.evaluate(rows)
+    assert 0 <= session.evaluate() <= 1  # held-out pairs: the share ranked right
+    assert as_rewards((len, 0.5)) == as_rewards([(len, 0.5)])
+    twice = small_session(objective="grpo")
+    twice.rewards = [lambda prompts, completions, **_: [1.0] * len(completions),
+                     lambda prompts, completions, **_: [0.0] * len(completions)]
+    assert twice.step().rollouts.rewards == {"<lambda>": 1.0, "<lambda>_2": 0.0}
+
+
+def test_trl_prompt_completion_rows_are_imitated():
+    rows = examples_from([{"prompt": "2+2?", "completion": "4"},
+                          {"prompt": [{"role": "user", "content": "hi"}],
+                           "completion": [{"role": "assistant", "content": "hello"}]}])
+    assert rows[0].messages == (("user", "2+2?"), ("assistant", "4")) and rows[0].instruction == ("2+2?", "")
+    assert rows[1].messages == (("user", "hi"), ("assistant", "hello")) and rows[1].instruction is None
+    with pytest.raises(DataError, match="'completion' is empty"):
+        examples_from([{"prompt": "a", "completion": ""}])
+    with pytest.raises(DataError, match="'completion' must be one non-empty assistant message"):
+        examples_from([{"prompt": "a", "completion": [{"role": "assistant", "content": "x"}] * 2}])
+
+
+def test_dpo_after_grpo_trained_adapters_does_not_take_the_base_as_its_reference():
+    session = small_session(objective="grpo", method="lora", kl=0.1, lr=5e-2)
+    session.step()
+    with pytest.raises(ValueError, match="reference='precomputed'"):
+        session.set(objective="dpo")
+    assert session.techniques.objective == "grpo"
+    fresh = small_session(objective="simpo", method="lora", lr=5e-2)
+    fresh.step()  # simpo trains the adapters, so grpo's kl could not compare with the base
+    with pytest.raises(ValueError, match="keep kl=0"):
+        fresh.set(objective="grpo", kl=0.1, max_completion=16)

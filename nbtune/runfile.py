@@ -42,9 +42,10 @@ class RunFileError(ValueError):
     """A run file that cannot be used: each problem names its line and field."""
 
 
-GRPO_NOT_IN_RUN_FILES = ("techniques.objective: grpo scores its completions with reward functions, "
-                         "which are Python a run file cannot name yet: train GRPO from a notebook or "
-                         "a script (session.rewards = [...], then session.run(n)).")
+GRPO_NEEDS_REWARDS = ("techniques.objective: grpo scores its completions with reward functions: name "
+                      "them under rewards: (- rewards.py:correct, or - {function: rewards.py:brief, "
+                      "weight: 0.2}), functions in Python files beside the run file.")
+REWARD_FILE_BYTES = 1 << 20  # a reward file is a short Python module
 
 
 class _Loader(yaml.SafeLoader):
@@ -62,6 +63,14 @@ _Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class RewardEntry(_Strict):
+    """A GRPO reward function in a run file: ``file.py:name`` (the file relative to the run
+    file's folder) and its weight."""
+
+    function: str
+    weight: float = 1.0
 
 
 def _techniques_model() -> type[BaseModel]:
@@ -119,6 +128,8 @@ class RunConfig(_Strict):
     # Ranks a notebook's ``Session.from_config(file)`` starts and drives (``processes=N``);
     # ``nbtune train`` takes them from torchrun (--nproc_per_node N) instead.
     processes: int | None = Field(default=None, ge=2)
+    # GRPO's reward functions: Python the file names ("rewards.py:correct"), run as the user's code
+    rewards: list[str | RewardEntry] = []
 
     # Set by ``load`` (not in the file): the file's folder, which relative paths start from.
     base: str = Field(default=".", exclude=True)
@@ -135,14 +146,77 @@ class RunConfig(_Strict):
         return value  # not a path here: a Hub repo id
 
     def to_techniques(self) -> Techniques:
-        if self.techniques.objective == "grpo":
-            raise RunFileError(GRPO_NOT_IN_RUN_FILES)
+        if self.techniques.objective == "grpo" and not self.rewards:
+            raise RunFileError(GRPO_NEEDS_REWARDS)
+        for i, entry in enumerate(self.rewards):
+            _reward_parts(entry if isinstance(entry, str) else entry.function, f"rewards[{i}]")
         return Techniques(**self.techniques.model_dump())
+
+    def to_rewards(self) -> tuple:
+        """The reward functions the file names, read from their files (each run as the user's
+        own code: a run file naming Python is a script), as ``session.rewards`` takes them."""
+        from .objectives.grpo import as_rewards
+
+        loaded = []
+        for i, entry in enumerate(self.rewards):
+            spec, weight = (entry, 1.0) if isinstance(entry, str) else (entry.function, entry.weight)
+            loaded.append((_load_reward(Path(self.path(spec.rpartition(":")[0])), spec, f"rewards[{i}]"),
+                           weight))
+        return as_rewards(loaded) if loaded else ()
 
     def to_sharding(self):
         from .distributed import Sharding
 
         return Sharding(**self.distributed.model_dump())
+
+
+def _reward_parts(spec: str, where: str) -> tuple[str, str]:
+    file, sep, name = spec.rpartition(":")
+    if not sep or not file.endswith(".py") or not name.isidentifier():
+        raise RunFileError(f"{where}: {spec!r} must name a function as file.py:function, e.g. "
+                           "rewards.py:correct (the file relative to the run file).")
+    return file, name
+
+
+def _load_reward(path: Path, spec: str, where: str):
+    """The function ``spec`` names, its file read (bounded) and run as a module of its own."""
+    import hashlib
+    import importlib.util
+
+    _, name = _reward_parts(spec, where)
+    try:
+        info = path.stat()
+    except OSError as err:
+        raise RunFileError(f"{where}: {path} cannot be read ({err.strerror}): give a Python file "
+                           "beside the run file.") from None
+    if not stat.S_ISREG(info.st_mode) or info.st_size > REWARD_FILE_BYTES:
+        raise RunFileError(f"{where}: {path} is not a Python file of at most "
+                           f"{REWARD_FILE_BYTES >> 20} MiB.")
+    module_name = "nbtune_rewards_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(module_name, path))
+    try:
+        module.__spec__.loader.exec_module(module)
+    except Exception as err:  # noqa: BLE001 - the user's code: said with the file, then stopped
+        raise RunFileError(f"{where}: running {path} raised {type(err).__name__}: {err}") from err
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise RunFileError(f"{where}: {path} has no function {name!r}.")
+    return function
+
+
+def _reward_entry(reward, folder: Path) -> dict:
+    """``session.rewards``' function as a run file names it: its module's file and its name."""
+    import sys
+
+    fn = reward.fn
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    file = getattr(module, "__file__", None)
+    if file is None or module.__name__ == "__main__" or getattr(module, reward.name, None) is not fn:
+        raise RunFileError(f"The reward function {reward.name!r} was written in a notebook cell (or "
+                           "is not a module's own function), so a run file cannot name it: put it in "
+                           "a .py file (e.g. rewards.py beside the run file), import it from there "
+                           "and save again.")
+    return {"function": f"{relative(file, folder)}:{reward.name}", "weight": reward.weight}
 
 
 def _line(node, loc: tuple) -> int | None:
@@ -370,8 +444,8 @@ def save_config(session, path: str | Path, **changes) -> Path:
     out, checkpoint_every, save, evaluate; None keeps the session's) applied."""
     path = Path(path)
     folder = path.parent
-    if session.techniques.objective == "grpo":
-        raise RunFileError(GRPO_NOT_IN_RUN_FILES)
+    rewards = ([_reward_entry(r, folder) for r in session.rewards]
+               if session.techniques.objective == "grpo" else [])
     if session.source is None and session.demo_name is None:
         raise RunFileError(
             "This session's model was built in code, not loaded, so a run file cannot name it: "
@@ -424,7 +498,8 @@ def save_config(session, path: str | Path, **changes) -> Path:
         model = {"model": session.source}
     config = RunConfig.model_validate({
         **model, "memory_tracking": session.memory_tracking,
-        "data": data, "techniques": session.techniques.as_dict(), "run": settings.model_dump()})
+        "data": data, "techniques": session.techniques.as_dict(), "run": settings.model_dump(),
+        "rewards": rewards})
     write_file_atomically(path, dump(config), may_replace=written_by_nbtune)
     session.run_settings = settings
     return path

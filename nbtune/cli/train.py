@@ -44,9 +44,22 @@ def metrics_row(report, rank: int = 0) -> dict:
             "peak_bytes": memory.peak, "memory_measured": memory.measured,
             "memory": memory.categories, "eval_loss": report.eval_loss, "rank": rank,
             **({"router_loss": report.router_loss} if report.router_loss is not None else {}),
-            **_rewards("rewards/", report.preference), **_rewards("eval/rewards/", report.eval_preference)}
+            **_rewards("rewards/", report.preference), **_rewards("eval/rewards/", report.eval_preference),
+            **_rollouts(report)}
 
 
+def _rollouts(report) -> dict:
+    """A GRPO step's rewards and completions under TRL's metric names."""
+    r = report.rollouts
+    if r is None:
+        return {}
+    return {"reward": r.reward, "reward_std": r.reward_std,
+            **{f"rewards/{name}/mean": value for name, value in r.rewards.items()},
+            "completions/mean_length": r.completion_length, "completions/clipped_ratio": r.clipped,
+            **({"kl": report.mean_kl} if report.mean_kl is not None else {})}
+
+
+GRPO_KEYS = ("reward", "reward_std", "kl")  # (with rewards/NAME/mean and completions/..., TRL's names)
 TRL_NAMES = {"chosen_reward": "chosen", "rejected_reward": "rejected", "margin": "margins",
              "accuracy": "accuracies"}  # as TRL logs them (``rewards/margins``, ...)
 
@@ -104,7 +117,7 @@ class _Loggers:
                 self.tensorboard.add_scalar("eval/loss", report.eval_loss, report.step)
             if report.router_loss is not None:
                 self.tensorboard.add_scalar("train/router_loss", report.router_loss, report.step)
-            for key in (k for k in row if "rewards/" in k):  # TRL's names
+            for key in (k for k in row if "rewards/" in k or k in GRPO_KEYS or k.startswith("completions/")):
                 self.tensorboard.add_scalar(key if key.startswith("eval/") else f"train/{key}",
                                             row[key], report.step)
 
@@ -148,6 +161,8 @@ def _line(report) -> str:
     if report.preference is not None:
         eval_part += (f"  margin {report.preference.margin:.3f}"
                       f"  accuracy {report.preference.accuracy:.0%}")
+    if report.rollouts is not None:
+        eval_part += f"  reward {report.rollouts.reward:.3f}"
     return (f"step {report.step:5d}  loss {report.loss:7.4f}{eval_part}  "
             f"{report.tokens_per_second:7.0f} tok/s  peak {format_bytes(memory.peak)}{mark}")
 

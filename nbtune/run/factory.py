@@ -257,6 +257,7 @@ class RunSpec:
     settings: object = None
     memory_tracking: str | None = None
     seed: int | None = None
+    rewards: tuple = ()  # GRPO's reward functions (``objectives.grpo.Reward``), a run file's
 
 
 def pretrained_spec(path_or_id: str | os.PathLike, data=None, *, heldout=None,
@@ -319,6 +320,7 @@ def config_spec(config, *, overrides: dict | None = None, device=None, parallel=
                                device=device, revision=config.revision, parallel=parallel)
         spec.match = config.data.match
     spec.memory_tracking, spec.settings, spec.seed = config.memory_tracking, config.run, techniques.seed
+    spec.rewards = config.to_rewards()  # (the user's Python, read before the model loads)
     return spec
 
 
@@ -351,6 +353,8 @@ def build(spec: RunSpec) -> Run:
                                                               spec.demo_name, spec.settings)
     if spec.memory_tracking is not None:
         run.runner.sampler.mode = spec.memory_tracking
+    if spec.rewards:
+        run.trainer.data.rewards = spec.rewards
     return run
 
 

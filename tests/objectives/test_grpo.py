@@ -359,11 +359,11 @@ def test_out_of_memory_names_the_phase_and_asks_advice_for_batch_size_prompts(wh
 
 
 def test_what_grpo_does_not_do_yet_is_refused_by_name(tmp_path):
-    """Several processes, run files, held-out prompts: each refused naming why; and a reward
+    """Several processes, held-out prompts: each refused naming why; and a reward
     given as one bare (function, weight) pair, or under a name already taken, is kept apart."""
     from nbtune.distributed import Sharding, check_sharding
     from nbtune.run.ranked import _RanksData
-    from nbtune.runfile import RunFileError, write_rows
+    from nbtune.runfile import write_rows
 
     t = nt.Techniques(objective="grpo")
     assert "does not yet run on several processes" in " ".join(_RanksData.problems(t))
@@ -371,9 +371,6 @@ def test_what_grpo_does_not_do_yet_is_refused_by_name(tmp_path):
         _RanksData().rewards = [len]
     session = small_session(objective="grpo")
     assert any("several processes" in p for p in check_sharding(Sharding(), session.model, t, "cpu", 2))
-    with pytest.raises(RunFileError, match="reward functions"):
-        session.save_config(tmp_path / "run.yaml", steps=2)
-    assert not (tmp_path / "run.yaml").exists()
     rows = examples_from([{"prompt": "2+2?", "answer": 4}, {"prompt": [{"role": "user", "content": "hi"}]}])
     write_rows(rows, tmp_path / "rows.jsonl")
     assert examples_from(str(tmp_path / "rows.jsonl")) == rows  # prompt rows written as read
@@ -409,3 +406,70 @@ def test_dpo_after_grpo_trained_adapters_does_not_take_the_base_as_its_reference
     fresh.step()  # simpo trains the adapters, so grpo's kl could not compare with the base
     with pytest.raises(ValueError, match="keep kl=0"):
         fresh.set(objective="grpo", kl=0.1, max_completion=16)
+
+
+REWARDS_PY = '''
+def letters(prompts, completions, **columns):
+    return [sum(ch.isascii() and ch.isalpha() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def brevity(prompts, completions, **columns):
+    return [-len(c) / 16 for c in completions]
+'''
+
+
+def test_a_grpo_session_saved_as_a_run_file_trains_the_same_under_nbtune_train(tmp_path):
+    """The rewards, functions of a .py file, are named in the run file (file and weight) and
+    read back from it; nbtune train's metrics carry the rewards under TRL's names and equal
+    the notebook's steps. A function written in a cell, a bad name or a file that raises is
+    refused by name."""
+    import importlib.util
+    import json
+
+    import nbtune.cli.main as cli
+    from nbtune.demos import demo_named
+    from nbtune.runfile import RunFileError
+
+    (tmp_path / "rewards.py").write_text(REWARDS_PY)
+    spec = importlib.util.spec_from_file_location("test_grpo_rewards", tmp_path / "rewards.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import sys
+
+    sys.modules["test_grpo_rewards"] = module
+    try:
+        torch.manual_seed(0)
+        rows = [{"prompt": f"Spell {w}.", "answer": w} for w in ("cat", "dog", "owl", "bee", "ant", "elk")]
+        session = nt.Session.from_pretrained(
+            demo_named("tiny").model(), rows, device="cpu",
+            techniques=dict(method="lora", objective="grpo", lr=3e-3, batch_size=2, seq_len=64,
+                            max_completion=8, generations=3))
+        session.rewards = [module.letters, (module.brevity, 0.5)]
+        path = session.save_config(tmp_path / "run.yaml", steps=2)
+        text = path.read_text()
+        assert "rewards.py:letters" in text and "rewards.py:brevity" in text
+        expected = [session.step() for _ in range(2)]
+        assert cli.main(["train", str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+        metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+        assert [m["loss"] for m in metrics] == [r.loss for r in expected]
+        assert [m["reward"] for m in metrics] == [r.rollouts.reward for r in expected]
+        assert {"rewards/letters/mean", "rewards/brevity/mean", "completions/mean_length"} <= set(metrics[0])
+    finally:
+        del sys.modules["test_grpo_rewards"]
+    session.rewards = [lambda prompts, completions, **_: [0.0] * len(completions)]
+    with pytest.raises(RunFileError, match="written in a notebook cell"):
+        session.save_config(tmp_path / "again.yaml", steps=2)
+    for entry, message in (("rewards.py", "must name a function as file.py:function"),
+                           ("rewards.py:nothing", "has no function 'nothing'"),
+                           ("broken.py:f", "raised ZeroDivisionError")):
+        (tmp_path / "broken.py").write_text("1 / 0\n")
+        bad = text.replace("rewards.py:letters", entry)
+        (tmp_path / "bad.yaml").write_text(bad)
+        with pytest.raises(RunFileError, match=message):
+            nt.Session.from_config(tmp_path / "bad.yaml")
+    import yaml
+
+    (tmp_path / "none.yaml").write_text(yaml.safe_dump({k: v for k, v in yaml.safe_load(text).items()
+                                                        if k != "rewards"}))
+    with pytest.raises(RunFileError, match="name them under rewards:"):
+        nt.Session.from_config(tmp_path / "none.yaml")

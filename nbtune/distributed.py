@@ -144,7 +144,7 @@ class Parallel:
         if pairs:
             halves = [self.rows({k: v.chunk(2)[i] for k, v in batch.items()}) for i in (0, 1)]
             return {k: torch.cat([halves[0][k], halves[1][k]]) for k in batch}
-        size = batch["input_ids"].shape[0]
+        size = next(iter(batch.values())).shape[0]  # (GRPO's prompts have no input_ids yet)
         if size % self.world:
             raise ValueError(f"batch_size={size} does not split over {self.world} ranks: batch_size "
                              "is the global batch, so make it a multiple of the number of processes.")
@@ -235,16 +235,6 @@ def prime_units(model: nn.Module) -> None:
             module.reshard()
 
 
-def objective_problems(techniques) -> list[str]:
-    """What an objective cannot do on several processes yet (checked when a run starts there
-    and on every change)."""
-    if techniques.objective == "grpo":
-        return ["objective='grpo' does not yet run on several processes (every rank would have "
-                "to run the same generation forwards as the others): train GRPO in one process; "
-                "the estimate and fit answer for one card."]
-    return []
-
-
 def check_sharding(sharding: Sharding, model: nn.Module, techniques, device: str,
                    world: int = 2) -> list[str]:
     """Every reason ``sharding`` cannot run here over ``world`` ranks, each naming the fix
@@ -266,7 +256,6 @@ def check_sharding(sharding: Sharding, model: nn.Module, techniques, device: str
         problems.append("shard_embeddings needs separate embedding and output weights, but this "
                         "model ties them (tie_word_embeddings): they are one tensor, sharded with the "
                         "root. Set distributed.shard_embeddings: false.")
-    problems += objective_problems(techniques)
     if sharding.mixed_precision not in (None, "bf16"):
         problems.append(f"distributed.mixed_precision={sharding.mixed_precision!r} is not null or 'bf16'.")
     return problems

@@ -134,14 +134,16 @@ def advantages(total: torch.Tensor, group: int, scale: bool) -> torch.Tensor:
 
 @torch.no_grad()
 def generate_group(model: nn.Module, prompt: list[int], generators: list[torch.Generator], *,
-                   max_new: int, stop_ids, temperature: float, top_p: float,
-                   at_once: int) -> list[list[int]]:
+                   max_new: int, stop_ids, temperature: float, top_p: float, at_once: int,
+                   more: Callable[[bool], bool] | None = None) -> list[list[int]]:
     """A completion of ``prompt`` for each of ``generators`` (each draws its completion's
     samples, so how many are written at once changes no completion on a CPU; on a GPU, matrix
     products of another batch size may differ in the last bits), ``at_once`` at a time in
     lockstep: the prompt read once and its KV cache shared, then one forward of the batch per
-    token until every completion has ended. A completion keeps the stop token that ends it.
-    Each token's logits are dropped once sampled, before the next forward."""
+    token until every completion has ended (``more(going)``: whether any rank still writes; on
+    several ranks each runs every forward, its gathers being collectives). A completion keeps
+    the stop token that ends it. Each token's logits are dropped once sampled, before the next
+    forward."""
     device = next(model.parameters()).device
     out: list[list[int]] = []
     for start in range(0, len(generators), at_once):
@@ -161,7 +163,8 @@ def generate_group(model: nn.Module, prompt: list[int], generators: list[torch.G
                 if not done[i]:
                     seqs[i].append(token)
                     done[i] = token in stop_ids
-            if written == max_new or all(done):
+            going = not all(done)
+            if written == max_new or not (more(going) if more is not None else going):
                 break
             logits = model(tokens[:, None].to(device), cache=cache)[:, -1]
         out += seqs
@@ -188,7 +191,7 @@ class Rollout:
 
 def rollout(model: nn.Module, prompts: dict[str, torch.Tensor], rows: list[PromptRow], decode,
             rewards: tuple[Reward, ...], options, *, stop_ids, pad_id: int,
-            generators: list[list[torch.Generator]]) -> Rollout:
+            generators: list[list[torch.Generator]], more=None) -> Rollout:
     """Write ``options.generations`` completions of each prompt of a collated prompt batch
     (``collate_prompts``; ``rows`` its rows; ``generators`` one per completion, a list per
     prompt), score them and make the update's batch."""
@@ -202,7 +205,7 @@ def rollout(model: nn.Module, prompts: dict[str, torch.Tensor], rows: list[Promp
             written.append((ids[:length], generate_group(
                 model, ids[:length], draws, max_new=options.max_completion, stop_ids=stop_ids,
                 temperature=options.rollout_temperature, top_p=options.rollout_top_p,
-                at_once=min(options.generation_batch or group, group))))
+                at_once=min(options.generation_batch or group, group), more=more)))
     finally:
         model.train(was_training)
     samples, texts, completion_rows, ended, lengths = [], [], [], [], []

@@ -43,9 +43,11 @@ class _RanksData:
 
     @staticmethod
     def problems(techniques) -> list[str]:
-        from ..distributed import objective_problems
-
-        return objective_problems(techniques)
+        if techniques.objective == "grpo":  # its reward functions are the kernel's Python
+            return ["objective='grpo' does not yet run on ranks driven from a notebook (the reward "
+                    "functions would have to reach every rank): run its file with nbtune train "
+                    "under torchrun (the file names them), or train GRPO in one process."]
+        return []
 
     @property
     def rewards(self) -> tuple:
@@ -54,7 +56,8 @@ class _RanksData:
     @rewards.setter
     def rewards(self, value) -> None:
         raise ValueError("session.rewards: the data lives on the ranks, and objective='grpo' does not "
-                         "yet run on several processes: train GRPO in one process.")
+                         "yet run on ranks driven from a notebook: run a run file naming the rewards "
+                         "with nbtune train under torchrun, or train GRPO in one process.")
 
 
 class RanksTrainer:

@@ -352,21 +352,30 @@ class Trainer:
         started, tokenizer, out, peak = time.perf_counter(), self.data.tokenizer, [], 0
         key = (t, self._new_optimizer)  # (before the first update the optimizer holds no state)
         track = track and self._generation_measured != key
-        for prompts in batches:
-            first = len(out) * len(prompts["rows"])  # the prompts' place in the step's batch
+        world, rank = (1, 0) if self.parallel is None else (self.parallel.world, self.parallel.rank)
+        more = None if self.parallel is None else self._all_writing
+        for prompts in batches:  # (each rank its share of the global batch: its place in it)
+            first = (len(out) * world + rank) * len(prompts["rows"])
             generators = [[torch.Generator().manual_seed(completion_seed(t.seed, number, first + k, j))
                            for j in range(t.generations)] for k in range(len(prompts["rows"]))]
             tracker = track_step(self.model, self.optimizer) if track else contextlib.nullcontext()
             with tracker:
                 out.append(rollout(self.model, prompts, [self.data.prompt_row(r) for r in prompts["rows"].tolist()],
                                    tokenizer.decode, rewards, options, stop_ids=tokenizer.stop_ids,
-                                   pad_id=self.data.pad_id, generators=generators))
+                                   pad_id=self.data.pad_id, generators=generators, more=more))
             if track:
                 peak = max(peak, tracker.result().peak)
         if track:
             self._generation_peak, self._generation_measured = peak, key
-        metrics = RolloutMetrics.of(out, rewards, t.generations)
+        every = out if self.parallel is None else [r for rank_out in self.parallel.gather(
+            [replace(r, batch={}) for r in out]) for r in rank_out]  # every rank's, in rank order
+        metrics = RolloutMetrics.of(every, rewards, t.generations)
         return [r.batch for r in out], (time.perf_counter() - started, metrics)
+
+    def _all_writing(self, going: bool) -> bool:
+        """Whether any rank is still writing a completion: under FSDP2 every rank runs each
+        token's forward (its gathers are collectives) until all have ended."""
+        return bool(self.parallel.sum_(torch.tensor([int(going)])).item())
 
     def steps(self, track: bool, track_rest: bool, most: int, until=None) -> list[StepReport]:
         """One step: each step here is its own command (``TrainerProtocol.steps``)."""
@@ -552,10 +561,6 @@ class Trainer:
         """Build what ``new`` needs beside what exists; on failure, undo and re-raise."""
         problems = [] if checked else check(new, self.model, self.device.type) + self.data.problems(new)
         problems += reference_problems(new, self.techniques, self.model)  # as the model is now
-        if self.parallel is not None:
-            from ..distributed import objective_problems
-
-            problems += objective_problems(new)
         if problems:
             raise ValueError(" ".join(problems))
         changed = new.changed(self.techniques)

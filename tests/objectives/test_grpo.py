@@ -359,18 +359,16 @@ def test_out_of_memory_names_the_phase_and_asks_advice_for_batch_size_prompts(wh
 
 
 def test_what_grpo_does_not_do_yet_is_refused_by_name(tmp_path):
-    """Several processes, held-out prompts: each refused naming why; and a reward
+    """Ranks driven from a notebook, held-out prompts: each refused naming why; and a reward
     given as one bare (function, weight) pair, or under a name already taken, is kept apart."""
-    from nbtune.distributed import Sharding, check_sharding
     from nbtune.run.ranked import _RanksData
     from nbtune.runfile import write_rows
 
     t = nt.Techniques(objective="grpo")
-    assert "does not yet run on several processes" in " ".join(_RanksData.problems(t))
-    with pytest.raises(ValueError, match="train GRPO in one process"):
+    assert "does not yet run on ranks driven from a notebook" in " ".join(_RanksData.problems(t))
+    with pytest.raises(ValueError, match="nbtune train under torchrun"):
         _RanksData().rewards = [len]
     session = small_session(objective="grpo")
-    assert any("several processes" in p for p in check_sharding(Sharding(), session.model, t, "cpu", 2))
     rows = examples_from([{"prompt": "2+2?", "answer": 4}, {"prompt": [{"role": "user", "content": "hi"}]}])
     write_rows(rows, tmp_path / "rows.jsonl")
     assert examples_from(str(tmp_path / "rows.jsonl")) == rows  # prompt rows written as read
@@ -382,6 +380,56 @@ def test_what_grpo_does_not_do_yet_is_refused_by_name(tmp_path):
     twice.rewards = [lambda prompts, completions, **_: [1.0] * len(completions),
                      lambda prompts, completions, **_: [0.0] * len(completions)]
     assert twice.step().rollouts.rewards == {"<lambda>": 1.0, "<lambda>_2": 0.0}
+
+
+def _rewards_module(tmp_path, name: str):
+    """``REWARDS_PY`` as a module of its own file (a run file can name its functions)."""
+    import importlib.util
+    import sys
+
+    (tmp_path / "rewards.py").write_text(REWARDS_PY)
+    spec = importlib.util.spec_from_file_location(name, tmp_path / "rewards.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("techniques", [dict(method="lora", kl=0.1, grad_accum=2), dict()],
+                         ids=["lora-kl-accumulated", "full"])
+def test_two_ranks_write_and_train_as_one_process_does(tmp_path, techniques):
+    """Under torchrun (2 gloo ranks, FSDP2) each rank writes its half of the prompts' groups,
+    every rank running each token's forward until all have ended; each completion seeded by its
+    place in the global batch: the loss and rewards of every step equal one process's."""
+    import json
+    import sys
+
+    import nbtune.cli.main as cli
+    from nbtune.demos import demo_named
+
+    from helpers import torchrun
+
+    module = _rewards_module(tmp_path, "test_grpo_rewards_ranks")
+    try:
+        torch.manual_seed(0)
+        rows = [{"prompt": f"Spell {w}.", "answer": w} for w in ("cat", "dog", "owl", "bee", "ant", "elk", "yak", "emu")]
+        session = nt.Session.from_pretrained(
+            demo_named("tiny").model(), rows, device="cpu",
+            techniques=dict(objective="grpo", lr=3e-3, batch_size=4, seq_len=64, max_completion=8,
+                            generations=3, **techniques))
+        session.rewards = [module.letters, (module.brevity, 0.5)]
+        path = session.save_config(tmp_path / "run.yaml", steps=2)
+    finally:
+        del sys.modules["test_grpo_rewards_ranks"]
+    assert cli.main(["train", str(path), "--out", str(tmp_path / "one"), "--no-progress"]) == 0
+    torchrun(path, tmp_path / "two", ranks=2)
+    one, two = ([json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+                for run in ("one", "two"))
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two):
+        for key in ("loss", "reward", "reward_std", "completions/mean_length", "rewards/letters/mean"):
+            assert abs(a[key] - b[key]) <= 1e-5, key
 
 
 def test_trl_prompt_completion_rows_are_imitated():

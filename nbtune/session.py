@@ -375,7 +375,7 @@ class Session:
         with tqdm(total=steps, desc="training", unit="step", disable=not progress) as bar:
             def shown(report: StepReport) -> None:
                 bar.update()
-                bar.set_postfix(loss=f"{report.loss:.3f}")
+                bar.set_postfix(report.watched)
                 if chart is not None:
                     chart.update(self.history)
             reports = self.runner.run(steps, on_oom, shown=shown,

@@ -123,6 +123,17 @@ class StepReport:
     mean_kl: float | None = None  # GRPO's mean KL per completion token to the reference
 
     @property
+    def watched(self) -> dict[str, str]:
+        """What a progress bar shows after the step: the loss, and the objective's own figure
+        (a preference objective's margin; GRPO's mean reward, its loss hovering near 0)."""
+        out = {"loss": f"{self.loss:.3f}"}
+        if self.preference is not None:
+            out["margin"] = f"{self.preference.margin:.3f}"
+        if self.rollouts is not None:
+            out["reward"] = f"{self.rollouts.reward:.3f}"
+        return out
+
+    @property
     def tokens_per_second(self) -> float:
         """Tokens read per second of the step."""
         return self.tokens / self.seconds if self.seconds else 0.0

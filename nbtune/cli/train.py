@@ -319,7 +319,7 @@ def _run(parts, job: TrainJob) -> int:
                 loggers.write(report)
                 say(_line(report))
                 bar.update()
-                bar.set_postfix(loss=f"{report.loss:.3f}")
+                bar.set_postfix(report.watched)
                 saver.after_step(report)
 
             if len(parts.history) < total:

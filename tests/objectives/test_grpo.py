@@ -276,6 +276,14 @@ def test_two_accumulated_micro_batches_equal_one_batch_of_their_prompts(kind):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
 
 
+def test_a_run_shows_the_mean_reward_beside_the_loss(capsys):
+    session = small_session(objective="grpo")
+    reports = session.run(2, live=False)
+    shown = capsys.readouterr().err
+    assert f"reward={reports[-1].rollouts.reward:.3f}" in shown and "loss=" in shown
+    assert small_session().step().watched.keys() == {"loss"}
+
+
 def test_the_kl_term_runs_the_base_with_the_adapters_off_and_reports_its_mean():
     session = small_session(objective="grpo", method="lora", kl=0.5, lr=5e-2)
     first = session.step()

@@ -70,7 +70,7 @@ class RewardEntry(_Strict):
     file's folder) and its weight."""
 
     function: str
-    weight: float = 1.0
+    weight: float = Field(default=1.0, allow_inf_nan=False)
 
 
 def _techniques_model() -> type[BaseModel]:
@@ -160,9 +160,20 @@ class RunConfig(_Strict):
         loaded = []
         for i, entry in enumerate(self.rewards):
             spec, weight = (entry, 1.0) if isinstance(entry, str) else (entry.function, entry.weight)
-            loaded.append((_load_reward(Path(self.path(spec.rpartition(":")[0])), spec, f"rewards[{i}]"),
-                           weight))
+            loaded.append((_load_reward(self.reward_file(spec), spec, f"rewards[{i}]"), weight))
         return as_rewards(loaded) if loaded else ()
+
+    def reward_file(self, spec: str) -> Path:
+        """The file of a ``file.py:name`` entry: relative to the run file's folder (never the
+        working directory's), or absolute."""
+        file = Path(spec.rpartition(":")[0]).expanduser()
+        return file if file.is_absolute() else Path(self.base) / file
+
+    def rewards_absolute(self) -> list:
+        """The entries with their files absolute (a copy of the file written elsewhere)."""
+        return [RewardEntry(function=f"{self.reward_file(spec).resolve()}:{spec.rpartition(':')[2]}", weight=w)
+                for spec, w in ((e, 1.0) if isinstance(e, str) else (e.function, e.weight)
+                                for e in self.rewards)]
 
     def to_sharding(self):
         from .distributed import Sharding
@@ -179,9 +190,12 @@ def _reward_parts(spec: str, where: str) -> tuple[str, str]:
 
 
 def _load_reward(path: Path, spec: str, where: str):
-    """The function ``spec`` names, its file read (bounded) and run as a module of its own."""
+    """The function ``spec`` names, its file read (bounded) and run once as a module of its own,
+    registered (dataclasses and pickling look a function's module up) with its folder on the
+    import path while it runs (it may import its neighbours)."""
     import hashlib
     import importlib.util
+    import sys
 
     _, name = _reward_parts(spec, where)
     try:
@@ -193,11 +207,18 @@ def _load_reward(path: Path, spec: str, where: str):
         raise RunFileError(f"{where}: {path} is not a Python file of at most "
                            f"{REWARD_FILE_BYTES >> 20} MiB.")
     module_name = "nbtune_rewards_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(module_name, path))
-    try:
-        module.__spec__.loader.exec_module(module)
-    except Exception as err:  # noqa: BLE001 - the user's code: said with the file, then stopped
-        raise RunFileError(f"{where}: running {path} raised {type(err).__name__}: {err}") from err
+    module = sys.modules.get(module_name)
+    if module is None:
+        module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(module_name, path))
+        sys.modules[module_name] = module
+        sys.path.insert(0, str(path.parent))
+        try:
+            module.__spec__.loader.exec_module(module)
+        except Exception as err:  # noqa: BLE001 - the user's code: said with the file, then stopped
+            del sys.modules[module_name]
+            raise RunFileError(f"{where}: running {path} raised {type(err).__name__}: {err}") from err
+        finally:
+            sys.path.remove(str(path.parent))
     function = getattr(module, name, None)
     if not callable(function):
         raise RunFileError(f"{where}: {path} has no function {name!r}.")
@@ -211,7 +232,8 @@ def _reward_entry(reward, folder: Path) -> dict:
     fn = reward.fn
     module = sys.modules.get(getattr(fn, "__module__", None) or "")
     file = getattr(module, "__file__", None)
-    if file is None or module.__name__ == "__main__" or getattr(module, reward.name, None) is not fn:
+    if file is None or not file.endswith(".py") or module.__name__ == "__main__" \
+            or getattr(module, reward.name, None) is not fn:
         raise RunFileError(f"The reward function {reward.name!r} was written in a notebook cell (or "
                            "is not a module's own function), so a run file cannot name it: put it in "
                            "a .py file (e.g. rewards.py beside the run file), import it from there "
@@ -446,6 +468,9 @@ def save_config(session, path: str | Path, **changes) -> Path:
     folder = path.parent
     rewards = ([_reward_entry(r, folder) for r in session.rewards]
                if session.techniques.objective == "grpo" else [])
+    if session.techniques.objective == "grpo" and not rewards:
+        raise RunFileError("save_config: objective='grpo' has no reward functions yet: set "
+                           "session.rewards = [...] (functions of a .py file) first.")
     if session.source is None and session.demo_name is None:
         raise RunFileError(
             "This session's model was built in code, not loaded, so a run file cannot name it: "

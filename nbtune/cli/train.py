@@ -241,7 +241,8 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
             write_file_atomically(out_dir / OURS, json.dumps({"written_by": "nbtune train"}))
             effective = config.model_copy(update={
                 "run": settings.model_copy(update={"out": str(out_dir.resolve())}),
-                "model": config.path(config.model), "data": config.data.model_copy(update={
+                "model": config.path(config.model), "rewards": config.rewards_absolute(),
+                "data": config.data.model_copy(update={
                     "train": config.path(config.data.train), "heldout": config.path(config.data.heldout)})})
             write_file_atomically(out_dir / "run.yaml", runfile.dump(effective))
         if parallel is not None:

@@ -189,12 +189,12 @@ class Rollout:
     ended: torch.Tensor  # [completions] True where a stop token ended it (not max_completion)
 
 
-def rollout(model: nn.Module, prompts: dict[str, torch.Tensor], rows: list[PromptRow], decode,
-            rewards: tuple[Reward, ...], options, *, stop_ids, pad_id: int,
-            generators: list[list[torch.Generator]], more=None) -> Rollout:
-    """Write ``options.generations`` completions of each prompt of a collated prompt batch
-    (``collate_prompts``; ``rows`` its rows; ``generators`` one per completion, a list per
-    prompt), score them and make the update's batch."""
+def write(model: nn.Module, prompts: dict[str, torch.Tensor], options, *, stop_ids,
+          generators: list[list[torch.Generator]], more=None) -> list[tuple[list[int], list[list[int]]]]:
+    """``options.generations`` completions of each prompt of a collated prompt batch
+    (``collate_prompts``; ``generators`` one per completion, a list per prompt), in eval mode:
+    (the prompt's ids, its completions) each. Nothing here runs the user's code: on several
+    ranks every rank writes all its micro-batches before any reward is asked for."""
     group = options.generations
     was_training = model.training
     model.eval()
@@ -208,6 +208,14 @@ def rollout(model: nn.Module, prompts: dict[str, torch.Tensor], rows: list[Promp
                 at_once=min(options.generation_batch or group, group), more=more)))
     finally:
         model.train(was_training)
+    return written
+
+
+def rollout(written: list, rows: list[PromptRow], decode, rewards: tuple[Reward, ...], options, *,
+            stop_ids, pad_id: int) -> Rollout:
+    """The completions ``write`` made of a micro-batch's prompts (``rows`` their rows) scored,
+    and the update's batch made of them."""
+    group = options.generations
     samples, texts, completion_rows, ended, lengths = [], [], [], [], []
     for (prompt, completions), row in zip(written, rows):
         for completion in completions:

@@ -135,6 +135,9 @@ class RanksTrainer:
         changed = new.changed(self.techniques)
         if not changed:
             return changed
+        problems = _RanksData.problems(new)
+        if problems:
+            raise ValueError(" ".join(problems))
         answers = self.ranks.each(rank_propose, lambda rank: (new,))
         refused = next(((rank, why) for rank, why in enumerate(answers) if why is not None), None)
         commit = refused is None
@@ -173,6 +176,12 @@ class RankedRun:
 
     def __init__(self, run_file, processes: int, overrides: dict | None = None,
                  timeout: float = 600.0, local: int | None = None, address: str | None = None) -> None:
+        from .. import runfile
+
+        config = run_file if isinstance(run_file, runfile.RunConfig) else runfile.load(run_file, overrides)
+        problems = _RanksData.problems(config.to_techniques())  # before any rank starts
+        if problems:
+            raise ValueError(" ".join(problems))
         self.ranks = Processes(run_file, processes, overrides=overrides, timeout=timeout,
                                local=local, address=address)
         about, config = self.ranks.about, self.ranks.config

@@ -342,7 +342,7 @@ class Trainer:
         (and its optimizer's state): watching every operator of a token-by-token loop costs
         ten times the writing itself."""
         from ..memory import track_step
-        from ..objectives.grpo import RolloutMetrics, completion_seed, rollout
+        from ..objectives.grpo import RewardError, RolloutMetrics, completion_seed, rollout, write
 
         rewards = self.data.rewards
         if not rewards:
@@ -354,21 +354,37 @@ class Trainer:
         track = track and self._generation_measured != key
         world, rank = (1, 0) if self.parallel is None else (self.parallel.world, self.parallel.rank)
         more = None if self.parallel is None else self._all_writing
-        for prompts in batches:  # (each rank its share of the global batch: its place in it)
-            first = (len(out) * world + rank) * len(prompts["rows"])
+        written = []
+        for i, prompts in enumerate(batches):  # (each rank its share of the global batch: its place in it)
+            first = (i * world + rank) * len(prompts["rows"])
             generators = [[torch.Generator().manual_seed(completion_seed(t.seed, number, first + k, j))
                            for j in range(t.generations)] for k in range(len(prompts["rows"]))]
             tracker = track_step(self.model, self.optimizer) if track else contextlib.nullcontext()
             with tracker:
-                out.append(rollout(self.model, prompts, [self.data.prompt_row(r) for r in prompts["rows"].tolist()],
-                                   tokenizer.decode, rewards, options, stop_ids=tokenizer.stop_ids,
-                                   pad_id=self.data.pad_id, generators=generators, more=more))
+                written.append(write(self.model, prompts, options, stop_ids=tokenizer.stop_ids,
+                                     generators=generators, more=more))
             if track:
                 peak = max(peak, tracker.result().peak)
+        failure = None  # on ranks: a reward's failure said on every rank (none waits for it)
+        for prompts, made in zip(batches, written):
+            try:
+                out.append(rollout(made, [self.data.prompt_row(r) for r in prompts["rows"].tolist()],
+                                   tokenizer.decode, rewards, options, stop_ids=tokenizer.stop_ids,
+                                   pad_id=self.data.pad_id))
+            except Exception as err:  # noqa: BLE001 - the user's code, on one rank
+                if self.parallel is None:
+                    raise
+                failure = str(err) if isinstance(err, RewardError) else f"{type(err).__name__}: {err}"
+                break
         if track:
             self._generation_peak, self._generation_measured = peak, key
-        every = out if self.parallel is None else [r for rank_out in self.parallel.gather(
-            [replace(r, batch={}) for r in out]) for r in rank_out]  # every rank's, in rank order
+        every = out
+        if self.parallel is not None:  # every rank's, micro-batch by micro-batch (the global order)
+            gathered = self.parallel.gather((failure, [replace(r, batch={}) for r in out]))
+            failed = [(r, text) for r, (text, _) in enumerate(gathered) if text is not None]
+            if failed:
+                raise RewardError(f"Rank {failed[0][0]}: {failed[0][1]}")
+            every = [ranks[1][m] for m in range(len(out)) for ranks in gathered]
         metrics = RolloutMetrics.of(every, rewards, t.generations)
         return [r.batch for r in out], (time.perf_counter() - started, metrics)
 

@@ -5,6 +5,7 @@ refused by name when they misbehave (then the session gives what a never-failed 
 a step recomputed here from the model's logits, accumulation, resuming, and the estimate of
 both phases against the measured ones."""
 
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -107,6 +108,19 @@ def test_a_group_written_together_equals_each_written_alone():
     assert first == sampled(1) == sampled(3)
     assert len({tuple(c) for c in first}) > 1  # sampled: the completions differ
     assert any(len(c) < 12 for c in first)  # (some end early, at a stop token)
+    # on ranks: while another rank still writes, this one runs every token's forward too, and
+    # its completions are what they were
+    forwards, asked = [], []
+    original = model.forward
+    model.forward = lambda *a, **k: forwards.append(1) or original(*a, **k)
+    try:
+        draws = [torch.Generator().manual_seed(i) for i in range(4)]
+        lockstep = generate_group(model, prompt, draws, max_new=12, stop_ids=frozenset(TEST_STOPS),
+                                  temperature=1.0, top_p=0.9, at_once=4,
+                                  more=lambda going: asked.append(going) or True)
+    finally:
+        del model.forward
+    assert lockstep == first and len(forwards) == 11 and asked[-1] is (max(map(len, first)) == 12)
     for completion in first:  # a stop token ends a completion and is kept (its probability trained)
         assert len(completion) == 12 or (completion[-1] in TEST_STOPS
                                           and not set(completion[:-1]) & TEST_STOPS)
@@ -390,12 +404,12 @@ def test_what_grpo_does_not_do_yet_is_refused_by_name(tmp_path):
     assert twice.step().rollouts.rewards == {"<lambda>": 1.0, "<lambda>_2": 0.0}
 
 
-def _rewards_module(tmp_path, name: str):
-    """``REWARDS_PY`` as a module of its own file (a run file can name its functions)."""
+def _rewards_module(tmp_path, name: str, text: str | None = None):
+    """``text`` as the module of rewards.py (a run file can name its functions)."""
     import importlib.util
     import sys
 
-    (tmp_path / "rewards.py").write_text(REWARDS_PY)
+    (tmp_path / "rewards.py").write_text(text or REWARDS_PY)
     spec = importlib.util.spec_from_file_location(name, tmp_path / "rewards.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -440,6 +454,46 @@ def test_two_ranks_write_and_train_as_one_process_does(tmp_path, techniques):
             assert abs(a[key] - b[key]) <= 1e-5, key
 
 
+@pytest.mark.slow
+def test_a_reward_failing_on_one_rank_is_said_by_every_rank_and_none_waits(tmp_path):
+    """A reward function that raises on rank 1 alone: every rank ends the step with the same
+    error naming rank 1 (none waits in a collective for it), before anything is trained."""
+    import os
+    import subprocess
+    import sys
+
+    from nbtune.demos import demo_named
+
+    module = _rewards_module(tmp_path, "test_grpo_rewards_picky", REWARDS_PY + """
+import os
+
+
+def picky(prompts, completions, **columns):
+    if os.environ.get("RANK") == "1":
+        raise ZeroDivisionError("rank 1's reward")
+    return [0.0] * len(completions)
+""")
+    try:
+        rows = [{"prompt": f"Spell {w}.", "answer": w} for w in ("cat", "dog", "owl", "bee")]
+        session = nt.Session.from_pretrained(
+            demo_named("tiny").model(), rows, device="cpu",
+            techniques=dict(method="lora", objective="grpo", batch_size=2, seq_len=64, max_completion=8,
+                            generations=2))
+        session.rewards = [module.picky]
+        path = session.save_config(tmp_path / "run.yaml", steps=2)
+    finally:
+        del sys.modules["test_grpo_rewards_picky"]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           "2", "-m", "nbtune", "train", str(path), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert done.returncode != 0
+    said = done.stdout + done.stderr
+    assert said.count("Rank 1: The reward function 'picky' raised ZeroDivisionError") >= 2, said[-3000:]
+    assert "Pydantic" not in said  # (each rank says it, and only it)
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() or \
+        not (tmp_path / "out" / "metrics.jsonl").read_text().strip()
+
+
 def test_trl_prompt_completion_rows_are_imitated():
     rows = examples_from([{"prompt": "2+2?", "completion": "4"},
                           {"prompt": [{"role": "user", "content": "hi"}],
@@ -474,7 +528,7 @@ def brevity(prompts, completions, **columns):
 '''
 
 
-def test_a_grpo_session_saved_as_a_run_file_trains_the_same_under_nbtune_train(tmp_path):
+def test_a_grpo_session_saved_as_a_run_file_trains_the_same_under_nbtune_train(tmp_path, monkeypatch):
     """The rewards, functions of a .py file, are named in the run file (file and weight) and
     read back from it; nbtune train's metrics carry the rewards under TRL's names and equal
     the notebook's steps. A function written in a cell, a bad name or a file that raises is
@@ -529,3 +583,20 @@ def test_a_grpo_session_saved_as_a_run_file_trains_the_same_under_nbtune_train(t
                                                         if k != "rewards"}))
     with pytest.raises(RunFileError, match="name them under rewards:"):
         nt.Session.from_config(tmp_path / "none.yaml")
+    # the copy nbtune train keeps names the files absolutely; read back, it saves again
+    kept = yaml.safe_load((tmp_path / "out" / "run.yaml").read_text())["rewards"]
+    assert all(Path(e["function"].rpartition(":")[0]).is_absolute() for e in kept)
+    again = nt.Session.from_config(tmp_path / "out" / "run.yaml")
+    assert [r.weight for r in again.rewards] == [1.0, 0.5]
+    again.save_config(tmp_path / "again" / "run.yaml", steps=2)
+    assert "rewards.py:brevity" in (tmp_path / "again" / "run.yaml").read_text()
+    # a weight that is not a number is refused at its line; a file is found beside the run
+    # file, never in the working directory
+    (tmp_path / "nan.yaml").write_text(text.replace("weight: 0.5", "weight: .nan"))
+    with pytest.raises(RunFileError, match=r"nan.yaml, line \d+, rewards"):
+        nt.Session.from_config(tmp_path / "nan.yaml")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "run.yaml").write_text(text.replace("run.train.jsonl", "../run.train.jsonl"))
+    monkeypatch.chdir(tmp_path)  # rewards.py is here, not beside sub/run.yaml
+    with pytest.raises(RunFileError, match="sub/rewards.py cannot be read"):
+        nt.Session.from_config(tmp_path / "sub" / "run.yaml")

@@ -87,8 +87,9 @@ def as_rewards(value) -> tuple[Reward, ...]:
 def score(rewards: tuple[Reward, ...], rows: list[PromptRow], completions: list[str],
           group: int = 1) -> torch.Tensor:
     """Each completion's reward from each function, [completions, functions] in float32.
-    ``rows[i]`` is completion i's prompt row (``group`` completions a prompt); a conversational prompt's completions are given
-    as one assistant message each (TRL's form), a text prompt's as text."""
+    ``rows[i]`` is completion i's prompt row (``group`` completions a prompt); a conversational
+    prompt's completions are given as one assistant message each (TRL's form), a text
+    prompt's as text."""
     prompts = [row.prompt for row in rows]
     given = [[{"role": "assistant", "content": text}] if row.conversational else text
              for row, text in zip(rows, completions)]

@@ -29,11 +29,11 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.
 
 def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
                   generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of ``logits`` [N, V] (on the host): argmax at temperature 0, else
+    """One token per row of ``logits`` [N, V]: argmax at temperature 0, else
     sampled from the softmax at ``temperature`` within the smallest set of tokens whose
-    probability reaches ``top_p``, drawn by ``generator`` where it lives (a CPU one: the
-    logits are copied to the host; a CUDA one, as a seeded chat's: sampled on the card)."""
-    logits = logits.detach().float().to(generator.device if generator is not None else "cpu")
+    probability reaches ``top_p``, drawn by ``generator`` where it lives (GRPO's CPU ones:
+    the logits are copied to the host; a seeded chat's on a GPU, or none: where they are)."""
+    logits = logits.detach().float().to(generator.device if generator is not None else logits.device)
     if temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, dim=-1)

@@ -190,8 +190,8 @@ def _reward_parts(spec: str, where: str) -> tuple[str, str]:
 
 
 def _load_reward(path: Path, spec: str, where: str):
-    """The function ``spec`` names, its file read (bounded) and run once as a module of its own,
-    registered (dataclasses and pickling look a function's module up) with its folder on the
+    """The function ``spec`` names, its file read (bounded) and run once (again once edited) as
+    a module of its own, registered (dataclasses and pickling look a function's module up) with its folder on the
     import path while it runs (it may import its neighbours)."""
     import hashlib
     import importlib.util
@@ -208,8 +208,10 @@ def _load_reward(path: Path, spec: str, where: str):
                            f"{REWARD_FILE_BYTES >> 20} MiB.")
     module_name = "nbtune_rewards_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
     module = sys.modules.get(module_name)
-    if module is None:
+    stamp = (info.st_mtime_ns, info.st_size)  # a file edited since it was read is read again
+    if module is None or getattr(module, "__nbtune_stamp__", None) != stamp:
         module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(module_name, path))
+        module.__nbtune_stamp__ = stamp
         sys.modules[module_name] = module
         sys.path.insert(0, str(path.parent))
         try:

@@ -590,6 +590,11 @@ def test_a_grpo_session_saved_as_a_run_file_trains_the_same_under_nbtune_train(t
     assert [r.weight for r in again.rewards] == [1.0, 0.5]
     again.save_config(tmp_path / "again" / "run.yaml", steps=2)
     assert "rewards.py:brevity" in (tmp_path / "again" / "run.yaml").read_text()
+    # one module a file, run once, read again once edited
+    assert nt.Session.from_config(tmp_path / "out" / "run.yaml").rewards[0].fn is again.rewards[0].fn
+    (tmp_path / "rewards.py").write_text(REWARDS_PY.replace("/ 16", "/ 8") + "\n")
+    edited = nt.Session.from_config(tmp_path / "out" / "run.yaml").rewards[1].fn
+    assert edited([""], ["abcdefgh"]) == [-1.0]
     # a weight that is not a number is refused at its line; a file is found beside the run
     # file, never in the working directory
     (tmp_path / "nan.yaml").write_text(text.replace("weight: 0.5", "weight: .nan"))

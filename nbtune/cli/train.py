@@ -312,11 +312,13 @@ def _run(parts, job: TrainJob) -> int:
         summary["heldout_accuracy_before"] = parts.evaluate()
         say(f"held-out accuracy before: {summary['heldout_accuracy_before']:.0%}")
     loggers = _Loggers(out_dir, settings, rank=job.rank, resumed_at=len(parts.history))
+    logged = [len(parts.history)]  # the last step written to metrics.jsonl
     interrupted = False
     try:
         with tqdm(total=total, initial=len(parts.history), desc="training", unit="step",
                   disable=None if job.progress and lead else True, file=sys.stderr) as bar:
             def after(report) -> None:  # between steps, in the runner's loop
+                logged[0] = report.step
                 loggers.write(report)
                 say(_line(report))
                 bar.update()
@@ -330,6 +332,10 @@ def _run(parts, job: TrainJob) -> int:
     except KeyboardInterrupt:  # between steps: the state is that of the last completed step
         interrupted = True
     finally:
+        # a signal between a step's end and its row (the step stands, and is checkpointed):
+        # its row still goes to metrics.jsonl, so the log and the checkpoint agree
+        for report in parts.history[logged[0]:]:
+            loggers.write(report)
         loggers.close()
     if interrupted:
         saver.interrupted(f"nbtune train {path} --resume" + (f" --out {out}" if out else ""), say)

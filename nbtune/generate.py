@@ -49,7 +49,10 @@ def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, top_p: float =
 def sample_rows(logits: torch.Tensor, temperature: float, top_p: float,
                 generators: list) -> torch.Tensor:
     """``sample_tokens`` for each row of ``logits`` [N, V] with its own generator, so that a
-    row's draw does not depend on which rows are sampled beside it."""
+    row's draw does not depend on which rows are sampled beside it. With CPU generators (GRPO's)
+    the rows go to the host in one copy, not one a row: a token's sampling waits on the card once."""
+    if all(g is None or g.device.type == "cpu" for g in generators):
+        logits = logits.detach().float().cpu()
     return torch.cat([sample_tokens(logits[i:i + 1], temperature, top_p, g) for i, g in enumerate(generators)])
 
 

@@ -190,14 +190,14 @@ def _fake_generation(built: CausalLM, t: Techniques, seq_len: int, target: str, 
     (``last=True``), its KV cache of ``generation_batch`` sequences holding every token but
     that one (the tokens between only grow the cache). Each moment is made here whole, so
     that each is tracked alone: which of them holds more changes with the depth, and each is
-    affine in it. The sampling runs on the host, a row at a time: on CUDA only each row's
-    float copy of the logits is the device's."""
+    affine in it. The sampling runs on the host: on CUDA only the float copy of the logits
+    made before they go there is the device's."""
     prompt = seq_len + 1 - t.max_completion
     rows = min(t.generation_batch or t.generations, t.generations)
 
     def sample(logits):
         return (sample_rows(logits, t.rollout_temperature, t.rollout_top_p, [None] * rows) if target == "cpu"
-                else logits[:1].float()[:, 0])
+                else logits.float()[:, 0])
 
     cache = built.new_cache()
     if not last:

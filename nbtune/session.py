@@ -680,14 +680,16 @@ class Session:
         reference: ``match`` "exact", "json_keys" (a JSON object with the reference's keys)
         or a function (reply, reference) -> bool; by default ``session.match``. Preference
         pairs: the share whose chosen completion the model ranks above the rejected one (by
-        the objective's reward; under sft, the average log-probability).
+        the objective's reward; under sft, the average log-probability). Under
+        ``objective="grpo"``: the mean reward (``session.rewards``, weighted) of one greedy
+        completion of each row's prompt, ``max_completion`` tokens at most.
 
         Args:
             examples: Rows or pairs to score (default: the held-out rows).
             match: "exact", "json_keys" or a function (reply, reference) -> bool.
 
         Returns:
-            The share right, from 0 to 1.
+            The share right, from 0 to 1 (GRPO: the mean reward).
         """
         return self.parts.evaluate(examples, match)
 

@@ -510,8 +510,8 @@ PREFERENCE_RULES = (
          "Sequence tiling is not yet made for GRPO's per-token ratios: set tile_tokens=0 "
          "(chunked_loss splits its head instead).", ("objective", "tile_tokens")),
     Rule(lambda t: t.objective == "grpo" and t.eval_every,
-         "Held-out evaluation is not yet made for GRPO (its held-out score would be the rewards of "
-         "new completions): set eval_every=0; the step's rewards are on the chart.",
+         "Held-out evaluation every eval_every steps is not yet made for GRPO: set eval_every=0 "
+         "and call session.evaluate() (the held-out prompts' mean reward) between runs.",
          ("eval_every", "objective")),
     Rule(lambda t: t.objective == "grpo" and t.max_completion >= t.seq_len,
          "max_completion must leave room for the prompt within seq_len (each row is the prompt and "

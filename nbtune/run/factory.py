@@ -162,12 +162,14 @@ class Run:
         if not examples:
             raise DataError("No held-out rows to evaluate on: pass heldout= when creating the "
                             "session, or give examples.")
+        if self.trainer.techniques.objective == "grpo":
+            return self._mean_reward(examples)
         if isinstance(examples[0], Pair):
             return self._ranked_right(examples)
         if isinstance(examples[0], PromptRow):
             raise DataError("These held-out rows are prompts alone, with no answer to compare a reply "
-                            "with: evaluate on rows with answers (instruction, chat or pairs); GRPO's "
-                            "rewards of each step are in session.history[-1].rollouts.")
+                            "with: evaluate on rows with answers (instruction, chat or pairs), or under "
+                            "objective='grpo', where evaluate() answers their mean reward.")
         hits = 0
         for ex in examples:
             prompt, reference = prompt_and_reference(ex, self.tokenizer)
@@ -175,6 +177,32 @@ class Run:
             hits += bool(matches(self.generate(prompt, raw=True, max_new_tokens=budget), reference))
         return hits / len(examples)
 
+
+    def _mean_reward(self, examples: list) -> float:
+        """GRPO's held-out figure: the mean reward (the weighted sum of ``session.rewards``) of
+        one greedy completion of each row's prompt, of at most ``max_completion`` tokens (greedy,
+        so the figure before and after training compares the model, not the draws)."""
+        from ..data import as_prompt
+        from ..objectives.grpo import score
+
+        rewards, t = self.data.rewards, self.trainer.techniques
+        if not rewards:
+            raise ValueError("evaluate() under objective='grpo' scores completions with the reward "
+                             "functions: set session.rewards = [my_reward, ...] first.")
+        rows = [as_prompt(row) for row in examples_from(examples, "the rows to evaluate")]
+        tokenizer, texts = self.data.tokenizer, []  # (the training's: its stop tokens)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for row in rows:
+                text, _ = prompt_and_reference(row.example, tokenizer)
+                ids = generate_ids(self.model, prompt_ids(tokenizer, text), max_new_tokens=t.max_completion,
+                                   stop_ids=tokenizer.stop_ids, temperature=0.0, top_p=1.0)
+                texts.append(tokenizer.decode(ids))
+        finally:
+            self.model.train(was_training)
+        values = score(rewards, rows, texts) @ torch.tensor([r.weight for r in rewards])
+        return float(values.mean())
 
     def _ranked_right(self, pairs: list) -> float:
         """The share of ``pairs`` ranked right, scored as a held-out evaluation is."""

@@ -18,6 +18,7 @@ from nbtune.models.tiny import byte_tokenizer
 from nbtune.objectives.grpo import (RewardError, advantages, aggregate, as_rewards, generate_group,
                                     score, token_losses)
 
+import helpers
 from helpers import TEST_STOPS, small_session
 
 trl = pytest.importorskip("trl")
@@ -395,8 +396,9 @@ def test_what_grpo_does_not_do_yet_is_refused_by_name(tmp_path):
     write_rows(rows, tmp_path / "rows.jsonl")
     assert examples_from(str(tmp_path / "rows.jsonl")) == rows  # prompt rows written as read
     with pytest.raises(DataError, match="prompts alone"):
-        session.evaluate(rows)
-    assert 0 <= session.evaluate() <= 1  # held-out pairs: the share ranked right
+        small_session().evaluate(rows)  # (sft: no answer to compare with)
+    with pytest.raises(RewardError, match="'overlap' raised TypeError"):
+        session.evaluate(rows[:1])  # (grpo: rewarded, and this row has no `chosen`)
     assert as_rewards((len, 0.5)) == as_rewards([(len, 0.5)])
     twice = small_session(objective="grpo")
     twice.rewards = [lambda prompts, completions, **_: [1.0] * len(completions),
@@ -605,3 +607,31 @@ def test_a_grpo_session_saved_as_a_run_file_trains_the_same_under_nbtune_train(t
     monkeypatch.chdir(tmp_path)  # rewards.py is here, not beside sub/run.yaml
     with pytest.raises(RunFileError, match="sub/rewards.py cannot be read"):
         nt.Session.from_config(tmp_path / "sub" / "run.yaml")
+
+
+def test_evaluate_under_grpo_is_the_mean_reward_of_greedy_completions_of_the_held_out_prompts():
+    session = small_session(objective="grpo")
+    tokenizer, model = session.data.tokenizer, session.model
+    rows = [as_prompt(p) for p in session.data.heldout[:5]]
+
+    def greedy(ids):  # full forwards, no cache: an independent writer
+        out = []
+        for _ in range(session.techniques.max_completion):
+            with torch.no_grad():
+                token = int(model(torch.tensor([ids + out]))[0, -1].argmax())
+            if token in tokenizer.stop_ids:
+                break
+            out.append(token)
+        return tokenizer.decode(out)
+
+    from nbtune.data import prompt_and_reference, prompt_ids
+    texts = [greedy(prompt_ids(tokenizer, prompt_and_reference(r.example, tokenizer)[0])) for r in rows]
+    fields = {"chosen": [dict(r.fields)["chosen"] for r in rows]}
+    prompts = [r.prompt for r in rows]
+    expected = [a + b + 0.5 * c for a, b, c in zip(helpers.letters(prompts, texts, **fields),
+                                                    helpers.overlap(prompts, texts, **fields),
+                                                    helpers.brevity(prompts, texts, **fields))]
+    first = session.evaluate(session.data.heldout[:5])
+    assert first == pytest.approx(sum(expected) / 5, abs=1e-6)
+    session.set(max_completion=6)  # the budget reaches the completions (brevity)
+    assert session.evaluate(session.data.heldout[:5]) > first + 0.1

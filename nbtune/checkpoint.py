@@ -207,6 +207,8 @@ def _save_single(trainer, folder, source: str | None) -> Path:
     weights = parts({k: v.contiguous() for k, v in state["weights"].items()}, "weights")
     opt_tensors, opt_meta = _optimizer_files(state["optimizer"])
     optimizer = parts(opt_tensors, "optimizer")
+    copy = parts({k: v.contiguous() for k, v in state["reference_copy"].items()}, "reference_copy") \
+        if state.get("reference_copy") is not None else []  # a full finetune's reference (kept: see above)
     trainer = {
         "format": FORMAT, "source": source, "base_changed": state["base_changed"],
         "base_fingerprint": state["base_fingerprint"], "full_weights": state["full_weights"],
@@ -215,11 +217,12 @@ def _save_single(trainer, folder, source: str | None) -> Path:
         "history": history_rows(state["history"]),
         "files": {"weights": [name for name, _ in weights],
                   "optimizer": [name for name, _ in optimizer],
-                  **({"reference_logps": ["reference_logps.safetensors"]} if state.get("reference_logps") is not None else {})},
+                  **({"reference_logps": ["reference_logps.safetensors"]} if state.get("reference_logps") is not None else {}),
+                  **({"reference_copy": [name for name, _ in copy]} if copy else {})},
     }
 
     def write(tmp: Path) -> None:
-        for name, tensors in weights + optimizer:  # one file at a time: see PART_BYTES
+        for name, tensors in weights + optimizer + copy:  # one file at a time: see PART_BYTES
             save_file(tensors, str(tmp / name))
         save_file(state["rng"], str(tmp / "rng.safetensors"))
         if state.get("reference_logps") is not None:  # the weights it came from may be gone: kept
@@ -454,7 +457,7 @@ def read_training_checkpoint(folder) -> dict:
     if not isinstance(files, dict):
         raise refused(path, f"the field 'files' is {shown(files)}, but it must be an object")
     names = {}
-    for part in ("weights", "optimizer") + (("reference_logps",) if "reference_logps" in files else ()):
+    for part in ("weights", "optimizer") + tuple(p for p in ("reference_logps", "reference_copy") if p in files):
         group = state_field(files, part, "a list", path, "files.")
         if not all(isinstance(name, str) for name in group):
             raise refused(path, f"the field 'files.{part}' is {shown(group)}, but it must list file names")
@@ -489,6 +492,7 @@ def read_training_checkpoint(folder) -> dict:
         "base_changed": common["base_changed"],
         "base_fingerprint": common["base_fingerprint"],
         "reference_logps": reference_of(tensors.get("reference_logps"), common["data"], folder),
+        "reference_copy": tensors.get("reference_copy"),  # checked against the model as it is made
     }
 
 

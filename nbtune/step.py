@@ -72,6 +72,7 @@ class StepContext:
     undo: object = None
     parallel: object = None
     guard: Callable | None = None
+    copy: object = None  # a full finetune's reference (``objectives.reference.FrozenCopy``)
 
 
 NO_CONTEXT = StepContext()
@@ -169,8 +170,9 @@ class EvalReport:
 
 def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], options: StepOptions, *,
                   optimizer: torch.optim.Optimizer | None = None,
-                  device: torch.device | None = None, track: bool = True) -> EvalReport:
-    """Mean token loss over ``batches`` without gradients (eval mode: no dropout).
+                  device: torch.device | None = None, track: bool = True, copy=None) -> EvalReport:
+    """Mean token loss over ``batches`` without gradients (eval mode: no dropout); ``copy``:
+    a full finetune's reference copy (``objectives.reference.FrozenCopy``).
 
     Its memory is measured like a step's (the optimizer state it sits beside included):
     a run that fits in training can still run out of memory at its first evaluation,
@@ -182,12 +184,13 @@ def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], opti
               int(sum((b["labels"].chunk(2)[0] != IGNORE).sum() for b in batches)))
              if options.paired else (1, 1))
     inputs = [t for b in batches for t in b.values()]
-    tracker = track_step(model, optimizer, *inputs) if track else _Untracked()
+    tracker = track_step(model, optimizer, *inputs, copy=copy) if track else _Untracked()
     was_training = model.training
     model.eval()
     try:
         with tracker as memory:
-            total, rewards = evaluate_sum(model, batches, memory, options, device=device, pairs=pairs)
+            total, rewards = evaluate_sum(model, batches, memory, options, device=device, pairs=pairs,
+                                          copy=copy)
     finally:
         model.train(was_training)
     preference = None if rewards is None else PreferenceMetrics.of(*rewards)
@@ -199,7 +202,7 @@ def held_out_loss(model: nn.Module, batches: list[dict[str, torch.Tensor]], opti
 @torch.no_grad()
 def evaluate_sum(model: nn.Module, batches: list[dict[str, torch.Tensor]], memory,
                  options: StepOptions, *, device: torch.device | None = None,
-                 pairs: tuple[int, int] = (1, 1)) -> tuple[torch.Tensor, list | None]:
+                 pairs: tuple[int, int] = (1, 1), copy=None) -> tuple[torch.Tensor, list | None]:
     """Summed token loss of ``batches``, moved to ``device`` one at a time (a tensor: the
     estimator runs it on fake ones), and None; a preference objective's batches of pairs:
     its loss over ``pairs`` (the pairs and the chosen tokens of them all), and every pair's
@@ -211,7 +214,7 @@ def evaluate_sum(model: nn.Module, batches: list[dict[str, torch.Tensor]], memor
         if device is not None:
             batch = {k: v.to(device) for k, v in batch.items()}
         if rewards is not None:
-            loss, chosen, rejected = pair_batch_loss(model, batch, options, *pairs)
+            loss, chosen, rejected = pair_batch_loss(model, batch, options, *pairs, copy=copy)
             total += loss.float().cpu()
             rewards.append((chosen.float().cpu(), rejected.float().cpu()))
             continue
@@ -277,7 +280,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     trained, read = int(counts[0]), int(counts[1])
     inputs = [t for b in micro_batches for t in b.values()]
     lr = optimizer.param_groups[0]["lr"]
-    tracker = track_step(model, optimizer, *inputs) if track else _Untracked()
+    tracker = track_step(model, optimizer, *inputs, copy=context.copy) if track else _Untracked()
     meter = UsageMeter(next(model.parameters()).device) if usage else None
     with meter or contextlib.nullcontext(), _Phases(tracker, context.phase) as memory:
         total, balance, rewards = update(model, optimizer, micro_batches,
@@ -382,7 +385,8 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
         offload = (OffloadActivations(model, to=options.offload_to)
                    if options.activation_offloading else None)
         if options.paired:  # pairs: the objective's loss from each row's score
-            loss, *pair_rewards = pair_batch_loss(model, batch, options, rows_total // 2, trained, offload)
+            loss, *pair_rewards = pair_batch_loss(model, batch, options, rows_total // 2, trained, offload,
+                                                  context.copy)
             rewards.append([r.float().cpu() for r in pair_rewards])
         elif options.objective == "grpo":  # completions written by the rollout, with advantages
             loss, kl_sum = grpo_batch_loss(model, batch, options, rows_total, trained, offload)

@@ -24,7 +24,7 @@ OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo", "grpo")
 PAIRED = ("dpo", "ipo", "simpo", "orpo")  # batches of pairs
 REFERENCE_FREE = ("simpo", "orpo")
 GRPO_LOSSES = ("dapo", "grpo", "dr_grpo")
-REFERENCES = ("auto", "adapters_off", "precomputed")
+REFERENCES = ("auto", "adapters_off", "precomputed", "copy", "copy_host")
 DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit", "paged_adamw8bit", "paged_adamw", "ao_adamw8bit",
               "ao_adamw4bit")
@@ -66,6 +66,11 @@ CHOICE_HELP = {
                         "gradients: no second copy of the weights, one more forward a step.",
         "precomputed": "Each pair's reference log-probabilities computed once, before training, and "
                        "kept on the host (8 bytes a pair): no reference forward in the step.",
+        "copy": "Full finetuning: a frozen copy of the weights as the objective starts, on the device "
+                "(the weights twice there), run each step without gradients; scores held-out pairs too.",
+        "copy_host": "Full finetuning: the frozen copy kept in host memory, each layer brought to the "
+                     "device as the reference forward reaches it (one layer there at a time, the "
+                     "whole copy crossing to the device each step).",
     },
     "method": {
         "full": "Trains every weight: gradients and optimizer state for all of them, the most memory.",
@@ -153,7 +158,9 @@ class Techniques:
         gamma: SimPO's target margin between the chosen and rejected average log-probabilities.
         reference: dpo and ipo's reference: adapters_off runs the base (adapters switched off)
             each step; precomputed scores every pair once before training and keeps the
-            numbers on the host; auto picks adapters_off for LoRA / QLoRA, precomputed for full.
+            numbers on the host; copy (full finetuning) keeps a frozen copy of the weights on the
+            device, copy_host in host memory (a layer at a time on the device); auto picks
+            adapters_off for LoRA / QLoRA, precomputed for full.
         generations: GRPO: completions written per prompt, the group each is compared with
             (batch_size counts prompts: a micro-batch trains batch_size × generations rows).
         max_completion: GRPO: the most tokens a completion may have (generation stops there).
@@ -342,7 +349,8 @@ class Techniques:
     @property
     def reference_kind(self) -> str:
         """The reference this run uses: "none" (sft and the reference-free objectives),
-        "adapters_off" or "precomputed" (``reference="auto"`` resolved by the method)."""
+        "adapters_off", "precomputed", "copy" or "copy_host" (``reference="auto"`` resolved
+        by the method)."""
         if self.objective == "grpo":  # its KL term's: completions are new each step
             return "adapters_off" if self.kl and self.method != "full" else "none"
         if self.objective not in ("dpo", "ipo"):
@@ -487,10 +495,15 @@ PREFERENCE_RULES = (
          "reference='adapters_off' runs the base with the adapters switched off, but full finetuning "
          "has no adapters: use reference='precomputed' (or 'auto'), or method='lora'.",
          ("reference", "method", "objective")),
+    Rule(lambda t: t.objective in ("dpo", "ipo") and t.reference in ("copy", "copy_host") and t.method != "full",
+         "reference='copy' is full finetuning's reference (a frozen copy of every weight); with "
+         "LoRA the base with the adapters off is that copy already: use reference='auto', or "
+         "'precomputed' after sft steps.", ("reference", "method", "objective")),
     Rule(lambda t: t.objective in ("dpo", "ipo") and t.eval_every and (
             t.reference == "precomputed" or (t.reference == "auto" and t.method == "full")),
          "Held-out pairs are not yet scored against a precomputed reference (only the training "
-         "pairs are precomputed): set eval_every=0, or reference='adapters_off' with LoRA.",
+         "pairs are precomputed): set eval_every=0, or reference='copy' (full finetuning) or "
+         "'adapters_off' (LoRA).",
          ("eval_every", "objective", "method")),
     Rule(lambda t: t.objective in PAIRED and not t.beta,
          "beta=0 leaves a preference objective nothing to score (dpo's and simpo's loss would be a "

@@ -24,8 +24,8 @@ LAYERS = [
      "generate", "models", "data", "memory.accounting", "memory.breakdown", "memory.tracker",
      "memory.sampling", "memory.snapshot", "memory.usage", "memory", "peft", "peft_experts", "adapters", "optim", "activations", "plan",
      "step", "loss", "objectives", "undo", "datasets", "quiet", "interrupts"],
-    # 1. the model across ranks, and the state's forms on disk and across ranks
-    ["distributed", "shards", "state", "checkpoint", "sharded_checkpoint"],
+    # 1. the model across ranks, and the state's forms on disk and across ranks (a frozen copy of it too)
+    ["distributed", "shards", "state", "checkpoint", "sharded_checkpoint", "objectives.reference"],
     # 2. prediction (one package), and the out-of-memory explanation built on it
     ["predict", "oom"],
     # 3. the training state

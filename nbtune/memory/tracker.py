@@ -401,12 +401,12 @@ class CpuStepMemory:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *inputs: torch.Tensor,
-                 by_layer: bool = False, tiles: tuple[nn.Module, ...] = ()):
-        self._model, self._optimizer = model, optimizer
+                 by_layer: bool = False, tiles: tuple[nn.Module, ...] = (), copy=None):
+        self._model, self._optimizer, self._copy = model, optimizer, copy
         self._tracker = _HighWaterTracker()
         if tiles:
             self._tracker.recorder = Recorder()
-        self._tracker.track_external(model, optimizer, *inputs)
+        self._tracker.track_external(model, optimizer, *inputs, *([copy.model] if copy is not None else []))
         self._tracker.track_gradients(model)
         self._tracker.track_gathered_weights(model)
         self._micro = -1
@@ -453,7 +453,7 @@ class CpuStepMemory:
 
     def result(self) -> MemoryBreakdown:
         return breakdown_of(self.segments.items(), optimizer_state_bytes(self._optimizer),
-                            parameter_bytes(self._model))
+                            weights_of(self._model, self._copy))
 
 
 def _layer_hooks(model: nn.Module, tracker: _HighWaterTracker) -> list:
@@ -500,8 +500,8 @@ class CudaStepMemory:
     backward) or other (the optimizer step).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *inputs: torch.Tensor):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *inputs: torch.Tensor, copy=None):
+        self.model, self.optimizer, self.copy = model, optimizer, copy
         self.device = next(model.parameters()).device
         self.activations = self.gradients = self.reserved = 0
         self._forward_start = 0
@@ -541,7 +541,7 @@ class CudaStepMemory:
         self._close_phase("backward", gradients=self.gradients)
 
     def result(self) -> MemoryBreakdown:
-        weights = parameter_bytes(self.model)
+        weights = weights_of(self.model, self.copy)
         params = sum(weights.values())
         state = optimizer_state_bytes(self.optimizer, self.device)  # offloaded state is not here
         paged = paged_state_bytes(self.optimizer)
@@ -564,8 +564,17 @@ class CudaStepMemory:
                                phases=phase_summary(phases))
 
 
-def track_step(model: nn.Module, optimizer: torch.optim.Optimizer, *inputs: torch.Tensor):
-    """The tracker for the device the model lives on."""
+def track_step(model: nn.Module, optimizer: torch.optim.Optimizer, *inputs: torch.Tensor, copy=None):
+    """The tracker for the device the model lives on; ``copy``: a full finetune's reference
+    copy (``objectives.reference.FrozenCopy``), its weights on the device counted as frozen."""
     device = next(model.parameters()).device
     cls = CudaStepMemory if device.type == "cuda" else CpuStepMemory
-    return cls(model, optimizer, *inputs)
+    return cls(model, optimizer, *inputs, copy=copy)
+
+
+def weights_of(model: nn.Module, copy) -> dict[str, int]:
+    """The model's weights by kind, with a reference copy's on the device as frozen ones."""
+    weights = parameter_bytes(model)
+    if copy is not None:
+        weights["frozen"] += copy.device_bytes()
+    return weights

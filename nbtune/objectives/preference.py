@@ -159,21 +159,25 @@ def preference_loss(objective: str, chosen: Completions, rejected: Completions, 
 
 
 def pair_batch_loss(model: nn.Module, batch: dict[str, torch.Tensor], options, pairs_total: int,
-                    chosen_tokens_total: int, offload=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    chosen_tokens_total: int, offload=None, copy=None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One micro-batch of pairs: its share of the step's loss (pair losses summed over the
     step's ``pairs_total``; ORPO's cross-entropy over ``chosen_tokens_total`` chosen tokens,
     as one batch would give), and each pair's chosen and rejected rewards. The reference runs
     first, without gradients, so its transient is gone before the policy's forward keeps
-    anything; ``offload`` (activation offloading) wraps the policy's forward only."""
+    anything: precomputed log-probs in the batch, a frozen copy (``copy``, a
+    ``reference.FrozenCopy``) or the model with its adapters off; ``offload`` (activation
+    offloading) wraps the policy's forward only."""
     ids, labels = batch["input_ids"], batch["labels"]
     pieces = max(options.chunked_loss, 1)
     reference = None
     if "reference_logps" in batch:  # precomputed before training (``reference_logps``)
         reference = Completions(batch["reference_logps"], (labels != IGNORE).sum(-1)).halves()
     elif options.objective not in REFERENCE_FREE:
-        with torch.no_grad(), adapters_off(model):
-            hidden = model.hidden_states(ids, positions=batch.get("positions"))
-            reference = completion_sums(model.lm_head, hidden, labels, pieces).halves()
+        scorer = copy.model if copy is not None else model
+        with torch.no_grad(), adapters_off(model) if copy is None else contextlib.nullcontext():
+            hidden = scorer.hidden_states(ids, positions=batch.get("positions"))
+            reference = completion_sums(scorer.lm_head, hidden, labels, pieces).halves()
             del hidden
     with offload or contextlib.nullcontext():
         hidden = model.hidden_states(ids, positions=batch.get("positions"))

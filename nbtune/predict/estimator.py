@@ -37,9 +37,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..distributed import Parallel, Sharding, check_sharding, shard_model
 from ..hub import resolve_model_folder
-from ..memory.accounting import optimizer_state_bytes, parameter_bytes
+from ..memory.accounting import optimizer_state_bytes
 from ..memory.breakdown import HostMemory, MemoryBreakdown
-from ..memory.tracker import CpuStepMemory, Segment, breakdown_of
+from ..memory.tracker import CpuStepMemory, Segment, breakdown_of, weights_of
 from ..models.config import ModelConfig
 from ..models.hf import PART_BYTES
 from ..generate import sample_rows
@@ -48,9 +48,11 @@ from ..models import gguf as _gguf_writer
 from ..models.filling import CHECK_BYTES, DTYPES
 from ..models.hf import CAST_CHUNK_BYTES
 from ..models.presets import PRESETS, preset_config
+from ..objectives.reference import COPIES, FrozenCopy
 from ..optim import OptimizerInBackward, optimizer_factory, trainable_parameters
 from ..peft import cast_model
 from ..plan import check, transform_model
+from ..state import full_weights
 from ..step import NO_CONTEXT, StepContext, StepOptions, evaluate_sum, update
 from ..techniques import PAGED_OPTIMIZERS, Techniques, as_techniques
 from ..undo import UNDO_AUTO_BYTES
@@ -377,6 +379,7 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
         paged=step.outside if cuda else 0,
         cpu_optimizer=cpu_optimizer,
         undo=undo,
+        reference=step.parameters if cuda and t.reference_kind == "copy_host" else 0,
         # one tensor at a time, in the training dtype (plus the cast's 16 MiB chunk and the
         # finiteness check's scalars); on a CPU the loaded weights stay (they are the step's
         # parameters, counted in ``step``)
@@ -610,6 +613,12 @@ def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int
         if spread is not None:  # as the trainer does under torchrun: shard, then the optimizer
             shard_model(built, spread.traced(), mesh)
             context = StepContext(parallel=Parallel(0, world, 0, spread.sharding))
+        copy = None
+        if t.reference_kind in COPIES:  # a full finetune's frozen reference (on CUDA "host": off the device)
+            host = t.reference_kind == "copy_host"
+            copy = FrozenCopy.of(full_weights(built), config, "cpu", host,
+                                 store="meta" if host and target == "cuda" else "cpu")
+            context = replace(context, copy=copy)
         optimizer = _estimate_optimizer(built, t, target)
         batches = [{k: mode.from_tensor(v) for k, v in b.items()} for b in micro_batches]
         inputs = [v for b in batches for v in b.values()]
@@ -620,15 +629,15 @@ def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int
         _make_state(optimizer)  # as after a first step, without running one
         marks = [layer.ffn_norm for layer in built.model.layers] if tiles[0] else []
         marks += [built.model.norm] if tiles[1] else []
-        memory = CpuStepMemory(built, optimizer, *inputs, by_layer=by_layer, tiles=tuple(marks))
+        memory = CpuStepMemory(built, optimizer, *inputs, by_layer=by_layer, tiles=tuple(marks), copy=copy)
         with memory:
             update(built, optimizer, batches, trained, memory, options, context)
         eval_peak = 0
         if t.eval_every:  # one held-out batch at a time, beside the optimizer state
-            evaluation = CpuStepMemory(built, optimizer, *inputs)
+            evaluation = CpuStepMemory(built, optimizer, *inputs, copy=copy)
             built.eval()
             with evaluation:
-                evaluate_sum(built, batches[:1], evaluation, options)
+                evaluate_sum(built, batches[:1], evaluation, options, copy=copy)
             eval_peak = evaluation.result().peak
         generation_peaks = (0, 0)
         if t.objective == "grpo":  # written before the update, no gradients
@@ -641,7 +650,7 @@ def _fake_step(config: ModelConfig, t: Techniques, target: str, shape: tuple[int
             generation_peaks = (*(moment.result().peak for moment in moments), 0)[:2]
             built.train()
     return _FakeStep(dict(memory.segments), optimizer_state_bytes(optimizer),
-                     parameter_bytes(built), optimizer_state_bytes(optimizer, torch.device("meta")),
+                     weights_of(built, copy), optimizer_state_bytes(optimizer, torch.device("meta")),
                      eval_peak, memory.recorded, generation_peaks)
 
 

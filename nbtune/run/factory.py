@@ -220,7 +220,7 @@ class Run:
                    for i in range(0, len(tokenized), t.batch_size)]
         options = StepOptions.of(t, objective=t.objective if t.paired else "simpo")  # (sft, grpo: avg log-prob)
         return held_out_loss(self.trainer.model, batches, options, device=self.trainer.device,
-                             track=False).preference.accuracy
+                             track=False, copy=self.trainer.reference_copy).preference.accuracy
 
 
 # ---- building ---------------------------------------------------------------------------------

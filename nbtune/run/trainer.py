@@ -45,6 +45,7 @@ from ..optim import OptimizerInBackward, build_optimizer, release_optimizer
 from ..peft import adapter_state_dict, has_lora
 from ..plan import (REBUILDS_DATA, REBUILDS_MODEL, REBUILDS_OPTIMIZER, RETUNES_MODEL, SHARDED_FIELDS,
                    SHARDED_REASON, ModelJournal, check, reference_problems, transform_model)
+from ..objectives.reference import COPIES, FrozenCopy, precomputed, restore_logps
 from ..step import NonFiniteError, StepContext, StepOptions, StepReport, held_out_loss, train_step
 from ..techniques import Techniques
 from ..state import (base_fingerprint, check_optimizer_state, check_param_groups, check_weights,
@@ -86,6 +87,7 @@ class _Prepared:
     base_changed: bool
     messages: list
     rng: dict  # new adapters draw their initial values: an abort puts the RNG back
+    copy: object = None  # a full finetune's reference copy (``objectives.reference.FrozenCopy``)
 
 
 class Trainer:
@@ -116,6 +118,7 @@ class Trainer:
         self._generation_measured: tuple | None = None  # ... under these techniques, optimizer
         # a preference objective's precomputed reference: ((seq_len, pairs, rows), [pairs, 2])
         self._reference: tuple | None = None
+        self._copy = None  # a full finetune's frozen reference copy (``reference="copy"``)
         self.stream = self._new_stream(techniques, with_reference=False)  # the model comes next
         if parallel is None:
             self.model = model.to(device)
@@ -129,6 +132,7 @@ class Trainer:
         self.techniques = techniques
         self.history: list[StepReport] = []
         self.stream.reference_logps = self._reference_of(self.stream, techniques)
+        self._copy = self._copy_for(techniques)
         self.base_changed = False  # True once full training or a merge altered the base weights
         # Under torchrun a failed step ends the job (the other ranks wait in a collective), so
         # no undo copy is kept there.
@@ -188,35 +192,37 @@ class Trainer:
         return stream
 
     def _reference_of(self, stream: BatchStream, t: Techniques) -> torch.Tensor | None:
-        """The precomputed reference of ``stream``'s pairs (``reference="precomputed"``): the
-        model as it is when the objective starts, scored once and kept while the pairs' tokens
-        stay the same (``seq_len``, the rows); switched from ``adapters_off`` mid-run, the
-        base's (the same reference). Once steps were trained against it, the weights it came
-        from may be gone: a change that needs it again is refused."""
+        """The precomputed reference of ``stream``'s pairs (``reference="precomputed"``; see
+        ``objectives.reference.precomputed``), kept while the pairs' tokens stay the same."""
         if t.reference_kind != "precomputed":
             return None
-        key = (t.seq_len, len(stream.samples), id(self.data.train))
-        if self._reference is not None and self._reference[0] == key:
-            return self._reference[1]
         previous = getattr(self, "techniques", None)  # None while the trainer is being made
-        base = previous is not None and previous.reference_kind == "adapters_off"
-        trained_against = any(r.preference is not None for r in getattr(self, "history", []))
-        if self._reference is not None and trained_against and not base:
-            raise ValueError(f"seq_len={t.seq_len} (or other rows) needs the reference's log-probs "
-                             "again, but the reference was the weights when the preference "
-                             "objective started, trained since: keep "
-                             f"seq_len={self._reference[0][0]}, or save those weights first and "
-                             "start from them.")
-        from ..objectives.preference import reference_logps
+        self._reference, note = precomputed(
+            self._reference, stream, t, self.model, self.data, self.device,
+            base=previous is not None and previous.reference_kind == "adapters_off",
+            trained_against=any(r.preference is not None for r in getattr(self, "history", [])))
+        self.notes += [note] if note else []
+        return self._reference[1]
 
-        started = time.perf_counter()
-        values = reference_logps(self.model, stream.samples, self.data.pad_id, t.batch_size,
-                                 self.device, max(t.chunked_loss, 1), base=base)
-        self._reference = (key, values)
-        self.notes.append(f"Reference log-probs of {len(values):,} pairs computed in "
-                          f"{time.perf_counter() - started:.1f} s, kept on the host "
-                          f"({values.numel() * 4:,} bytes): no reference forward in the steps.")
-        return values
+    def _copy_for(self, t: Techniques, weights: dict | None = None, fresh: bool = False):
+        """A full finetune's frozen reference copy for ``t`` (``objectives/reference.py``): the
+        one held, placed where ``t`` asks; else made of ``weights`` (a saved state's) or
+        (``fresh``) of the model's weights as they are now, those the objective starts from."""
+        if t.reference_kind not in COPIES:
+            return None
+        if self.parallel is not None:
+            raise ValueError(f"reference={t.reference_kind!r} is not yet made for several ranks (the "
+                             "copy would be sharded too): use reference='precomputed'.")
+        host = t.reference_kind == "copy_host"
+        if weights is None and not fresh and self._copy is not None:
+            return self._copy.placed(host)
+        return FrozenCopy.of(full_weights(self.model) if weights is None else weights,
+                             self.model.config, self.device, host)
+
+    @property
+    def reference_copy(self):
+        """The frozen reference copy held (``reference="copy"``), else None."""
+        return self._copy
 
     # ---- commands ------------------------------------------------------------------------
 
@@ -280,7 +286,7 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = t.lr_at(number)
             context = StepContext(phase=phase, critical=self._critical if undo is None else None,
-                                  undo=undo, parallel=self.parallel)
+                                  undo=undo, parallel=self.parallel, copy=self._copy)
             report = train_step(self.model, self.optimizer, batches, options, context,
                                 pad_id=self.data.pad_id, step=number, track=track, usage=usage)
             if t.objective == "grpo":
@@ -406,7 +412,7 @@ class Trainer:
                 return report
             result = held_out_loss(self.model, batches, StepOptions.of(t),
                                    optimizer=self.optimizer, device=self.device,
-                                   track=track or self._eval_peak is None)
+                                   track=track or self._eval_peak is None, copy=self._copy)
         except BaseException as err:
             err.nbtune_report = report  # the step stands: the caller records it
             _drop_frames(err)
@@ -443,6 +449,7 @@ class Trainer:
             "base_changed": self.base_changed,
             "base_fingerprint": self.base_fingerprint,
             "reference_logps": self.stream.reference_logps,  # a preference run's precomputed reference, or None
+            "reference_copy": self._copy.weights() if self._copy is not None else None,  # a full finetune's
         }
 
     def load_state_dict(self, state: dict, *, placed: bool = False) -> None:
@@ -473,7 +480,7 @@ class Trainer:
                                  "resume with the run file that wrote it.")
             stream = self.stream.copy()
             stream.load_state_dict(state["data"])
-            _restore_reference(stream, state, self.techniques)
+            restore_logps(stream, state, self.techniques)
             self.stream, self.history = stream, list(state["history"])
             self.base_changed, self.damaged = state["base_changed"], None
             set_rng_state(state["rng"])  # this rank's own
@@ -485,7 +492,10 @@ class Trainer:
                              "training or merged adapters), so the adapters would not reproduce "
                              "the run: load it into a fresh session on the base model.")
         self.check_usable(loading=True)
-        prepared = self._prepare(state["techniques"], fresh_optimizer=True)
+        if state["techniques"].reference_kind in COPIES and state.get("reference_copy") is None:
+            raise ValueError("The training state has no reference copy, but its techniques use "
+                             f"reference={state['techniques'].reference_kind!r}: load a state saved with it.")
+        prepared = self._prepare(state["techniques"], fresh_optimizer=True, copy=state.get("reference_copy"))
         try:
             check_weights(self.model, state["weights"], state["full_weights"])
             check_param_groups(prepared.optimizer, state["optimizer"]["param_groups"])
@@ -493,7 +503,7 @@ class Trainer:
             check_optimizer_state(prepared.optimizer)  # torch's load does not check shapes
             stream = prepared.stream
             stream.load_state_dict(state["data"])
-            _restore_reference(stream, state, state["techniques"])
+            restore_logps(stream, state, state["techniques"])
         except BaseException:
             self._abort(prepared)
             raise
@@ -559,6 +569,8 @@ class Trainer:
                 self.damaged = self.damaged or ("Reloading the base weights failed part-way: the "
                                                 "weights are part old, part new.")
                 raise
+            self._copy = None  # the reference at step 0 is the base: copied again
+            self._copy = self._copy_for(self.techniques, fresh=True)
             optimizer, stream = build_optimizer(self.model, self.techniques), self._new_stream(self.techniques)
             release_optimizer(self.optimizer)
             self.optimizer, self.stream, self._new_optimizer = optimizer, stream, True
@@ -573,8 +585,10 @@ class Trainer:
 
     # ---- transactions --------------------------------------------------------------------
 
-    def _prepare(self, new: Techniques, fresh_optimizer: bool = False, checked: bool = False) -> _Prepared:
-        """Build what ``new`` needs beside what exists; on failure, undo and re-raise."""
+    def _prepare(self, new: Techniques, fresh_optimizer: bool = False, checked: bool = False,
+                 copy: dict | None = None) -> _Prepared:
+        """Build what ``new`` needs beside what exists; on failure, undo and re-raise.
+        ``copy``: a loaded state's reference copy weights."""
         problems = [] if checked else check(new, self.model, self.device.type) + self.data.problems(new)
         problems += reference_problems(new, self.techniques, self.model)  # as the model is now
         if problems:
@@ -594,6 +608,7 @@ class Trainer:
                 prepared.base_changed |= base_changed
             if changed & REBUILDS_OPTIMIZER or fresh_optimizer:
                 prepared.optimizer = build_optimizer(self.model, new)
+            prepared.copy = self._copy_for(new, copy)
         except BaseException:
             self._abort(prepared)
             raise
@@ -622,6 +637,7 @@ class Trainer:
         if prepared.optimizer is not self.optimizer:
             self._new_optimizer = True
         self.optimizer, self.stream, self.techniques = prepared.optimizer, prepared.stream, new
+        self._copy = prepared.copy
         self._eval_peak = None  # the next evaluation is measured: it shows what changed
         self.base_changed = prepared.base_changed
         if self.base_changed:  # adapters merged: an adapters-only copy no longer loads
@@ -792,16 +808,3 @@ def _drop_frames(err: BaseException) -> None:
         seen.add(id(err))
         traceback.clear_frames(err.__traceback__)
         err = err.__context__
-
-
-def _restore_reference(stream: BatchStream, state: dict, t: Techniques) -> None:
-    """A saved precomputed reference back onto ``stream`` (the weights it was computed from
-    may be gone), checked against its pairs; a state without one keeps the stream's own."""
-    values = state.get("reference_logps")
-    if values is None:
-        return
-    if t.reference_kind != "precomputed" or tuple(values.shape) != (len(stream.samples), 2):
-        raise ValueError(f"The state's precomputed reference holds {tuple(values.shape)} log-probs, "
-                         f"but this run has {len(stream.samples)} pairs with reference="
-                         f"{t.reference_kind!r}: resume with the same data and techniques.")
-    stream.reference_logps = values.float()

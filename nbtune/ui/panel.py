@@ -590,7 +590,7 @@ class Panel(w.VBox):
                     control.layout.display = "none" if techniques.method == "full" else None
                 if name in PREFERENCE_FIELDS:
                     # the reference shows under sft too: it is chosen before switching to dpo
-                    # or ipo (after sft steps only "precomputed" is the model they start from)
+                    # or ipo (after sft steps "precomputed" or a "copy" is the model they start from)
                     used = {"gamma": techniques.objective == "simpo",
                             "reference": techniques.objective in ("sft", "dpo", "ipo")
                             and self.session.data.pairs,

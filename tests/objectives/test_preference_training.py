@@ -16,7 +16,7 @@ from nbtune.distributed import Parallel
 from nbtune.models import ModelConfig, Tokenizer, demo_model_dir
 from nbtune.models.decoder import CausalLM
 from nbtune.models.tiny import byte_tokenizer
-from nbtune.step import StepOptions, train_step
+from nbtune.step import StepContext, StepOptions, train_step
 
 from helpers import demo_pairs, small_session
 
@@ -190,6 +190,8 @@ def test_two_accumulated_micro_batches_of_pairs_equal_one_batch_of_them(objectiv
     dict(method="qlora", dtype="bf16", objective="dpo", activation_checkpointing=True),
     dict(objective="dpo"),  # full finetuning: the reference precomputed, no reference forward
     dict(method="lora", objective="ipo", reference="precomputed"),
+    dict(objective="dpo", reference="copy"),  # the weights twice
+    dict(objective="ipo", reference="copy_host", chunked_loss=2),  # (on a CPU the host is the device)
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_the_estimate_equals_the_measured_step_of_pairs(changes):
     """Full-length pair rows of the demo's shape: the estimate (fake tensors, the same step)
@@ -204,9 +206,10 @@ def test_the_estimate_equals_the_measured_step_of_pairs(changes):
     batch = {"input_ids": ids, "labels": ids.clone()}
     if t.reference_kind == "precomputed":
         batch["reference_logps"] = torch.zeros(4)
+    context = StepContext(copy=session.trainer.reference_copy)
     for _ in range(2):
         report = train_step(session.model, session.optimizer, [batch] * t.grad_accum,
-                            StepOptions.of(t), pad_id=-1, step=1)
+                            StepOptions.of(t), context, pad_id=-1, step=1)
     guess = nt.estimate(config, t)
     assert abs(guess.peak - report.memory.peak) <= 0.02 * report.memory.peak, (guess.peak, report.memory.peak)
     assert guess.parameters == report.memory.parameters

@@ -1,0 +1,136 @@
+"""A frozen copy of the model, the reference of ``dpo`` and ``ipo`` under full finetuning
+(``reference="copy"``, or ``"copy_host"``): the weights as they were when the preference
+objective started, run each step without gradients. Full finetuning has no adapters to
+switch off, so the reference is either these weights kept (here) or their log-probs kept
+(``reference="precomputed"``, which cannot score held-out pairs).
+
+``copy`` keeps them on the device (the weights twice there). ``copy_host`` keeps them in
+host memory (pinned on CUDA) and brings each layer to the device as the reference forward
+reaches it, then drops it: one layer's weights on the device beside the model, and a host
+to device copy of the whole model each step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from ..memory.accounting import storage_bytes
+from ..models.decoder import CausalLM
+from ..state import full_weights
+
+COPIES = ("copy", "copy_host")  # the references that are a frozen copy of the weights
+
+
+class FrozenCopy:
+    """The reference model of a full finetune (see the module's docstring). ``model`` runs
+    the forward; ``store`` is where its weights live, ``device`` where they compute."""
+
+    def __init__(self, model: CausalLM, device: torch.device, store: torch.device) -> None:
+        self.model, self.device, self.store = model, torch.device(device), torch.device(store)
+        self._hooks = _streaming_hooks(model, self.device) if self.store != self.device else []
+
+    @classmethod
+    def of(cls, weights: dict[str, torch.Tensor], config, device, host: bool,
+           store: torch.device | str | None = None) -> "FrozenCopy":
+        """A copy of ``weights`` (``state.full_weights``: the tied head once) of a ``config``
+        model, on ``device`` or (``host``) in host memory, pinned when the device is a GPU.
+        ``store`` overrides where the host keeps it (the estimator: off the device it counts)."""
+        device = torch.device(device)
+        store = torch.device(store if store is not None else "cpu" if host else device)
+        with torch.device("meta"):
+            model = CausalLM(config)
+        mine = model.state_dict()
+        unknown = sorted(set(weights) - set(mine))
+        missing = sorted(set(mine) - set(weights) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
+        if unknown or missing:
+            raise ValueError(f"The reference copy's weights do not match the model: "
+                             f"{(unknown or missing)[:3]} {'unknown' if unknown else 'missing'}.")
+        wrong = next((name for name, value in weights.items() if value.shape != mine[name].shape), None)
+        if wrong is not None:
+            raise ValueError(f"The reference copy's weight {wrong!r} is {tuple(weights[wrong].shape)}, "
+                             f"but the model's is {tuple(mine[wrong].shape)}: load a state of this model.")
+        pin = host and device.type == "cuda" and store.type == "cpu"
+        copied = {}
+        for name, value in weights.items():
+            value = value.detach().to(store, copy=True)
+            copied[name] = value.pin_memory() if pin else value
+        model.load_state_dict(copied, strict=False, assign=True)
+        model.tie_weights()
+        model.requires_grad_(False)
+        return cls(model.eval(), device, store)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Its weights by name, as ``state.full_weights`` gives a model's (for a checkpoint)."""
+        return full_weights(self.model)
+
+    def placed(self, host: bool) -> "FrozenCopy":
+        """This copy kept on the device or in host memory: itself when already there."""
+        if self.device.type == "cpu" or (self.store != self.device) == host:  # (a CPU's host is its device)
+            return self
+        return FrozenCopy.of(self.weights(), self.model.config, self.device, host)
+
+    def device_bytes(self) -> int:
+        """What it keeps on the device (none in host memory)."""
+        if self.store != self.device:
+            return 0
+        return storage_bytes(self.model.parameters(), set())
+
+
+def _streaming_hooks(model: CausalLM, device: torch.device) -> list:
+    """Hooks that bring each part's weights (the embedding, each layer, the norm, the head) to
+    ``device`` as the forward reaches it and let them go after: the host copy stays as it is
+    (each module reads a device copy in place of its stored parameter while the part runs)."""
+    def bring(part, args):
+        part._stored = [(m, name, p) for m in part.modules() for name, p in m._parameters.items() if p is not None]
+        for m, name, p in part._stored:
+            m._parameters[name] = p.to(device, non_blocking=True)
+
+    def release(part, args, output):
+        for m, name, p in part._stored:
+            m._parameters[name] = p
+        del part._stored
+
+    parts: list[nn.Module] = [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
+    return [hook for part in parts for hook in (part.register_forward_pre_hook(bring),
+                                                part.register_forward_hook(release))]
+
+def precomputed(cached: tuple | None, stream, t, model: nn.Module, data, device, *, base: bool,
+                trained_against: bool) -> tuple[tuple, str | None]:
+    """``reference="precomputed"``: ``stream``'s pairs scored once by the model as it is when
+    the objective starts (``base``: with the adapters off, the reference a run had so far),
+    as (key, [pairs, 2] log-probs) to keep, and what to tell the user (None when ``cached``
+    still holds them). Once steps were trained against it, the weights it came from may be
+    gone: a change that needs it again is refused."""
+    from .preference import reference_logps
+
+    key = (t.seq_len, len(stream.samples), id(data.train))
+    if cached is not None and cached[0] == key:
+        return cached, None
+    if cached is not None and trained_against and not base:
+        raise ValueError(f"seq_len={t.seq_len} (or other rows) needs the reference's log-probs "
+                         "again, but the reference was the weights when the preference "
+                         "objective started, trained since: keep "
+                         f"seq_len={cached[0][0]}, or save those weights first and "
+                         "start from them.")
+    started = time.perf_counter()
+    values = reference_logps(model, stream.samples, data.pad_id, t.batch_size, device,
+                             max(t.chunked_loss, 1), base=base)
+    return (key, values), (f"Reference log-probs of {len(values):,} pairs computed in "
+                           f"{time.perf_counter() - started:.1f} s, kept on the host "
+                           f"({values.numel() * 4:,} bytes): no reference forward in the steps.")
+
+
+def restore_logps(stream, state: dict, t) -> None:
+    """A saved precomputed reference back onto ``stream`` (the weights it was computed from
+    may be gone), checked against its pairs; a state without one keeps the stream's own."""
+    values = state.get("reference_logps")
+    if values is None:
+        return
+    if t.reference_kind != "precomputed" or tuple(values.shape) != (len(stream.samples), 2):
+        raise ValueError(f"The state's precomputed reference holds {tuple(values.shape)} log-probs, "
+                         f"but this run has {len(stream.samples)} pairs with reference="
+                         f"{t.reference_kind!r}: resume with the same data and techniques.")
+    stream.reference_logps = values.float()

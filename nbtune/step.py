@@ -16,7 +16,7 @@ from .loss import cross_entropy_sum, loss_pieces
 from .memory import MemoryBreakdown, track_step
 from .memory.usage import Usage, UsageMeter
 from .objectives.grpo import RolloutMetrics, grpo_batch_loss
-from .objectives.preference import PREFERENCE, PreferenceMetrics, pair_batch_loss
+from .objectives.preference import PREFERENCE, PreferenceMetrics, half_pair_loss, pair_batch_loss, pair_weights
 from .optim import OptimizerInBackward
 
 
@@ -38,6 +38,7 @@ class StepOptions:
     objective: str = "sft"  # a preference objective's batches are pairs (objectives/preference.py)
     beta: float = 0.1
     gamma: float = 0.5
+    split_pairs: bool = False  # a pair batch's chosen and rejected rows in two passes
     # GRPO's (objectives/grpo.py): the rollout's and the loss's settings
     generations: int = 4
     max_completion: int = 64
@@ -380,11 +381,18 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
     rewards = []  # a preference objective's (chosen, rejected) rewards, each micro-batch's
     coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", 0.0)
     rows_total = sum(b["input_ids"].shape[0] for b in micro_batches) * (1 if parallel is None else parallel.world)
-    for batch in micro_batches:
+    split = options.paired and options.split_pairs  # each pair batch's chosen rows, then its rejected
+    passes = [(b, half) for b in micro_batches for half in ((0, 1) if split else (None,))]
+    for batch, half in passes:
         memory.before_forward()
         offload = (OffloadActivations(model, to=options.offload_to)
                    if options.activation_offloading else None)
-        if options.paired:  # pairs: the objective's loss from each row's score
+        if half is not None:  # (split_pairs) the loss and each row's weight first, no gradients
+            if half == 0:
+                scored = pair_weights(model, batch, options, rows_total // 2, trained, context.copy)
+                rewards.append([scored.chosen_reward.float().cpu(), scored.rejected_reward.float().cpu()])
+            loss = half_pair_loss(model, batch, half, scored, options, offload)
+        elif options.paired:  # pairs: the objective's loss from each row's score
             loss, *pair_rewards = pair_batch_loss(model, batch, options, rows_total // 2, trained, offload,
                                                   context.copy)
             rewards.append([r.float().cpu() for r in pair_rewards])
@@ -400,7 +408,7 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
             reported = loss.detach()
             # (divided by the ranks: backward scales the loss by them for the cross-entropy,
             # summed over ranks, while this is each rank's own, averaged)
-            loss = loss + balance * (coef / len(micro_batches) / (1 if parallel is None else parallel.world))
+            loss = loss + balance * (coef / len(passes) / (1 if parallel is None else parallel.world))
         memory.after_forward()
         if undo is not None:
             undo.stage()

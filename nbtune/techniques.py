@@ -161,6 +161,9 @@ class Techniques:
             numbers on the host; copy (full finetuning) keeps a frozen copy of the weights on the
             device, copy_host in host memory (a layer at a time on the device); auto picks
             adapters_off for LoRA / QLoRA, precomputed for full.
+        split_pairs: Preference objectives: the chosen rows and the rejected rows of a batch run
+            forward and backward apart, so half the activations are kept at once, for one more
+            forward of both without gradients (the gradient unchanged).
         generations: GRPO: completions written per prompt, the group each is compared with
             (batch_size counts prompts: a micro-batch trains batch_size × generations rows).
         max_completion: GRPO: the most tokens a completion may have (generation stops there).
@@ -204,6 +207,7 @@ class Techniques:
     beta: float = 0.1
     gamma: float = 0.5
     reference: str = "auto"
+    split_pairs: bool = False  # chosen and rejected rows in two passes: half the activations
     generations: int = 4
     max_completion: int = 64
     rollout_temperature: float = 1.0
@@ -273,7 +277,7 @@ class Techniques:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 out.append(f"{name} must be an int >= 0, got {value!r}.")
         for name in ("packing", "optimizer_in_backward", "cpu_offload_optimizer",
-                     "activation_offloading", "compile", "scale_rewards"):
+                     "activation_offloading", "compile", "scale_rewards", "split_pairs"):
             if not isinstance(getattr(self, name), bool):
                 out.append(f"{name} must be True or False, got {getattr(self, name)!r}.")
         for name, what in (("max_grad_norm", "a finite number >= 0 (0 = off), e.g. 1.0"),
@@ -495,6 +499,10 @@ PREFERENCE_RULES = (
          "reference='adapters_off' runs the base with the adapters switched off, but full finetuning "
          "has no adapters: use reference='precomputed' (or 'auto'), or method='lora'.",
          ("reference", "method", "objective")),
+    Rule(lambda t: t.objective in PAIRED and t.split_pairs and t.optimizer_in_backward,
+         "split_pairs runs two backward passes a batch of pairs, but the optimizer in backward "
+         "would step on the first half's gradients: turn one of them off.",
+         ("split_pairs", "optimizer_in_backward", "objective")),
     Rule(lambda t: t.objective in ("dpo", "ipo") and t.reference in ("copy", "copy_host") and t.method != "full",
          "reference='copy' is full finetuning's reference (a frozen copy of every weight); with "
          "LoRA the base with the adapters off is that copy already: use reference='auto', or "

@@ -13,7 +13,7 @@ class HostMemory:
     """Host (CPU) memory a configuration needs, predicted by ``estimate``, in bytes.
 
     Held while it trains (``training``): runtime, step, offloaded, paged, sharded,
-    cpu_optimizer, undo and reference; once in a while, on top of that: loading, checkpoint, merged and
+    cpu_optimizer, undo and reference_copy; once in a while, on top of that: loading, checkpoint, merged and
     gguf.
 
     Attributes:
@@ -29,7 +29,7 @@ class HostMemory:
             gradients and state.
         undo: The undo copy of the trainable weights and optimizer state, where
             ``rollback="auto"`` keeps it.
-        reference: A full finetune's frozen reference copy kept in host memory, pinned
+        reference_copy: A full finetune's frozen reference copy kept in host memory, pinned
             (``reference="copy_host"``).
         loading: Reading the weights, instead of the training part (on ranks each reads its
             rows of one weight at a time).
@@ -45,7 +45,7 @@ class HostMemory:
     sharded: int = 0
     cpu_optimizer: int = 0
     undo: int = 0
-    reference: int = 0
+    reference_copy: int = 0
     loading: int = 0
     checkpoint: int = 0
     merged: int = 0
@@ -55,7 +55,7 @@ class HostMemory:
     def training(self) -> int:
         """Held while steps run."""
         return (self.runtime + self.step + self.offloaded + self.paged + self.sharded
-                + self.cpu_optimizer + self.undo + self.reference)
+                + self.cpu_optimizer + self.undo + self.reference_copy)
 
     @property
     def peak(self) -> int:

@@ -170,15 +170,8 @@ def pair_batch_loss(model: nn.Module, batch: dict[str, torch.Tensor], options, p
     offloading) wraps the policy's forward only."""
     ids, labels = batch["input_ids"], batch["labels"]
     pieces = max(options.chunked_loss, 1)
-    reference = None
-    if "reference_logps" in batch:  # precomputed before training (``reference_logps``)
-        reference = Completions(batch["reference_logps"], (labels != IGNORE).sum(-1)).halves()
-    elif options.objective not in REFERENCE_FREE:
-        scorer = copy.model if copy is not None else model
-        with torch.no_grad(), adapters_off(model) if copy is None else contextlib.nullcontext():
-            hidden = scorer.hidden_states(ids, positions=batch.get("positions"))
-            reference = completion_sums(scorer.lm_head, hidden, labels, pieces).halves()
-            del hidden
+    reference = _reference(model, batch, options, copy)
+    reference = None if reference is None else reference.halves()
     with offload or contextlib.nullcontext():
         hidden = model.hidden_states(ids, positions=batch.get("positions"))
         if pieces <= 1:  # the whole batch's logits are kept for backward: offloaded too
@@ -192,6 +185,81 @@ def pair_batch_loss(model: nn.Module, batch: dict[str, torch.Tensor], options, p
     if options.objective == "orpo":
         loss = loss - chosen.logps.sum() / chosen_tokens_total
     return loss, chosen_reward, rejected_reward
+
+
+def _reference(model: nn.Module, batch: dict, options, copy, rows: slice = slice(None)):
+    """The batch's ``rows``' reference (chosen, rejected) ``Completions`` (None for the
+    reference-free objectives): precomputed in the batch, from a frozen copy, or from the
+    model with its adapters off, without gradients."""
+    labels = batch["labels"][rows]
+    if "reference_logps" in batch:  # precomputed before training (``reference_logps``)
+        return Completions(batch["reference_logps"][rows], (labels != IGNORE).sum(-1))
+    if options.objective in REFERENCE_FREE:
+        return None
+    scorer = copy.model if copy is not None else model
+    with torch.no_grad(), adapters_off(model) if copy is None else contextlib.nullcontext():
+        hidden = scorer.hidden_states(batch["input_ids"][rows], positions=_rows(batch.get("positions"), rows))
+        return completion_sums(scorer.lm_head, hidden, labels, max(options.chunked_loss, 1))
+
+
+def _rows(value, rows: slice):
+    return None if value is None else value[rows]
+
+
+@dataclass(frozen=True)
+class PairWeights:
+    """``split_pairs``' first pass over a batch of pairs: its share of the step's loss, each
+    row's weight in the gradient (d loss / d row's log-probability) and the rewards."""
+
+    loss: torch.Tensor
+    weights: torch.Tensor  # [2B], the chosen rows' then the rejected rows'
+    chosen_reward: torch.Tensor
+    rejected_reward: torch.Tensor
+
+
+def pair_weights(model: nn.Module, batch: dict[str, torch.Tensor], options, pairs_total: int,
+                 chosen_tokens_total: int, copy=None) -> PairWeights:
+    """The loss ``pair_batch_loss`` would give, from the policy's and the reference's
+    log-probabilities made without gradients, the chosen rows then the rejected ones (half the
+    batch's transients at a time); and each row's weight, the loss's derivative by its summed
+    log-probability: the loss depends on the model through those numbers alone, so each half's
+    ``sum(weight * log-prob)`` has the gradient its share of the loss has (``half_pair_loss``)."""
+    half = batch["input_ids"].shape[0] // 2
+    sides = (slice(0, half), slice(half, None))
+    with torch.no_grad():
+        scores = [completion_sums(model.lm_head, model.hidden_states(
+            batch["input_ids"][rows], positions=_rows(batch.get("positions"), rows)), batch["labels"][rows],
+            max(options.chunked_loss, 1)) for rows in sides]
+    reference = None if options.objective in REFERENCE_FREE else \
+        tuple(_reference(model, batch, options, copy, rows) for rows in sides)
+    leaves = [s.logps.detach().float().requires_grad_() for s in scores]
+    with torch.enable_grad():
+        chosen, rejected = (Completions(leaf, s.tokens) for leaf, s in zip(leaves, scores))
+        losses, chosen_reward, rejected_reward = pair_terms(options.objective, chosen, rejected, reference,
+                                                            options.beta, options.gamma)
+        loss = losses.sum() / pairs_total
+        if options.objective == "orpo":
+            loss = loss - chosen.logps.sum() / chosen_tokens_total
+        weights = torch.autograd.grad(loss, leaves)
+    return PairWeights(loss.detach(), torch.cat(weights), chosen_reward, rejected_reward)
+
+
+def half_pair_loss(model: nn.Module, batch: dict[str, torch.Tensor], half: int, scored: PairWeights,
+                   options, offload=None) -> torch.Tensor:
+    """``split_pairs``' pass over one half of a batch of pairs (0: the chosen rows, 1: the
+    rejected): a loss whose gradient is that half's share of the batch's and whose value is
+    the batch's loss in the first pass, 0 in the second (so the step's sum is the loss)."""
+    size = batch["input_ids"].shape[0] // 2
+    rows = slice(half * size, (half + 1) * size)
+    labels, pieces = batch["labels"][rows], max(options.chunked_loss, 1)
+    with offload or contextlib.nullcontext():
+        hidden = model.hidden_states(batch["input_ids"][rows], positions=_rows(batch.get("positions"), rows))
+        if pieces <= 1:
+            logps = completion_sums(model.lm_head, hidden, labels).logps
+    if pieces > 1:
+        logps = completion_sums(model.lm_head, hidden, labels, pieces).logps
+    weighted = (logps.float() * scored.weights[rows]).sum()
+    return weighted - weighted.detach() + (scored.loss if half == 0 else 0)
 
 
 @torch.no_grad()

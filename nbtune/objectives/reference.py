@@ -97,10 +97,34 @@ def _streaming_hooks(model: CausalLM, device: torch.device) -> list:
     return [hook for part in parts for hook in (part.register_forward_pre_hook(bring),
                                                 part.register_forward_hook(release))]
 
+def copy_for(held: FrozenCopy | None, t, model: CausalLM, device, *, weights: dict | None = None,
+             ranks: bool = False, previous=None, trained: bool = False) -> FrozenCopy | None:
+    """The frozen copy ``t``'s reference needs (None unless ``copy`` or ``copy_host``):
+    ``held`` placed where ``t`` asks; else one made of ``weights`` (a saved state's) or of
+    ``model``'s as they are now, the weights the objective starts from. Refused on ranks, and
+    where the weights it would copy were trained since against ``previous`` techniques'
+    precomputed log-probs (all that is left of the weights the objective started from)."""
+    if t.reference_kind not in COPIES:
+        return None
+    if ranks:
+        raise ValueError(f"reference={t.reference_kind!r} is not yet made for several ranks (the "
+                         "copy would be sharded too): use reference='precomputed'.")
+    host = t.reference_kind == "copy_host"
+    if weights is None and held is not None:
+        return held.placed(host)
+    if weights is None and previous is not None and previous.reference_kind == "precomputed" and trained:
+        raise ValueError(f"reference={t.reference_kind!r} copies the weights the preference objective "
+                         "started from, but they were trained since (the precomputed log-probs are "
+                         "all that is left of them): keep reference='precomputed', or set "
+                         "objective='sft' and back to start again from the weights as they are.")
+    return FrozenCopy.of(full_weights(model) if weights is None else weights, model.config, device, host)
+
+
 def precomputed(cached: tuple | None, stream, t, model: nn.Module, data, device, *, base: bool,
                 trained_against: bool) -> tuple[tuple, str | None]:
     """``reference="precomputed"``: ``stream``'s pairs scored once by the model as it is when
-    the objective starts (``base``: with the adapters off, the reference a run had so far),
+    the objective starts (``base``: the reference a run had so far, the model with its
+    adapters off, or the ``model`` given is a frozen copy),
     as (key, [pairs, 2] log-probs) to keep, and what to tell the user (None when ``cached``
     still holds them). Once steps were trained against it, the weights it came from may be
     gone: a change that needs it again is refused."""

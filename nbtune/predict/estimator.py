@@ -379,7 +379,7 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
         paged=step.outside if cuda else 0,
         cpu_optimizer=cpu_optimizer,
         undo=undo,
-        reference=step.parameters if cuda and t.reference_kind == "copy_host" else 0,
+        reference_copy=step.parameters if cuda and t.reference_kind == "copy_host" else 0,
         # one tensor at a time, in the training dtype (plus the cast's 16 MiB chunk and the
         # finiteness check's scalars); on a CPU the loaded weights stay (they are the step's
         # parameters, counted in ``step``)

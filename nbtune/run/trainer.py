@@ -45,7 +45,7 @@ from ..optim import OptimizerInBackward, build_optimizer, release_optimizer
 from ..peft import adapter_state_dict, has_lora
 from ..plan import (REBUILDS_DATA, REBUILDS_MODEL, REBUILDS_OPTIMIZER, RETUNES_MODEL, SHARDED_FIELDS,
                    SHARDED_REASON, ModelJournal, check, reference_problems, transform_model)
-from ..objectives.reference import COPIES, FrozenCopy, precomputed, restore_logps
+from ..objectives.reference import COPIES, copy_for, precomputed, restore_logps
 from ..step import NonFiniteError, StepContext, StepOptions, StepReport, held_out_loss, train_step
 from ..techniques import Techniques
 from ..state import (base_fingerprint, check_optimizer_state, check_param_groups, check_weights,
@@ -197,27 +197,20 @@ class Trainer:
         if t.reference_kind != "precomputed":
             return None
         previous = getattr(self, "techniques", None)  # None while the trainer is being made
+        copied = previous is not None and previous.reference_kind in COPIES  # (the reference: the copy's)
         self._reference, note = precomputed(
-            self._reference, stream, t, self.model, self.data, self.device,
-            base=previous is not None and previous.reference_kind == "adapters_off",
+            self._reference, stream, t, self._copy.model if copied else self.model, self.data, self.device,
+            base=previous is not None and previous.reference_kind in ("adapters_off", *COPIES),
             trained_against=any(r.preference is not None for r in getattr(self, "history", [])))
         self.notes += [note] if note else []
         return self._reference[1]
 
     def _copy_for(self, t: Techniques, weights: dict | None = None, fresh: bool = False):
-        """A full finetune's frozen reference copy for ``t`` (``objectives/reference.py``): the
-        one held, placed where ``t`` asks; else made of ``weights`` (a saved state's) or
-        (``fresh``) of the model's weights as they are now, those the objective starts from."""
-        if t.reference_kind not in COPIES:
-            return None
-        if self.parallel is not None:
-            raise ValueError(f"reference={t.reference_kind!r} is not yet made for several ranks (the "
-                             "copy would be sharded too): use reference='precomputed'.")
-        host = t.reference_kind == "copy_host"
-        if weights is None and not fresh and self._copy is not None:
-            return self._copy.placed(host)
-        return FrozenCopy.of(full_weights(self.model) if weights is None else weights,
-                             self.model.config, self.device, host)
+        """A full finetune's frozen reference copy for ``t`` (``objectives.reference.copy_for``):
+        the one held (unless ``fresh``), else one of ``weights`` or of the model's now."""
+        return copy_for(None if fresh else self._copy, t, self.model, self.device, weights=weights,
+                        ranks=self.parallel is not None, previous=getattr(self, "techniques", None),
+                        trained=any(r.preference is not None for r in self.history))
 
     @property
     def reference_copy(self):

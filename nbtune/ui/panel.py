@@ -117,6 +117,7 @@ def _controls(session) -> dict[str, w.ValueWidget]:
         "gamma": slider(w.FloatSlider, "gamma (SimPO margin)", min=0.0, max=5.0, step=0.1),
         "reference": w.Dropdown(options=REFERENCES, description="reference", style=style, layout=wide(),
                                 description_allow_html=True),
+        "split_pairs": toggle("chosen, rejected apart"),
         "generations": slider(w.IntSlider, "completions per prompt", min=2, max=16),
         "max_completion": slider(w.IntSlider, "max completion tokens", min=8, max=limit, step=8),
         "rollout_temperature": slider(w.FloatSlider, "sampling temperature", min=0.1, max=2.0, step=0.05),
@@ -140,10 +141,10 @@ TABS = {"Method & adapter": ("method", "lora_rank", "lora_alpha", "lora_dropout"
                       "warmup_steps", "weight_decay", "max_grad_norm"),
         "Batch": ("batch_size", "seq_len", "packing", "grad_accum"),
         "Evaluation": ("eval_every",),
-        "Objective": ("objective", "beta", "gamma", "reference", *GRPO_FIELDS)}
+        "Objective": ("objective", "beta", "gamma", "reference", "split_pairs", *GRPO_FIELDS)}
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")  # hidden under "full"
 # hidden where unused (gamma: SimPO's alone; GRPO's under grpo alone)
-PREFERENCE_FIELDS = ("beta", "gamma", "reference", *GRPO_FIELDS)
+PREFERENCE_FIELDS = ("beta", "gamma", "reference", "split_pairs", *GRPO_FIELDS)
 # The value a control is moved to when a rule would stop it (checked to disable it ahead).
 PROBES = {"optimizer_in_backward": True, "cpu_offload_optimizer": True, "compile": True,
           "activation_offloading": True, "packing": True, "grad_accum": 2, "max_grad_norm": 1.0}
@@ -594,7 +595,8 @@ class Panel(w.VBox):
                     used = {"gamma": techniques.objective == "simpo",
                             "reference": techniques.objective in ("sft", "dpo", "ipo")
                             and self.session.data.pairs,
-                            "beta": techniques.paired}.get(name, techniques.objective == "grpo")
+                            "beta": techniques.paired, "split_pairs": techniques.paired,
+                            }.get(name, techniques.objective == "grpo")
                     control.layout.display = None if used else "none"
                     if name in self.choice_help:  # its line of help goes with it
                         self.choice_help[name].layout.display = control.layout.display

@@ -192,6 +192,8 @@ def test_two_accumulated_micro_batches_of_pairs_equal_one_batch_of_them(objectiv
     dict(method="lora", objective="ipo", reference="precomputed"),
     dict(objective="dpo", reference="copy"),  # the weights twice
     dict(objective="ipo", reference="copy_host", chunked_loss=2),  # (on a CPU the host is the device)
+    dict(method="lora", objective="dpo", split_pairs=True),
+    dict(objective="orpo", split_pairs=True, chunked_loss=4, activation_checkpointing=True),
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_the_estimate_equals_the_measured_step_of_pairs(changes):
     """Full-length pair rows of the demo's shape: the estimate (fake tensors, the same step)
@@ -464,3 +466,74 @@ def test_fit_and_the_longest_context_search_for_the_preference_objective():
     dpo = nt.longest_context(config, budget, t, device="cpu")
     sft = nt.longest_context(config, budget, t.replace(objective="sft"), device="cpu")
     assert 0 < dpo.tokens < sft.tokens
+
+
+# ---- split_pairs: the chosen rows and the rejected rows in two passes -----------------------
+
+def test_a_split_pair_step_updates_the_adapters_as_the_dpo_loss_computed_here_does():
+    """split_pairs, two steps in (the policy is no longer the reference): the next step's SGD
+    update is lr times the gradient of DPO's loss computed here on full logits, the reference
+    by zeroing every adapter's B on a copy."""
+    import copy
+
+    from nbtune.peft import LoRALinear
+
+    session = small_session(method="lora", objective="dpo", optimizer="sgd", lr=0.5, beta=0.3,
+                            split_pairs=True, chunked_loss=2)
+    session.step(), session.step()
+    batch = copy.deepcopy(session.trainer.stream).next()
+    model, base = copy.deepcopy(session.model), copy.deepcopy(session.model)
+    for m in base.modules():
+        if isinstance(m, LoRALinear):
+            torch.nn.init.zeros_(m.lora_B.weight)
+
+    def logps(net):
+        labels = batch["labels"]
+        taken = torch.log_softmax(net(batch["input_ids"]).float(), -1).gather(-1, labels.clamp(min=0)[..., None])
+        return (taken.squeeze(-1) * (labels != IGNORE)).sum(-1)
+
+    with torch.no_grad():
+        ref = logps(base)
+    chosen, rejected = (logps(model) - ref).chunk(2)
+    loss = -torch.nn.functional.logsigmoid(0.3 * (chosen - rejected)).mean()
+    loss.backward()
+    before = {n: p.detach().clone() for n, p in session.model.named_parameters() if p.requires_grad}
+    report = session.step()
+    assert report.loss == pytest.approx(loss.item(), abs=1e-6)
+    grads = dict(model.named_parameters())
+    for name, old in before.items():
+        moved = dict(session.model.named_parameters())[name].detach() - old
+        torch.testing.assert_close(moved, -0.5 * grads[name].grad, atol=2e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(objective="dpo", method="lora"),
+    dict(objective="orpo", grad_accum=2),
+    dict(objective="simpo", chunked_loss=3, activation_checkpointing=True),
+    dict(objective="ipo", reference="copy"),
+    dict(objective="dpo", activation_offloading=True),
+], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_split_pairs_trains_as_one_batch_does_holding_less(changes):
+    """Three SGD steps apart and together: the same losses, rewards and weights (to float
+    noise), and the split step's measured peak is lower."""
+    runs = {}
+    for split in (False, True):
+        session = small_session(optimizer="sgd", lr=0.05, split_pairs=split, **changes)
+        reports = [session.step() for _ in range(3)]
+        weights = torch.cat([p.detach().flatten() for p in session.model.parameters() if p.requires_grad])
+        runs[split] = reports, weights
+    (whole, w1), (split, w2) = runs[False], runs[True]
+    for a, b in zip(whole, split):
+        assert b.loss == pytest.approx(a.loss, rel=1e-6, abs=1e-6)  # (ipo's loss is ~6: float32's last bits)
+        assert b.preference.margin == pytest.approx(a.preference.margin, rel=1e-6, abs=1e-6)
+        assert b.preference.accuracy == a.preference.accuracy
+    torch.testing.assert_close(w2, w1, atol=1e-6, rtol=0)
+    assert split[-1].memory.peak < whole[-1].memory.peak
+
+
+def test_split_pairs_with_the_optimizer_in_backward_is_refused_by_name():
+    session = small_session(objective="dpo", method="lora", optimizer_in_backward=True, optimizer="sgd")
+    before = session.techniques
+    with pytest.raises(ValueError, match="split_pairs runs two backward passes"):
+        session.set(split_pairs=True)
+    assert session.techniques is before

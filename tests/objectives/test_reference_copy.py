@@ -121,5 +121,28 @@ def test_the_estimate_counts_the_copy_on_the_device_or_on_the_host():
     assert on.frozen == on.trainable == pre.parameters
     assert on.peak == pytest.approx(pre.peak + pre.parameters, abs=64)
     assert off.peak == pytest.approx(pre.peak, abs=64) and off.frozen == 0
-    assert off.host.reference == pre.parameters and on.host.reference == pre.host.reference == 0
+    assert off.host.reference_copy == pre.parameters and on.host.reference_copy == pre.host.reference_copy == 0
     assert off.host.training == pre.host.training + pre.parameters
+
+
+def test_a_reference_changes_form_mid_run_only_where_the_weights_it_started_from_are_kept():
+    """dpo against a copy, then the same reference precomputed (scored by the copy, not the
+    trained model): the losses go on as if nothing changed; from precomputed log-probs no copy
+    can be made once the model has trained, refused by name, nothing changed."""
+    def started(kind):
+        session = small_session(objective="sft", method="full", lr=1e-3)
+        session.step(), session.step()
+        session.set(objective="dpo", reference=kind)
+        return session
+
+    straight = started("copy")
+    expected = [straight.step().loss for _ in range(4)]
+    moved = started("copy")
+    got = [moved.step().loss for _ in range(2)]
+    moved.set(reference="precomputed")
+    assert moved.trainer.reference_copy is None
+    assert got + [moved.step().loss for _ in range(2)] == pytest.approx(expected, abs=1e-6)
+    before = moved.techniques
+    with pytest.raises(ValueError, match="they were trained since"):
+        moved.set(reference="copy")
+    assert moved.techniques is before and moved.trainer.reference_copy is None

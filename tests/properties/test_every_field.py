@@ -368,6 +368,31 @@ def check_reference(session, ctx):
     assert len(forwards) == 1
 
 
+def check_split_pairs(session, ctx):
+    """Two passes a batch of pairs: each half's rows without gradients (the loss and the rows'
+    weights), the reference's halves, then each half again with gradients: every forward of
+    the model reads batch_size rows, never the 2 × batch_size of a whole pair batch."""
+    rows = []
+    original = session.model.hidden_states
+    ctx.monkeypatch.setattr(session.model, "hidden_states",
+                            lambda ids, **kw: rows.append(ids.shape[0]) or original(ids, **kw))
+    session.step()
+    assert rows == [session.techniques.batch_size] * 6
+
+
+def check_reference_copy(session, ctx):
+    """A frozen copy runs the reference's forward (the model runs only the policy's), and it
+    holds the weights the objective started with, apart from the model's."""
+    copy = session.trainer.reference_copy
+    forwards, copied = count_forwards(session, ctx), []
+    original = copy.model.hidden_states
+    ctx.monkeypatch.setattr(copy.model, "hidden_states", lambda *a, **k: copied.append(1) or original(*a, **k))
+    session.step()
+    assert len(forwards) == 1 and len(copied) == 1
+    mine = dict(session.model.named_parameters())
+    assert all(p.data_ptr() != mine[n].data_ptr() for n, p in copy.model.named_parameters())
+
+
 def check_beta(session, ctx):
     assert recorded_pair_terms(session, ctx) == [(ctx.value, session.techniques.gamma)]
 
@@ -496,6 +521,7 @@ TABLE: dict[str, Row] = {
     "gamma": Row(2.0, check_gamma, base=SIMPO),
     # LoRA's base is frozen: its log-probs computed once are those it gives every step
     "reference": Row("precomputed", check_reference, base=DPO_LORA, maths=False),
+    "split_pairs": Row(True, check_split_pairs, base=DPO_LORA, maths=False),
     "generations": Row(3, check_generations, base=GRPO),
     "max_completion": Row(8, check_max_completion, base=GRPO),
     "rollout_temperature": Row(0.5, check_sampling("rollout_temperature"), base=GRPO),
@@ -509,6 +535,9 @@ TABLE: dict[str, Row] = {
 
 # Second values of a field, tried the same way (not part of the one-row-per-field count).
 EXTRA: dict[str, tuple[str, Row]] = {
+    # full finetuning: the copy moved from the host to the device, the same losses
+    "reference=copy": ("reference", Row("copy", check_reference_copy, maths=False,
+                                        base={"objective": "dpo", "method": "full", "reference": "copy_host"})),
     "method=qlora": ("method", Row("qlora", check_method)),
     # Against SGD: bitsandbytes' first update is AdamW's exactly (the state is quantized
     # only after it is used), so against AdamW the losses part only from the third step.

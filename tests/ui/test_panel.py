@@ -280,7 +280,7 @@ def test_hiding_lora_fields_hides_nothing_else(session_and_panel):
     from nbtune.ui.panel import GRPO_FIELDS
 
     assert hidden == {"lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "beta", "gamma", "reference",
-                      *GRPO_FIELDS}
+                      "split_pairs", *GRPO_FIELDS}
 
 
 def test_a_preference_objective_shows_its_own_settings_and_a_pair_batch_trains():
@@ -292,13 +292,16 @@ def test_a_preference_objective_shows_its_own_settings_and_a_pair_batch_trains()
     panel = session.panel()
     try:
         # under sft on pairs the reference is chosen before a switch to dpo (after sft steps
-        # only "precomputed" is the model dpo starts from); hidden, its help line goes too
+        # "precomputed" or a "copy" is the model dpo starts from); hidden, its help line goes too
         assert panel.controls["reference"].layout.display != "none"
         panel.controls["objective"].value = "simpo"
         assert panel.choice_help["reference"].layout.display == "none"
         assert session.techniques.objective == "simpo"
-        shown = {n for n in ("beta", "gamma", "reference") if panel.controls[n].layout.display != "none"}
-        assert shown == {"beta", "gamma"}
+        shown = {n for n in ("beta", "gamma", "reference", "split_pairs")
+                 if panel.controls[n].layout.display != "none"}
+        assert shown == {"beta", "gamma", "split_pairs"}
+        panel.controls["split_pairs"].value = True  # the toggle reaches the session's techniques
+        assert session.techniques.split_pairs
         panel.step_button.click()
         last = session.history[-1]
         assert last.preference is not None

@@ -438,7 +438,7 @@ def test_every_rule_says_why_and_changes_nothing(rule):
     values = {"optimizer_in_backward": True, "grad_accum": 2, "max_grad_norm": 1.0,
               "cpu_offload_optimizer": True, "optimizer": "paged_adamw8bit", "compile": True,
               "objective": "dpo", "packing": True, "method": "full", "tile_tokens": 16,
-              "reference": "adapters_off", "eval_every": 1, "beta": 0.0, "seq_len": 96}
+              "reference": "adapters_off", "eval_every": 1, "beta": 0.0, "seq_len": 96, "split_pairs": True}
     if "GRPO" in rule.reason or "max_completion" in rule.reason:
         values.update(objective="grpo", reference="precomputed", kl=0.5, max_completion=96)
     if "is full finetuning's reference" in rule.reason:

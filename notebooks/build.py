@@ -1054,6 +1054,12 @@ ranked_before = session.evaluate()
 first = session.step()
 print(f"held-out pairs ranked right before training: {ranked_before:.0%}")
 print(f"first DPO loss {first.loss:.4f}, ln 2 = {math.log(2):.4f}")"""),
+    ("md", """Each objective's settings are controls too: the panel's **Objective** tab has the
+objective, `beta`, the reference and `split_pairs` (the chosen and rejected rows run apart:
+half the activations, one more forward), each explained when hovered; under GRPO it shows
+GRPO's settings instead. **Step** trains this same session."""),
+    ("code", """# NBVAL_IGNORE_OUTPUT
+session.panel()"""),
     ("md", """Each step reports what preference users watch: the chosen and rejected rewards
 (`beta` times each completion's log-probability ratio to the reference), their margin and the
 share of pairs ranked right. The chart draws the margin beside the loss."""),

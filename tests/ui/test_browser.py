@@ -440,3 +440,58 @@ def test_the_documentation_site_searches_shows_a_notebooks_chart_and_the_api(sit
             assert "checkpoint_minutes" in page.locator("article").inner_text()
         finally:
             browser.close()
+
+
+NOTEBOOK_08 = Path(__file__).parents[2] / "notebooks" / "08_dpo_and_grpo.ipynb"
+
+
+def test_notebook_08s_panel_shows_each_objectives_settings_and_trains_them(lab, tmp_path):
+    """Notebook 08 as a user opens it, run to its panel: the Objective tab shows DPO's
+    settings (each with its hover text, none cut), split_pairs toggled there reaches the
+    session, a Step from the panel reports the pairs' margin; grpo chosen in the dropdown shows
+    GRPO's settings instead and a Step reports the mean reward. No traceback."""
+    shutil.copy(NOTEBOOK_08, tmp_path)
+    sources = ["".join(cell["source"]) for cell in json.loads(NOTEBOOK_08.read_text())["cells"]]
+    at_panel = next(i for i, s in enumerate(sources) if s.rstrip().endswith("session.panel()"))
+    rewards = next(i for i, s in enumerate(sources) if "def right_capital" in s)
+    with playwright.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1400})
+        page.set_default_timeout(240_000)
+        page.goto(lab.replace("panel.ipynb", NOTEBOOK_08.name))
+        cells = page.locator(".jp-Notebook .jp-Cell")
+        cells.first.wait_for()
+        page.get_by_text("Python 3 (ipykernel) | Idle").wait_for()
+        _lab_command(page, at_panel + 1, "notebook:run-all-above")  # up to the panel's cell
+        panel = cells.nth(at_panel).locator(".jp-OutputArea-output").first
+
+        def button(text):
+            return panel.locator("button.jupyter-button").filter(has_text=re.compile(rf"^\s*{text}\s*$"))
+
+        button("Step").wait_for()
+        page.get_by_text("Python 3 (ipykernel) | Idle").wait_for()
+        panel.locator(".lm-TabBar-tab", has_text="Objective").click()
+        titles = dict(panel.evaluate(_TITLES_JS))
+        shown = " ".join(titles)
+        assert "beta" in shown and "reference" in shown and "chosen, rejected apart" in shown, titles
+        assert "completions per prompt" not in shown and all(t.strip() for t in titles.values()), titles
+        assert not panel.evaluate(_CUT_LABELS_JS)
+        button("chosen, rejected apart").click()
+        panel.locator(".widget-html").filter(has_text="applied").first.wait_for()
+        button("Step").click()
+        panel.locator(".widget-html").filter(has_text=re.compile(r"margin -?[\d.]+, \d+% of pairs ranked right")
+                                             ).first.wait_for()
+        _shot(page, "notebook-08-dpo-panel", panel)
+        _lab_command(page, rewards, "notebook:run-cell")  # the reward functions, from their cell
+        page.get_by_text("Python 3 (ipykernel) | Idle").wait_for()
+        page.wait_for_timeout(1000)
+        _dropdown(page, panel, "objective").select_option("grpo")
+        panel.get_by_text("completions per prompt").first.wait_for(state="visible")
+        titles = dict(panel.evaluate(_TITLES_JS))
+        assert "chosen, rejected apart" not in " ".join(titles) and all(t.strip() for t in titles.values())
+        button("Step").click()
+        panel.locator(".widget-html").filter(has_text=re.compile(r"reward -?[\d.]+, \d+ tokens a completion")
+                                             ).first.wait_for()
+        _shot(page, "notebook-08-grpo-panel", panel)
+        assert page.locator(".jp-OutputArea-output").filter(has_text="Traceback").count() == 0
+        browser.close()

@@ -115,7 +115,8 @@ def explain(err: BaseException, phase: str | None, step: int, held: dict, config
         at_once = min(t.generation_batch or t.generations, t.generations)
         lines.append(f"The completions were being written, {at_once} at a time, each with a KV cache of "
                      f"up to {t.seq_len} tokens: a lower generation_batch (1 writes one at a time) or "
-                     "max_completion shrinks it.")
+                     "max_completion shrinks it"
+                     + (", and kv_cache='int8' halves a bf16 one." if t.kv_cache != "int8" else "."))
     if err.args:
         lines.append(f"(torch: {str(err.args[0]).splitlines()[0][:200]})")
     return OutOfMemory("\n".join(lines), phase, held, predicted, suggestions)

@@ -48,6 +48,7 @@ class StepOptions:
     grpo_loss: str = "dapo"
     scale_rewards: bool = True
     generation_batch: int = 0
+    kv_cache: str = "model"
 
     @property
     def paired(self) -> bool:

@@ -24,6 +24,7 @@ OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo", "grpo")
 PAIRED = ("dpo", "ipo", "simpo", "orpo")  # batches of pairs
 REFERENCE_FREE = ("simpo", "orpo")
 GRPO_LOSSES = ("dapo", "grpo", "dr_grpo")
+KV_CACHES = ("model", "int8")  # GRPO's writing: the KV cache in the model's dtype, or in 8 bits
 REFERENCES = ("auto", "adapters_off", "precomputed", "copy", "copy_host")
 DTYPES = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "sgd", "adamw8bit", "paged_adamw8bit", "paged_adamw", "ao_adamw8bit",
@@ -51,6 +52,12 @@ CHOICE_HELP = {
                 "times an odds-ratio term against the rejected one.",
         "grpo": "GRPO on prompts: the model writes several completions of each, your reward "
                 "functions score them, and each is pushed up or down by how it beat its group.",
+    },
+    "kv_cache": {
+        "model": "The KV cache of the completions being written in the model's dtype.",
+        "int8": "The KV cache in 8 bits (a scale a token and head): about half of bf16's, a quarter "
+                "of fp32's, for a rounding of at most 1/254 of each vector's largest entry "
+                "(sampling may then draw other tokens).",
     },
     "grpo_loss": {
         "dapo": "DAPO's (TRL's default): every completion token of the step weighs the same, long "
@@ -177,6 +184,8 @@ class Techniques:
         scale_rewards: GRPO: divide each advantage by its group's reward standard deviation.
         generation_batch: GRPO: completions generated at once, each with its own KV cache
             (0 = a prompt's whole group): less memory, more time.
+        kv_cache: GRPO: the writing's KV cache in the model's dtype ("model") or in 8 bits
+            ("int8": about half of bf16's, its rounding may change what is sampled).
     """
 
     method: str = "full"
@@ -216,6 +225,7 @@ class Techniques:
     grpo_loss: str = "dapo"
     scale_rewards: bool = True
     generation_batch: int = 0  # 0 = a prompt's whole group at once
+    kv_cache: str = "model"
 
     def __new__(cls, *args, **kwargs):
         _refuse_unknown("Techniques", kwargs)
@@ -254,6 +264,7 @@ class Techniques:
         choice("objective", OBJECTIVES)
         choice("reference", REFERENCES)
         choice("grpo_loss", GRPO_LOSSES)
+        choice("kv_cache", KV_CACHES)
         choice("dtype", DTYPES)
         choice("optimizer", OPTIMIZERS)
         for name in ("batch_size", "seq_len", "grad_accum", "lora_rank", "max_completion", "generations"):

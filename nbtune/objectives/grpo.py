@@ -136,13 +136,14 @@ def advantages(total: torch.Tensor, group: int, scale: bool) -> torch.Tensor:
 @torch.no_grad()
 def generate_group(model: nn.Module, prompt: list[int], generators: list[torch.Generator], *,
                    max_new: int, stop_ids, temperature: float, top_p: float, at_once: int,
-                   more: Callable[[bool], bool] | None = None) -> list[list[int]]:
+                   more: Callable[[bool], bool] | None = None, int8: bool = False) -> list[list[int]]:
     """A completion of ``prompt`` for each of ``generators`` (each draws its completion's
     samples, so how many are written at once changes no completion on a CPU; on a GPU, matrix
     products of another batch size may differ in the last bits), ``at_once`` at a time in
     lockstep: the prompt read once and its KV cache shared, then one forward of the batch per
     token until every completion has ended (``more(going)``: whether any rank still writes; on
-    several ranks each runs every forward, its gathers being collectives). A completion keeps
+    several ranks each runs every forward, its gathers being collectives; ``int8``: the cache in
+    8 bits, ``Int8KVCache``). A completion keeps
     the stop token that ends it. Each token's logits are dropped once sampled, before the next
     forward."""
     device = next(model.parameters()).device
@@ -150,7 +151,7 @@ def generate_group(model: nn.Module, prompt: list[int], generators: list[torch.G
     for start in range(0, len(generators), at_once):
         draws = generators[start:start + at_once]
         n = len(draws)
-        cache = model.new_cache()
+        cache = model.new_cache(int8=int8)
         hidden = model.hidden_states(torch.tensor([prompt], device=device), cache=cache)
         logits = model.lm_head(hidden[:, -1]).expand(n, -1)  # the last position's alone
         del hidden
@@ -206,7 +207,8 @@ def write(model: nn.Module, prompts: dict[str, torch.Tensor], options, *, stop_i
             written.append((ids[:length], generate_group(
                 model, ids[:length], draws, max_new=options.max_completion, stop_ids=stop_ids,
                 temperature=options.rollout_temperature, top_p=options.rollout_top_p,
-                at_once=min(options.generation_batch or group, group), more=more)))
+                at_once=min(options.generation_batch or group, group), more=more,
+                int8=options.kv_cache == "int8")))
     finally:
         model.train(was_training)
     return written

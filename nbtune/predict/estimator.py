@@ -201,7 +201,8 @@ def _fake_generation(built: CausalLM, t: Techniques, seq_len: int, target: str, 
         return (sample_rows(logits, t.rollout_temperature, t.rollout_top_p, [None] * rows) if target == "cpu"
                 else logits.float()[:, 0])
 
-    cache = built.new_cache()
+    int8 = t.kv_cache == "int8"
+    cache = built.new_cache(int8=int8)
     if not last:
         hidden = built.hidden_states(torch.zeros(1, prompt, dtype=torch.long), cache=cache)
         logits = built.lm_head(hidden[:, -1]).expand(rows, -1)
@@ -214,8 +215,11 @@ def _fake_generation(built: CausalLM, t: Techniques, seq_len: int, target: str, 
     dtype = built.model.embed_tokens.weight.dtype
     for i, window in enumerate(cache.windows):
         kept = grown if window is None else min(grown, window - 1)
-        cache.keys[i] = torch.zeros(*shape[:2], kept, shape[3], dtype=dtype)
-        cache.values[i] = torch.zeros(*shape[:2], kept, shape[3], dtype=dtype)
+        cache.keys[i] = torch.zeros(*shape[:2], kept, shape[3], dtype=torch.int8 if int8 else dtype)
+        cache.values[i] = torch.zeros(*shape[:2], kept, shape[3], dtype=torch.int8 if int8 else dtype)
+        if int8:  # (``Int8KVCache``: a float32 scale a token and head)
+            cache.key_scales[i] = torch.zeros(*shape[:2], kept, 1)
+            cache.value_scales[i] = torch.zeros(*shape[:2], kept, 1)
     cache.length = grown
     tokens = sample(built.lm_head(torch.zeros(rows, built.config.hidden_size, dtype=dtype)))
     logits = built.lm_head(built.hidden_states(torch.zeros(rows, 1, dtype=torch.long), cache=cache)[:, -1])

@@ -25,7 +25,7 @@ import ipywidgets as w
 from ..run.runner import (Message, PendingChanged, Refused, RunFinished, RunStarted, StepDone,
                       TechniquesChanged)
 from ..techniques import (CHOICE_HELP, DTYPES, GRPO_LOSSES, HELP, LORA_TARGETS, METHODS, NO_EFFECT,
-                          OBJECTIVES, OPTIMIZERS, REFERENCES)
+                          KV_CACHES, OBJECTIVES, OPTIMIZERS, REFERENCES)
 from ..plan import SHARDED_FIELDS, SHARDED_REASON, projections
 from ..units import format_bytes
 from ..charts import draw_memory, figure_png
@@ -127,11 +127,13 @@ def _controls(session) -> dict[str, w.ValueWidget]:
                                 layout=wide(), description_allow_html=True),
         "scale_rewards": toggle("advantages over the group's std"),
         "generation_batch": slider(w.IntSlider, "written at once (0: a group)", min=0, max=16),
+        "kv_cache": w.Dropdown(options=KV_CACHES, description="KV cache", style=style, layout=wide(),
+                               description_allow_html=True),
     }
 
 
 GRPO_FIELDS = ("generations", "max_completion", "rollout_temperature", "rollout_top_p", "kl", "grpo_loss",
-               "scale_rewards", "generation_batch")
+               "scale_rewards", "generation_batch", "kv_cache")
 # Controls grouped by concern, one tab each.
 TABS = {"Method & adapter": ("method", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
         "Precision": ("dtype", "compile"),

@@ -327,6 +327,7 @@ def test_a_grpo_run_resumed_from_a_checkpoint_equals_one_never_stopped(tmp_path)
 @pytest.mark.parametrize("changes", [
     {}, {"generation_batch": 1}, {"method": "lora", "kl": 0.04}, {"chunked_loss": 4},
     {"activation_checkpointing": True, "generations": 6}, {"dtype": "bf16", "method": "qlora"},
+    {"kv_cache": "int8"}, {"kv_cache": "int8", "generation_batch": 2, "dtype": "bf16", "method": "lora"},
 ])
 def test_the_estimate_of_both_phases_equals_the_measured_ones(changes):
     """Completions written to max_completion (no stop token): the rows are full length, as
@@ -348,6 +349,40 @@ def test_writing_fewer_completions_at_once_holds_less_and_writes_the_same():
     a, b = whole.step(), apart.step()
     assert a.rollouts == b.rollouts and a.loss == b.loss
     assert b.memory.generation_peak < a.memory.generation_peak
+
+
+def test_an_int8_kv_cache_holds_about_a_quarter_of_fp32s_and_attends_as_the_model_does_within_its_rounding():
+    """The writing's cache in 8 bits: each cached vector within 1/254 of its largest entry of
+    the model's own (checked here against a cache of the model's dtype), the next token's
+    logits close, the writing's measured peak lower by most of the cache."""
+    from nbtune.models.decoder import Int8KVCache
+
+    session = small_session(objective="grpo", max_completion=64, generations=8, seq_len=160)
+    model = session.model.eval()
+    ids = torch.randint(3, 200, (1, 48))
+    caches = [model.new_cache(), model.new_cache(int8=True)]
+    assert isinstance(caches[1], Int8KVCache)
+    with torch.no_grad():
+        logits = [model(ids, cache=c)[:, -1] for c in caches]
+        logits = [model(ids[:, :1], cache=c)[:, -1] for c in caches]
+    # the first layer's keys and values are the model's own (later layers read rounded ones)
+    for exact, codes, scales in ((caches[0].keys[0], caches[1].keys[0], caches[1].key_scales[0]),
+                                 (caches[0].values[0], caches[1].values[0], caches[1].value_scales[0])):
+        error = (codes.float() * scales - exact).abs() / exact.abs().amax(-1, keepdim=True)
+        assert codes.dtype == torch.int8 and 1 / 1000 < error.max() <= 1 / 254 + 1e-6
+    assert (logits[1] - logits[0]).abs().max() < 0.05 * logits[0].abs().max()
+    model.train()
+    plain = small_session(objective="grpo", max_completion=64, generations=8, seq_len=160)
+    for s in (plain, session):
+        s.data.tokenizer.stop_ids = frozenset()  # every completion to max_completion
+    session.set(kv_cache="int8")
+    eight = session.step()
+    full = plain.step()
+    # the cache of 8 completions at the last token (fp32: 4 bytes a number; int8: 1, and a scale)
+    tokens = eight.shape[1] - 1
+    cache_bytes = 2 * 8 * len(model.model.layers) * model.config.num_kv_heads * tokens * model.config.head_dim * 4
+    # (on this 4-layer model a layer's cache read back and the growing copy take part of it back)
+    assert full.memory.generation_peak - eight.memory.generation_peak > 0.5 * cache_bytes
 
 
 @pytest.mark.parametrize("where", ["generation", "update"])

@@ -474,6 +474,19 @@ def nbtune_grpo():
     return grpo
 
 
+def check_kv_cache(session, ctx):
+    """The writing's caches are 8-bit ones, and the step's completions are those a cache of
+    the model's dtype writes (here no draw flips: the rounding is within 1/254 of a vector)."""
+    from nbtune.models.decoder import Int8KVCache
+
+    made = []
+    original = session.model.new_cache
+    ctx.monkeypatch.setattr(session.model, "new_cache", lambda **kw: made.append(original(**kw)) or made[-1])
+    session.step()
+    assert made and all(isinstance(c, Int8KVCache) for c in made)
+    assert all(c.keys[0].dtype == torch.int8 for c in made)
+
+
 def check_generation_batch(session, ctx):
     groups = recorded_grpo(session, ctx, "generate_group")
     session.step()
@@ -531,6 +544,8 @@ TABLE: dict[str, Row] = {
     "scale_rewards": Row(False, check_scale_rewards, base=GRPO),
     # each completion draws from its own generator: how many are written at once is memory only
     "generation_batch": Row(1, check_generation_batch, base=GRPO, maths=False),
+    # rounding within 1/254 of each cached vector: on the demo no sampled token flips
+    "kv_cache": Row("int8", check_kv_cache, base=GRPO, maths=False),
 }
 
 # Second values of a field, tried the same way (not part of the one-row-per-field count).

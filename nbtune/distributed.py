@@ -248,6 +248,9 @@ def check_sharding(sharding: Sharding, model: nn.Module, techniques, device: str
         replicate = 1
     if techniques.method == "qlora":
         problems += _nf4_splits(model, techniques.nf4_targets, world // replicate)
+    if techniques.reference_kind in ("copy", "copy_host"):
+        problems.append(f"reference={techniques.reference_kind!r} is not yet made for several ranks (the "
+                        "copy would be sharded too): use reference='precomputed'.")
     if sharding.cpu_offload and device != "cuda":
         problems.append("distributed.cpu_offload moves the sharded weights, gradients and optimizer "
                         "state off a CUDA device; on this device they are already in CPU memory: "

@@ -514,6 +514,10 @@ PREFERENCE_RULES = (
          "split_pairs runs two backward passes a batch of pairs, but the optimizer in backward "
          "would step on the first half's gradients: turn one of them off.",
          ("split_pairs", "optimizer_in_backward", "objective")),
+    Rule(lambda t: t.objective in PAIRED and t.split_pairs and t.lora_dropout and t.method != "full",
+         "split_pairs runs each row twice (once for its weight in the gradient, once for the "
+         "gradient), and LoRA dropout would draw another mask each time: set lora_dropout=0, or "
+         "split_pairs=False.", ("split_pairs", "lora_dropout", "objective", "method")),
     Rule(lambda t: t.objective in ("dpo", "ipo") and t.reference in ("copy", "copy_host") and t.method != "full",
          "reference='copy' is full finetuning's reference (a frozen copy of every weight); with "
          "LoRA the base with the adapters off is that copy already: use reference='auto', or "

@@ -443,6 +443,8 @@ def test_every_rule_says_why_and_changes_nothing(rule):
         values.update(objective="grpo", reference="precomputed", kl=0.5, max_completion=96)
     if "is full finetuning's reference" in rule.reason:
         values.update(reference="copy", method="lora")
+    if "LoRA dropout would draw" in rule.reason:
+        values.update(lora_dropout=0.1, method="lora")
     # A device rule breaks on this CPU session with its first field alone.
     change = {f: values[f] for f in (rule.fields[:1] if rule.device else rule.fields)}
     before = session.techniques

@@ -212,7 +212,7 @@ class Int8KVCache(KVCache):
             keep = code.shape[-2] if window is None else min(max(0, window - 1), code.shape[-2])
             codes[layer] = code if window is None else code[..., code.shape[-2] - keep:, :].clone()
             scales[layer] = scale if window is None else scale[..., scale.shape[-2] - keep:, :].clone()
-            out.append(code.to(dtype) * scale.to(dtype))
+            out.append((code.float() * scale).to(dtype))  # (the rounding alone: float32 products)
         return out[0], out[1]
 
 

@@ -178,7 +178,13 @@ def pair_batch_loss(model: nn.Module, batch: dict[str, torch.Tensor], options, p
             scores = completion_sums(model.lm_head, hidden, labels)
     if pieces > 1:  # each piece recomputed in backward (outside the offload hooks, as the loss's)
         scores = completion_sums(model.lm_head, hidden, labels, pieces)
-    chosen, rejected = scores.halves()
+    return _share(options, *scores.halves(), reference, pairs_total, chosen_tokens_total)
+
+
+def _share(options, chosen: Completions, rejected: Completions, reference, pairs_total: int,
+           chosen_tokens_total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A micro-batch's share of the step's loss (its pairs' losses over the step's
+    ``pairs_total``; ORPO's cross-entropy over its ``chosen_tokens_total``) and the rewards."""
     losses, chosen_reward, rejected_reward = pair_terms(options.objective, chosen, rejected, reference,
                                                         options.beta, options.gamma)
     loss = losses.sum() / pairs_total
@@ -197,7 +203,7 @@ def _reference(model: nn.Module, batch: dict, options, copy, rows: slice = slice
     if options.objective in REFERENCE_FREE:
         return None
     scorer = copy.model if copy is not None else model
-    with torch.no_grad(), adapters_off(model) if copy is None else contextlib.nullcontext():
+    with torch.no_grad(), adapters_off(model) if copy is None else copy.scoring():
         hidden = scorer.hidden_states(batch["input_ids"][rows], positions=_rows(batch.get("positions"), rows))
         return completion_sums(scorer.lm_head, hidden, labels, max(options.chunked_loss, 1))
 
@@ -234,12 +240,9 @@ def pair_weights(model: nn.Module, batch: dict[str, torch.Tensor], options, pair
         tuple(_reference(model, batch, options, copy, rows) for rows in sides)
     leaves = [s.logps.detach().float().requires_grad_() for s in scores]
     with torch.enable_grad():
-        chosen, rejected = (Completions(leaf, s.tokens) for leaf, s in zip(leaves, scores))
-        losses, chosen_reward, rejected_reward = pair_terms(options.objective, chosen, rejected, reference,
-                                                            options.beta, options.gamma)
-        loss = losses.sum() / pairs_total
-        if options.objective == "orpo":
-            loss = loss - chosen.logps.sum() / chosen_tokens_total
+        loss, chosen_reward, rejected_reward = _share(
+            options, *(Completions(leaf, s.tokens) for leaf, s in zip(leaves, scores)), reference,
+            pairs_total, chosen_tokens_total)
         weights = torch.autograd.grad(loss, leaves)
     return PairWeights(loss.detach(), torch.cat(weights), chosen_reward, rejected_reward)
 

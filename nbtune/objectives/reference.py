@@ -12,6 +12,7 @@ to device copy of the whole model each step.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -66,11 +67,29 @@ class FrozenCopy:
         """Its weights by name, as ``state.full_weights`` gives a model's (for a checkpoint)."""
         return full_weights(self.model)
 
-    def placed(self, host: bool) -> "FrozenCopy":
-        """This copy kept on the device or in host memory: itself when already there."""
-        if self.device.type == "cpu" or (self.store != self.device) == host:  # (a CPU's host is its device)
+    def placed(self, host: bool, dtype: torch.dtype) -> "FrozenCopy":
+        """This copy kept on the device or in host memory, in ``dtype`` (the model's, which a
+        run may change): itself when already so."""
+        same = self.device.type == "cpu" or (self.store != self.device) == host  # (a CPU's host is its device)
+        if same and self.model.model.embed_tokens.weight.dtype == dtype:
             return self
-        return FrozenCopy.of(self.weights(), self.model.config, self.device, host)
+        return FrozenCopy.of({k: v.to(dtype) if v.is_floating_point() else v for k, v in self.weights().items()},
+                             self.model.config, self.device, host)
+
+    @contextlib.contextmanager
+    def scoring(self):
+        """While a reference forward scores a batch: a streamed copy's head stays on the device
+        (the loss takes it once a piece), so it crosses once, not once a piece."""
+        if self.store == self.device:
+            yield
+            return
+        head = self.model.lm_head
+        stored = head._parameters["weight"]
+        head._parameters["weight"] = stored.to(self.device, non_blocking=True)
+        try:
+            yield
+        finally:
+            head._parameters["weight"] = stored
 
     def device_bytes(self) -> int:
         """What it keeps on the device (none in host memory)."""
@@ -84,18 +103,18 @@ def _streaming_hooks(model: CausalLM, device: torch.device) -> list:
     ``device`` as the forward reaches it and let them go after: the host copy stays as it is
     (each module reads a device copy in place of its stored parameter while the part runs)."""
     def bring(part, args):
+        release(part)  # (nothing left from a forward that raised)
         part._stored = [(m, name, p) for m in part.modules() for name, p in m._parameters.items() if p is not None]
         for m, name, p in part._stored:
             m._parameters[name] = p.to(device, non_blocking=True)
 
-    def release(part, args, output):
-        for m, name, p in part._stored:
+    def release(part, *_):
+        for m, name, p in part.__dict__.pop("_stored", ()):
             m._parameters[name] = p
-        del part._stored
 
     parts: list[nn.Module] = [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
     return [hook for part in parts for hook in (part.register_forward_pre_hook(bring),
-                                                part.register_forward_hook(release))]
+                                                part.register_forward_hook(release, always_call=True))]
 
 def copy_for(held: FrozenCopy | None, t, model: CausalLM, device, *, weights: dict | None = None,
              ranks: bool = False, previous=None, trained: bool = False) -> FrozenCopy | None:
@@ -109,14 +128,20 @@ def copy_for(held: FrozenCopy | None, t, model: CausalLM, device, *, weights: di
     if ranks:
         raise ValueError(f"reference={t.reference_kind!r} is not yet made for several ranks (the "
                          "copy would be sharded too): use reference='precomputed'.")
-    host = t.reference_kind == "copy_host"
+    host, dtype = t.reference_kind == "copy_host", model.model.embed_tokens.weight.dtype
     if weights is None and held is not None:
-        return held.placed(host)
+        return held.placed(host, dtype)
     if weights is None and previous is not None and previous.reference_kind == "precomputed" and trained:
         raise ValueError(f"reference={t.reference_kind!r} copies the weights the preference objective "
                          "started from, but they were trained since (the precomputed log-probs are "
                          "all that is left of them): keep reference='precomputed', or set "
                          "objective='sft' and back to start again from the weights as they are.")
+    if weights is not None:  # a saved state's: each weight of the model's dtype (names, shapes: ``of``)
+        mine = full_weights(model)
+        wrong = next((k for k, v in weights.items() if k in mine and v.dtype != mine[k].dtype), None)
+        if wrong is not None:
+            raise ValueError(f"The reference copy's weight {wrong!r} is {weights[wrong].dtype}, but the "
+                             f"model's is {mine[wrong].dtype}: load a state saved by this run.")
     return FrozenCopy.of(full_weights(model) if weights is None else weights, model.config, device, host)
 
 

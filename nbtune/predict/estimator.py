@@ -383,7 +383,7 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
         paged=step.outside if cuda else 0,
         cpu_optimizer=cpu_optimizer,
         undo=undo,
-        reference_copy=step.parameters if cuda and t.reference_kind == "copy_host" else 0,
+        reference_copy=_pinned_copy(config, t) if cuda and t.reference_kind == "copy_host" else 0,
         # one tensor at a time, in the training dtype (plus the cast's 16 MiB chunk and the
         # finiteness check's scalars); on a CPU the loaded weights stay (they are the step's
         # parameters, counted in ``step``)
@@ -403,6 +403,15 @@ def host_memory(config: ModelConfig, t: Techniques, target: str, step: MemoryBre
         # CPU a LoRA run's merged projection is a new tensor too (``_merging``)
         gguf=_gguf_writing(largest, dtype) + (0 if cuda or full else _merging(config, t)),
     )
+
+
+def _pinned_copy(config: ModelConfig, t: Techniques) -> int:
+    """Host bytes of a pinned copy of every weight (``reference="copy_host"``): torch's caching
+    host allocator gives each pinned tensor a block of the next power of two bytes."""
+    with torch.device("meta"):
+        built = CausalLM(config)
+    return sum(1 << max(0, (v.numel() * _BYTES[t.dtype] - 1).bit_length())
+               for v in full_weights(built).values())
 
 
 def _gguf_writing(largest: int, dtype: int) -> int:

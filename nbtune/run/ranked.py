@@ -47,6 +47,9 @@ class _RanksData:
             return ["objective='grpo' does not yet run on ranks driven from a notebook (the reward "
                     "functions would have to reach every rank): run its file with nbtune train "
                     "under torchrun (the file names them), or train GRPO in one process."]
+        if techniques.reference_kind in ("copy", "copy_host"):
+            return [f"reference={techniques.reference_kind!r} is not yet made for several ranks (the copy "
+                    "would be sharded too): use reference='precomputed'."]
         return []
 
     @property

@@ -199,7 +199,7 @@ class Trainer:
         previous = getattr(self, "techniques", None)  # None while the trainer is being made
         copied = previous is not None and previous.reference_kind in COPIES  # (the reference: the copy's)
         self._reference, note = precomputed(
-            self._reference, stream, t, self._copy.model if copied else self.model, self.data, self.device,
+            None if copied else self._reference, stream, t, self._copy.model if copied else self.model, self.data, self.device,
             base=previous is not None and previous.reference_kind in ("adapters_off", *COPIES),
             trained_against=any(r.preference is not None for r in getattr(self, "history", [])))
         self.notes += [note] if note else []
@@ -562,8 +562,13 @@ class Trainer:
                 self.damaged = self.damaged or ("Reloading the base weights failed part-way: the "
                                                 "weights are part old, part new.")
                 raise
-            self._copy = None  # the reference at step 0 is the base: copied again
-            self._copy = self._copy_for(self.techniques, fresh=True)
+            try:
+                self._copy = None  # the reference at step 0 is the base: copied again
+                self._copy = self._copy_for(self.techniques, fresh=True)
+            except BaseException:
+                self.damaged = self.damaged or ("The base weights were read again but their reference "
+                                                "copy could not be made: recover again.")
+                raise
             optimizer, stream = build_optimizer(self.model, self.techniques), self._new_stream(self.techniques)
             release_optimizer(self.optimizer)
             self.optimizer, self.stream, self._new_optimizer = optimizer, stream, True
@@ -612,6 +617,7 @@ class Trainer:
             release_optimizer(prepared.optimizer)
         if prepared.journal is not None:
             prepared.journal.restore()
+        prepared.copy = None  # (a traceback held on to must not hold a copy of the weights)
         set_rng_state(prepared.rng)
 
     def _commit(self, prepared: _Prepared, quiet: bool = False) -> None:
@@ -631,6 +637,8 @@ class Trainer:
             self._new_optimizer = True
         self.optimizer, self.stream, self.techniques = prepared.optimizer, prepared.stream, new
         self._copy = prepared.copy
+        if new.reference_kind != "precomputed":  # back to it later, the pairs are scored again
+            self._reference = None
         self._eval_peak = None  # the next evaluation is measured: it shows what changed
         self.base_changed = prepared.base_changed
         if self.base_changed:  # adapters merged: an adapters-only copy no longer loads

@@ -121,8 +121,10 @@ def test_the_estimate_counts_the_copy_on_the_device_or_on_the_host():
     assert on.frozen == on.trainable == pre.parameters
     assert on.peak == pytest.approx(pre.peak + pre.parameters, abs=64)
     assert off.peak == pytest.approx(pre.peak, abs=64) and off.frozen == 0
-    assert off.host.reference_copy == pre.parameters and on.host.reference_copy == pre.host.reference_copy == 0
-    assert off.host.training == pre.host.training + pre.parameters
+    # pinned: each weight a block of the next power of two bytes (torch's caching host allocator)
+    assert pre.parameters <= off.host.reference_copy < 2 * pre.parameters
+    assert on.host.reference_copy == pre.host.reference_copy == 0
+    assert off.host.training == pre.host.training + off.host.reference_copy
 
 
 def test_a_reference_changes_form_mid_run_only_where_the_weights_it_started_from_are_kept():
@@ -146,3 +148,52 @@ def test_a_reference_changes_form_mid_run_only_where_the_weights_it_started_from
     with pytest.raises(ValueError, match="they were trained since"):
         moved.set(reference="copy")
     assert moved.techniques is before and moved.trainer.reference_copy is None
+
+
+def test_a_host_copy_brings_each_part_to_the_device_for_its_forward_alone():
+    """The streaming of ``copy_host``, on the meta device standing for a card: during a part's
+    forward its weights are on the device, after it (even one that raised) only in host
+    memory; while a batch is scored the head stays on the device (taken once, not once a loss
+    piece)."""
+    from nbtune.objectives.preference import completion_sums
+    from nbtune.objectives.reference import FrozenCopy
+    from nbtune.state import full_weights
+
+    session = small_session(objective="dpo", method="full")
+    copy = FrozenCopy.of(full_weights(session.model), session.model.config, "meta", host=True)
+    seen = []
+    layer = copy.model.model.layers[1]
+    layer.register_forward_pre_hook(lambda m, a: seen.append(next(m.parameters()).device.type))
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    hidden = copy.model.hidden_states(ids)
+    assert hidden.device.type == "meta" and seen == ["meta"]
+    assert {p.device.type for p in copy.model.parameters()} == {"cpu"}
+    heads = []
+    copy.model.lm_head.register_forward_pre_hook(lambda m, a: heads.append(m.weight.device.type))
+    with copy.scoring():
+        completion_sums(copy.model.lm_head, hidden, torch.zeros(2, 8, dtype=torch.long, device="meta"), 4)
+        assert copy.model.lm_head.weight.device.type == "meta"
+    assert heads == ["meta"] * 4 and copy.model.lm_head.weight.device.type == "cpu"
+    original = layer.mlp.forward
+    layer.mlp.forward = lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory"))
+    with pytest.raises(RuntimeError):
+        copy.model.hidden_states(ids)
+    layer.mlp.forward = original
+    assert {p.device.type for p in copy.model.parameters()} == {"cpu"} and not hasattr(layer, "_stored")
+
+
+def test_a_copy_follows_the_models_dtype_and_a_saved_copy_of_another_dtype_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    session = small_session(objective="dpo", method="full", reference="copy")
+    held = session.trainer.reference_copy
+    assert held.placed(False, torch.float32) is held
+    assert held.placed(False, torch.bfloat16).model.model.embed_tokens.weight.dtype == torch.bfloat16
+    session.step()
+    session.save_checkpoint(tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "reference_copy.safetensors"
+    save_file({k: v.double() for k, v in load_file(str(path)).items()}, str(path))
+    fresh = small_session(objective="dpo", method="full", reference="copy")
+    with pytest.raises(ValueError, match="is torch.float64, but the model's is torch.float32"):
+        fresh.load_checkpoint(tmp_path / "ckpt")
+    assert not fresh.history

@@ -189,7 +189,7 @@ def _trainer_view(run):
     """What ``save_checkpoint`` reads of a session, over the fake model."""
     trainer = types.SimpleNamespace(
         techniques=run.t, model=run.model, optimizer=run.optimizer, history=[],
-        base_changed=False, base_fingerprint="rehearsal",
+        base_changed=False, base_fingerprint="rehearsal", _copy=None,  # (no reference copy)
         stream=types.SimpleNamespace(state_dict=lambda: {"position": 0}, reference_logps=None),
         note_checkpoint=lambda folder: None)
     trainer.state_dict = lambda: Trainer.state_dict(trainer)

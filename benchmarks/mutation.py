@@ -1006,6 +1006,16 @@ MUTANTS: list[Mutant] = [
            "            scale = new.detach().abs().amax(-1, keepdim=True).float() / 127",
            "            scale = new.detach().abs().amax(-1, keepdim=True).float() / 63",
            (GRPO + "::test_an_int8_kv_cache_holds_about_a_quarter_of_fp32s_and_attends_as_the_model_does_within_its_rounding",)),
+    Mutant("stale state", "recovered to step 0, a precomputed reference of the weights dpo started from is kept",
+           "nbtune/run/trainer.py",
+           "            self._reference = None  # (scored again too)",
+           "            pass",
+           (COPY + "::test_recovering_to_step_0_scores_against_the_base_again",)),
+    Mutant("stale state", "a loaded precomputed reference is swapped for the session's own at the next data change",
+           "nbtune/run/trainer.py",
+           "            if state.get(\"reference_logps\") is not None:  # the loaded reference is the one kept",
+           "            if False:",
+           (COPY + "::test_a_loaded_precomputed_reference_is_the_one_kept_when_the_batches_change",)),
 ]
 
 

@@ -1124,10 +1124,12 @@ for name, changes in cases.items():
     writing = f", writing {p.generation_peak / 2**30:.1f}" if p.generation_peak else ""
     print(f"{name:40s} {p.highest / 2**30:5.1f} GiB ({p.highest_phase}{writing})")"""),
     ("md", """Published figures, for scale: each measures something else, and nothing here was
-measured on a card. ms-swift's DPO of Qwen2.5-7B with LoRA r8, bf16, batch 1, 2,048 tokens,
-its reference included: 24 GiB. Unsloth's GRPO: Qwen2.5-1.5B in 5 GB, and Llama-3.1-8B at 20K
-tokens with 8 generations in 54.3 GB (510.8 GB for TRL with FlashAttention 2). The first is
-the same step as nbtune's prediction below, with the whole logits and in 8 pieces."""),
+measured on a card. ms-swift's DPO of Qwen2.5-7B with LoRA r8, bf16, batch 1, its reference
+included: 24 GiB, the card's use over a whole run whose rows are at most 2,048 tokens (padded
+to each batch's longest). Unsloth's GRPO: Qwen2.5-1.5B in 5 GB, and Llama-3.1-8B at 20K tokens
+with 8 generations in 54.3 GB (510.8 GB for TRL with FlashAttention 2). Below, nbtune's
+prediction for the ms-swift setting at its cap, every row 2,048 tokens (the worst case), with
+the whole logits and in 8 pieces: not the same measurement, a bound on its step."""),
     ("code", """swift = dict(method="lora", lora_rank=8, dtype="bf16", objective="dpo", batch_size=1, seq_len=2048,
              activation_checkpointing=True)
 for name, changes in {"logits whole": {}, "loss in 8 chunks": {"chunked_loss": 8}}.items():

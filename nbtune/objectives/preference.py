@@ -203,9 +203,10 @@ def _reference(model: nn.Module, batch: dict, options, copy, rows: slice = slice
     if options.objective in REFERENCE_FREE:
         return None
     scorer = copy.model if copy is not None else model
-    with torch.no_grad(), adapters_off(model) if copy is None else copy.scoring():
+    with torch.no_grad(), adapters_off(model) if copy is None else contextlib.nullcontext():
         hidden = scorer.hidden_states(batch["input_ids"][rows], positions=_rows(batch.get("positions"), rows))
-        return completion_sums(scorer.lm_head, hidden, labels, max(options.chunked_loss, 1))
+        with copy.scoring() if copy is not None else contextlib.nullcontext():  # (the head, once)
+            return completion_sums(scorer.lm_head, hidden, labels, max(options.chunked_loss, 1))
 
 
 def _rows(value, rows: slice):

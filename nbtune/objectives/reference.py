@@ -35,10 +35,11 @@ class FrozenCopy:
 
     @classmethod
     def of(cls, weights: dict[str, torch.Tensor], config, device, host: bool,
-           store: torch.device | str | None = None) -> "FrozenCopy":
+           store: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "FrozenCopy":
         """A copy of ``weights`` (``state.full_weights``: the tied head once) of a ``config``
-        model, on ``device`` or (``host``) in host memory, pinned when the device is a GPU.
-        ``store`` overrides where the host keeps it (the estimator: off the device it counts)."""
+        model, on ``device`` or (``host``) in host memory, pinned when the device is a GPU, in
+        ``dtype`` if given. ``store`` overrides where the host keeps it (the estimator: off the
+        device it counts)."""
         device = torch.device(device)
         store = torch.device(store if store is not None else "cpu" if host else device)
         with torch.device("meta"):
@@ -56,7 +57,8 @@ class FrozenCopy:
         pin = host and device.type == "cuda" and store.type == "cpu"
         copied = {}
         for name, value in weights.items():
-            value = value.detach().to(store, copy=True)
+            value = value.detach().to(store, dtype if dtype is not None and value.is_floating_point()
+                                      else value.dtype, copy=True)
             copied[name] = value.pin_memory() if pin else value
         model.load_state_dict(copied, strict=False, assign=True)
         model.tie_weights()
@@ -73,12 +75,11 @@ class FrozenCopy:
         same = self.device.type == "cpu" or (self.store != self.device) == host  # (a CPU's host is its device)
         if same and self.model.model.embed_tokens.weight.dtype == dtype:
             return self
-        return FrozenCopy.of({k: v.to(dtype) if v.is_floating_point() else v for k, v in self.weights().items()},
-                             self.model.config, self.device, host)
+        return FrozenCopy.of(self.weights(), self.model.config, self.device, host, dtype=dtype)
 
     @contextlib.contextmanager
     def scoring(self):
-        """While a reference forward scores a batch: a streamed copy's head stays on the device
+        """While a batch's hidden states are scored: a streamed copy's head stays on the device
         (the loss takes it once a piece), so it crosses once, not once a piece."""
         if self.store == self.device:
             yield

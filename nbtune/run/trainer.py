@@ -510,6 +510,9 @@ class Trainer:
                                 "(or a checkpoint) again to continue.")
                 raise
             self._commit(replace(prepared, base_changed=state["base_changed"]), quiet=True)
+            if state.get("reference_logps") is not None:  # the loaded reference is the one kept
+                self._reference = ((state["techniques"].seq_len, len(self.stream.samples), id(self.data.train)),
+                                   self.stream.reference_logps)
             self._kept.drop()  # from another timeline than the state now loaded
             self.history = list(state["history"])
             set_rng_state(state["rng"])
@@ -562,12 +565,12 @@ class Trainer:
                 self.damaged = self.damaged or ("Reloading the base weights failed part-way: the "
                                                 "weights are part old, part new.")
                 raise
+            self._reference = None  # (scored again too)
             try:
                 self._copy = None  # the reference at step 0 is the base: copied again
                 self._copy = self._copy_for(self.techniques, fresh=True)
             except BaseException:
-                self.damaged = self.damaged or ("The base weights were read again but their reference "
-                                                "copy could not be made: recover again.")
+                self.damaged = self.damaged or "The base weights were read again, not their reference copy: recover again."
                 raise
             optimizer, stream = build_optimizer(self.model, self.techniques), self._new_stream(self.techniques)
             release_optimizer(self.optimizer)
@@ -637,8 +640,7 @@ class Trainer:
             self._new_optimizer = True
         self.optimizer, self.stream, self.techniques = prepared.optimizer, prepared.stream, new
         self._copy = prepared.copy
-        if new.reference_kind != "precomputed":  # back to it later, the pairs are scored again
-            self._reference = None
+        self._reference = self._reference if new.reference_kind == "precomputed" else None  # (else scored again)
         self._eval_peak = None  # the next evaluation is measured: it shows what changed
         self.base_changed = prepared.base_changed
         if self.base_changed:  # adapters merged: an adapters-only copy no longer loads

@@ -197,3 +197,38 @@ def test_a_copy_follows_the_models_dtype_and_a_saved_copy_of_another_dtype_is_re
     with pytest.raises(ValueError, match="is torch.float64, but the model's is torch.float32"):
         fresh.load_checkpoint(tmp_path / "ckpt")
     assert not fresh.history
+
+
+@pytest.mark.parametrize("kind", ["precomputed", "copy"])
+def test_recovering_to_step_0_scores_against_the_base_again(kind):
+    """sft, then dpo, then recover() to step 0 (the base read again): the reference is the
+    base again, not the weights dpo had started from, so the first loss is ln 2."""
+    session = small_session(objective="sft", method="full", lr=1e-3)
+    session.step(), session.step()
+    session.set(objective="dpo", reference=kind)
+    session.step(), session.step()
+    session.recover()
+    assert not session.history
+    assert session.step().loss == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_a_loaded_precomputed_reference_is_the_one_kept_when_the_batches_change(tmp_path):
+    """A checkpoint's precomputed reference (of sft'd weights) loaded into a session on the
+    base: a later batch_size change keeps it (not the session's own, the base's)."""
+    def started():
+        session = small_session(objective="sft", method="full", lr=1e-3)
+        session.step(), session.step()
+        session.set(objective="dpo", reference="precomputed")
+        return session
+
+    straight = started()
+    straight.step()
+    straight.set(batch_size=2)
+    expected = [straight.step().loss for _ in range(2)]
+    first = started()
+    first.step()
+    first.save_checkpoint(tmp_path / "ckpt")
+    second = small_session(objective="dpo", method="full", reference="precomputed", lr=1e-3)
+    second.load_checkpoint(tmp_path / "ckpt")
+    second.set(batch_size=2)
+    assert [second.step().loss for _ in range(2)] == pytest.approx(expected, abs=1e-6)

@@ -819,8 +819,18 @@ guess = nt.estimate("llama-2-70b", seventy_b, device="cuda", ranks=2, sharding={
 print(guess)
 print(f"host memory for both ranks: {guess.host.training / 2**30:.0f} GiB while training "
       f"({guess.host.sharded / 2**30:.0f} GiB of it the offloaded shards)")"""),
-    ("md", """`fit` takes several cards too ("2x RTX 3090 + 64 GB RAM"), and where one card is not enough it
-says how many are: here, full finetuning of Llama-3.1-8B in bf16 at 2,048 tokens."""),
+    ("md", """That estimate was told to offload. `fit` takes several cards too ("2x RTX 3090 + 64 GB RAM")
+and searches FSDP2's settings with the other toggles (CPU offload, resharding after forward,
+the embedding and head as units of their own, bf16 mixed precision on fp32 weights), each
+with its cost in the speed model, so you do not have to know that CPU offload is what makes
+70B fit two 24 GB cards. Its answer names the settings it chose: they go in the run file's
+`distributed:` section."""),
+    ("code", """two_cards = nt.fit("llama-3.1-70b", "2x RTX 3090 + 64 GB RAM", seventy_b,
+                   toggles=("activation_checkpointing", "chunked_loss", "sharding"))
+print(two_cards.message)
+print("FSDP2 settings changed:", two_cards.sharding_changes)"""),
+    ("md", """Where even that is not enough, `fit` says how many cards are: here, full finetuning of
+Llama-3.1-8B in bf16 at 2,048 tokens on one card."""),
     ("code", """eight_b = nt.fit("llama-3.1-8b", "RTX 3090 + 64 GB RAM",
                  nt.Techniques(dtype="bf16", batch_size=4, seq_len=2048),
                  toggles=("activation_checkpointing", "chunked_loss"))
@@ -849,6 +859,8 @@ print("CPU offload refused here, with the reason:", "CUDA" in rows["+ CPU offloa
 print("each row's prediction within 2 % of its measured peak or above it (shorter rows measured):",
       all(0.98 * r["peak"] <= r["predicted_peak"] <= 1.25 * r["peak"] for r in rows.values() if "peak" in r))
 print("Llama-2-70B QLoRA predicted to fit two 24 GB cards:", guess.peak < 24e9)
+print("Llama-3.1-70B QLoRA on two 3090s: fit chose FSDP2's CPU offload itself:",
+      two_cards.fits and two_cards.sharding.cpu_offload and "cpu_offload: true" in two_cards.message)
 print("8B full finetuning needs more cards than one, and fit says how many:", eight_b.needs_cards is not None)"""),
     ("code", """shutil.rmtree("scale_out")"""),
 ]
@@ -865,6 +877,7 @@ SCALE_OUT_CHECK = ("two ranks trained like one process, before and after a chang
                    "CPU offload refused here, with the reason: True\n"
                    "each row's prediction within 2 % of its measured peak or above it (shorter rows measured): True\n"
                    "Llama-2-70B QLoRA predicted to fit two 24 GB cards: True\n"
+                   "Llama-3.1-70B QLoRA on two 3090s: fit chose FSDP2's CPU offload itself: True\n"
                    "8B full finetuning needs more cards than one, and fit says how many: True\n")
 
 

@@ -23,9 +23,10 @@ def checkpointed_fraction(t: Techniques, num_layers: int | None = None) -> float
 
 
 def cost_terms(t: Techniques, device: str = "cuda", *, num_layers: int | None = None,
-               baseline: Techniques | None = None) -> dict[str, float]:
+               baseline: Techniques | None = None, sharding=None) -> dict[str, float]:
     """``relative_cost``'s parts: additive overheads (fractions of a plain step) by name, and
-    the factors "method", "dtype" (against ``baseline``) and "compile"; zeros left out."""
+    the factors "method", "dtype" (against ``baseline``) and "compile"; zeros left out.
+    ``sharding``: FSDP2's settings over several cards (its mixed precision computes in bf16)."""
     cuda = str(device).startswith("cuda")
     base = baseline or t
     out: dict[str, float] = {}
@@ -53,9 +54,16 @@ def cost_terms(t: Techniques, device: str = "cuda", *, num_layers: int | None = 
         tokens = t.batch_size * t.seq_len
         fixed = COSTS["micro_batch"][0]
         out["micro_batch"] = fixed / tokens - fixed / (tokens * t.grad_accum)
+    if sharding is not None:
+        for name, on in (("fsdp_cpu_offload", sharding.cpu_offload),
+                         ("fsdp_reshard", sharding.reshard_after_forward),
+                         ("fsdp_shard_embeddings", sharding.shard_embeddings)):
+            if on:
+                out[name] = COSTS[name][0]
     out["method"] = METHOD_FACTOR[t.method] / METHOD_FACTOR[base.method]
     bf16 = BF16_FACTOR_CUDA if cuda else 1.0
-    out["dtype"] = (bf16 if t.dtype == "bf16" else 1.0) / (bf16 if base.dtype == "bf16" else 1.0)
+    in_bf16 = t.dtype == "bf16" or (sharding is not None and sharding.mixed_precision == "bf16")
+    out["dtype"] = (bf16 if in_bf16 else 1.0) / (bf16 if base.dtype == "bf16" else 1.0)
     if t.compile:
         out["compile"] = 1.0 + COSTS["compile"][0]
     return {k: v for k, v in out.items() if v != 0.0 and not (k in _FACTORS and v == 1.0)}
@@ -65,7 +73,7 @@ _FACTORS = ("method", "dtype", "compile")
 
 
 def relative_cost(t: Techniques, device: str = "cuda", *, num_layers: int | None = None,
-                  baseline: Techniques | None = None) -> float:
+                  baseline: Techniques | None = None, sharding=None) -> float:
     """Time of one optimizer step with ``t``, relative to a plain step (1.0).
 
     The plain step: the same effective batch in one micro-batch, no memory technique, and
@@ -77,11 +85,12 @@ def relative_cost(t: Techniques, device: str = "cuda", *, num_layers: int | None
         device: "cuda" or "cpu".
         num_layers: Makes every-N checkpointing exact (else 1/N of the layers).
         baseline: Whose method and dtype the plain step has (default: ``t``'s own).
+        sharding: FSDP2's settings over several cards (``distributed.Sharding``), or None.
 
     Returns:
         The ratio to the plain step's time.
     """
-    terms = cost_terms(t, device, num_layers=num_layers, baseline=baseline)
+    terms = cost_terms(t, device, num_layers=num_layers, baseline=baseline, sharding=sharding)
     cost = 1.0 + sum(v for k, v in terms.items() if k not in _FACTORS)
     for name in _FACTORS:
         cost *= terms.get(name, 1.0)

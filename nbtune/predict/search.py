@@ -43,15 +43,17 @@ The search keeps estimator calls few (each is seconds to a minute on an 8B model
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
+from ..distributed import Sharding
 from ..memory.breakdown import MemoryBreakdown
 from ..techniques import Techniques
 from ..units import format_bytes
 from .budgets import host_usable, parse_budget, parse_cards, parse_machine, required, usable
 from .estimator import resolve_config
 from .predictor import ESTIMATE_ERRORS, Predictor
-from .space import AXES, PLACEMENT_FIELDS, Candidate, search_space, toggles_on
+from .ranks import Ranks
+from .space import AXES, PLACEMENT_FIELDS, SAVING_AXES, SHARDING_AXES, Candidate, search_space, toggles_on
 
 # How a result is applied from code; the panel, which has an Apply button, says so instead.
 APPLY_IN_CODE = "Apply with session.set(**result.changes)."
@@ -68,16 +70,21 @@ class _Unrunnable:
         self.suspects: dict[tuple, set[frozenset]] = {}
         self.ran: dict[tuple, set[frozenset]] = {}  # toggles seen to run: never suspect
 
-    def add(self, t: Techniques) -> None:
-        sets = self.suspects.setdefault((t.method, t.dtype), set())
-        failing = toggles_on(t)
+    @staticmethod
+    def _on(c: Candidate) -> frozenset:
+        sharded = {f"distributed.{k}" for k in SHARDING_AXES if c.sharding and getattr(c.sharding, k)}
+        return toggles_on(c.techniques) | sharded
+
+    def add(self, c: Candidate) -> None:
+        sets = self.suspects.setdefault((c.techniques.method, c.techniques.dtype), set())
+        failing = self._on(c)
         sets |= {failing & other for other in sets if failing & other} | {failing}
 
-    def runs(self, t: Techniques) -> None:
-        self.ran.setdefault((t.method, t.dtype), set()).add(toggles_on(t))
+    def runs(self, c: Candidate) -> None:
+        self.ran.setdefault((c.techniques.method, c.techniques.dtype), set()).add(self._on(c))
 
-    def __contains__(self, t: Techniques) -> bool:
-        on, group = toggles_on(t), (t.method, t.dtype)
+    def __contains__(self, c: Candidate) -> bool:
+        on, group = self._on(c), (c.techniques.method, c.techniques.dtype)
         return any(s <= on and not any(s <= r for r in self.ran.get(group, ()))
                    for s in self.suspects.get(group, ()))
 
@@ -89,13 +96,17 @@ def _dominated(saving: tuple, by: tuple) -> bool:
 
 NEAR_FREE = 0.02  # cost within which toggles are bundled (chunked loss, optimizer in backward)
 
-# Positions in ``Candidate.saving`` (``AXES``) of what a failed estimate bounds: checkpointing
+# Positions in ``Candidate.saving`` (``SAVING_AXES``) of what a failed estimate bounds: checkpointing
 # (by the activations a layer holds), the toggles that move only the optimizer's memory, and
 # the maths (the optimizer, the dtype, the method), which must be the same for a bound.
 _CHECKPOINTING = AXES.index("activation_checkpointing")
 _OFFLOADING = AXES.index("activation_offloading")
 _OPTIMIZER_AXES = frozenset(AXES.index(a) for a in ("optimizer_in_backward", "cpu_offload_optimizer"))
-_MATHS_AXES = frozenset(AXES.index(a) for a in ("optimizer", "dtype", "method"))
+_MATHS_AXES = frozenset([*(AXES.index(a) for a in ("optimizer", "dtype", "method")),
+                         SAVING_AXES.index("sharding.mixed_precision")])
+# FSDP2's settings that move or free weights, their gradients and optimizer state, not activations
+_SHARDING_AXES = frozenset(SAVING_AXES.index(f"sharding.{a}")
+                           for a in ("cpu_offload", "reshard_after_forward", "shard_embeddings"))
 
 
 def reach(failed: Candidate, memory: MemoryBreakdown, c: Candidate, num_layers: int) -> int | None:
@@ -107,8 +118,9 @@ def reach(failed: Candidate, memory: MemoryBreakdown, c: Candidate, num_layers: 
     tensors, and a layer holds no more than the activations over the layers that hold theirs
     whole (not checkpointed, not the first, whose input needs no gradient): identical
     layers. Where either offloads, checkpointing is not bounded (a layer's tensors are then
-    mostly on the host)."""
-    extra, optimizer = 0, False
+    mostly on the host). FSDP2's settings (CPU offload, resharding, sharded embeddings) can
+    remove at most all but the activations held then (the gathered weights are "other")."""
+    extra, optimizer, sharding = 0, False, False
     for i, (saves, saved) in enumerate(zip(c.saving, failed.saving)):
         if i in _MATHS_AXES:
             if saves != saved:
@@ -116,6 +128,8 @@ def reach(failed: Candidate, memory: MemoryBreakdown, c: Candidate, num_layers: 
         elif saves > saved:
             if i in _OPTIMIZER_AXES:
                 optimizer = True
+            elif i in _SHARDING_AXES:
+                sharding = True
             elif i == _CHECKPOINTING and not (c.saving[_OFFLOADING] or failed.saving[_OFFLOADING]):
                 held_whole = num_layers - round(saved * num_layers) - 1
                 if held_whole < 1:
@@ -124,8 +138,10 @@ def reach(failed: Candidate, memory: MemoryBreakdown, c: Candidate, num_layers: 
                 extra += -(-more * memory.activations // held_whole)  # rounded up
             else:
                 return None
-    if optimizer:
-        held = memory.at_peak
+    held = memory.at_peak
+    if sharding:
+        extra += sum(v for k, v in held.items() if k != "activations") + memory.outside
+    elif optimizer:
         extra += held.get("gradients", 0) + held.get("optimizer_state", 0) + memory.outside
     return extra
 
@@ -151,7 +167,7 @@ def _bundle(group: list[Candidate], i: int, estimated) -> Candidate | None:
     for d in group[i + 1:]:
         if d.cost > c.cost + NEAR_FREE:
             break
-        if d.techniques not in estimated and _dominated(c.saving, d.saving):
+        if d.key not in estimated and _dominated(c.saving, d.saving):
             near.append(d)
     tops = _most_saving(near)
     return tops[-1] if tops else None
@@ -172,6 +188,7 @@ class FitRow:
         exact: It keeps the start's maths.
         error: Why the estimate failed, if it did.
         host: Host bytes the run needs (``HostMemory.without_undo``).
+        sharding_changes: FSDP2 settings changed from the start's, on several cards.
     """
 
     label: str
@@ -182,6 +199,7 @@ class FitRow:
     exact: bool
     error: str | None = None
     host: int | None = None  # host bytes the run needs (``HostMemory.without_undo``)
+    sharding_changes: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -212,6 +230,9 @@ class FitResult:
         search: What the search cost, in words.
         cards: The cards fitted to, one process each under FSDP2 (peaks are per card).
         needs_cards: Where nothing fits, the fewest cards the lightest combination fits.
+        sharding: On several cards, FSDP2's settings of the answer (``distributed.Sharding``;
+            the run file's ``distributed:`` section).
+        sharding_changes: Those that differ from the start's sharding.
     """
 
     techniques: Techniques | None
@@ -234,6 +255,8 @@ class FitResult:
     search: str = ""  # what the search cost (estimates run, cache hits, ruled out): the details
     cards: int = 1  # the cards it was fitted to, one process each under FSDP2 (peaks are per card)
     needs_cards: int | None = None  # where nothing fits: the fewest cards the lightest tried fits
+    sharding: Sharding | None = None  # the answer's FSDP2 settings, on several cards
+    sharding_changes: dict = field(default_factory=dict)  # those changed from the start's
 
     @property
     def fits(self) -> bool:
@@ -246,7 +269,8 @@ class FitResult:
         Returns:
             Dicts of configuration, changes, peak and host bytes, fits, cost, exact, error.
         """
-        return [{"configuration": r.label, "changes": r.changes, "peak_bytes": r.peak,
+        return [{"configuration": r.label, "changes": r.changes,
+                 "sharding_changes": r.sharding_changes, "peak_bytes": r.peak,
                  "host_bytes": r.host, "fits": r.fits, "cost": r.cost, "exact": r.exact,
                  "error": r.error} for r in self.tried]
 
@@ -265,7 +289,7 @@ class FitResult:
         if self.techniques is None:
             return None
         for i, r in enumerate(self.tried):
-            if r.fits and r.changes == self.changes:
+            if r.fits and r.changes == self.changes and r.sharding_changes == self.sharding_changes:
                 return i
         return None
 
@@ -309,13 +333,14 @@ class _Search:
     """One ``fit`` search: what was estimated, what did not fit, what the estimator could not
     run and what was ruled out without an estimate, over ``space`` (cheapest first)."""
 
-    def __init__(self, predictor: Predictor, space: list[Candidate], room: int,
-                 host_room: int | None, max_tries: int) -> None:
-        self.predictor, self.space = predictor, space
+    def __init__(self, predictor_for, space: list[Candidate], room: int,
+                 host_room: int | None, max_tries: int, num_layers: int) -> None:
+        self.predictor_for, self.space = predictor_for, space  # a sharding's Predictor
         self.room, self.host_room, self.max_tries = room, host_room, max_tries
+        self.num_layers = num_layers
         self.rows: list[FitRow] = []  # every combination looked at, in order
-        self.estimated: dict[Techniques, FitRow] = {}
-        self.memories: dict[Techniques, MemoryBreakdown] = {}
+        self.estimated: dict[tuple, FitRow] = {}  # by ``Candidate.key``
+        self.memories: dict[tuple, MemoryBreakdown] = {}
         self.missed: list[tuple] = []  # (candidate, breakdown) of those predicted not to fit
         self.broken = _Unrunnable()  # combinations the estimator could not run, and their like
         self.pruned: set[Techniques] = set()  # ruled out without an estimate
@@ -327,44 +352,46 @@ class _Search:
         (``reach``), or one with a subset of its toggles could not be run."""
         if (any(_dominated(c.saving, failed.saving) for failed, _ in self.missed)
                 or any(self._beyond_reach(c, *missed) for missed in self.missed)
-                or c.techniques in self.broken):
-            self.pruned.add(c.techniques)
+                or c in self.broken):
+            self.pruned.add(c.key)
             return True
         return False
 
     def _beyond_reach(self, c: Candidate, failed: Candidate, memory: MemoryBreakdown) -> bool:
         """``c`` needs more than the room: at ``failed``'s peak it holds at least that peak
         less ``reach`` (and it needs at least what it holds then)."""
-        saves = reach(failed, memory, c, self.predictor.config.num_layers)
+        saves = reach(failed, memory, c, self.num_layers)
         return saves is not None and memory.peak - saves > self.room
 
     def predict(self, c: Candidate) -> FitRow | None:
         """Estimate ``c`` (or recall it) and note its row; None when out of tries."""
-        if c.techniques in self.estimated:
-            return self.estimated[c.techniques]
-        cached = self.predictor.cached(c.techniques)
+        if c.key in self.estimated:
+            return self.estimated[c.key]
+        predictor = self.predictor_for(c.sharding)
+        cached = predictor.cached(c.techniques)
         if self.estimates >= self.max_tries and not cached:
             return None
+        moved = dict(c.sharding_changes or {})
         try:
             if not cached:
                 self.estimates += 1
-            memory = self.predictor.estimate(c.techniques)
+            memory = predictor.estimate(c.techniques)
         except ESTIMATE_ERRORS as err:
             row = FitRow(c.label, c.changes, None, False, c.cost, c.exact,
-                         f"{type(err).__name__}: {err}")
-            self.broken.add(c.techniques)
+                         f"{type(err).__name__}: {err}", sharding_changes=moved)
+            self.broken.add(c)
         else:
             need = required(memory)
             held = memory.host.without_undo if self.host_room is not None and memory.host else None
             on_host = held is None or held <= self.host_room
             row = FitRow(c.label, c.changes, need, need <= self.room and on_host, c.cost, c.exact,
-                         host=held)
-            self.memories[c.techniques] = memory
-            self.broken.runs(c.techniques)
+                         host=held, sharding_changes=moved)
+            self.memories[c.key] = memory
+            self.broken.runs(c)
             if need > self.room:  # (host memory does not fall along the toggles: no pruning by it)
                 self.missed.append((c, memory))
         self.rows.append(row)
-        self.estimated[c.techniques] = row
+        self.estimated[c.key] = row
         return row
 
     def probe(self, cands: list[Candidate]) -> bool:
@@ -372,10 +399,10 @@ class _Search:
         of those fits, nothing weaker does. One the estimator cannot run is set aside (with
         those including its toggles) and the most-saving of the rest are tried instead."""
         while True:
-            live = [c for c in cands if c.techniques not in self.broken and not (
-                c.techniques in self.estimated and self.estimated[c.techniques].error)]
+            live = [c for c in cands if c not in self.broken and not (
+                c.key in self.estimated and self.estimated[c.key].error)]
             for c in _most_saving(live):
-                if c.techniques not in self.estimated and self.dominated(c):
+                if c.key not in self.estimated and self.dominated(c):
                     continue  # a failure saves at least as much: it does not fit
                 row = self.predict(c)
                 if row is None:
@@ -394,7 +421,7 @@ class _Search:
         candidate, a combination that saves more at almost no cost (within NEAR_FREE) is
         estimated first: if it does not fit, the candidate is ruled out with it."""
         for i, c in enumerate(group):
-            row = self.estimated.get(c.techniques)
+            row = self.estimated.get(c.key)
             if row is None:
                 if self.dominated(c):
                     continue
@@ -454,12 +481,16 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
         techniques: The start (default ``Techniques()``).
         device: "cuda" or "cpu".
         max_tries: The most estimator calls (cached ones are free).
-        toggles: Limit the axes searched (``AXES``).
+        toggles: Limit the axes searched (``AXES``, and "sharding" for FSDP2's settings).
         reserve: Bytes kept back for the CUDA context (see ``usable``).
         margin: The allocator's share kept back (see ``usable``).
         host: The host's memory, a size (default: the card's usual ``HOST_RAM``; unchecked for a
             bare size).
-        sharding: FSDP2's settings, for several cards.
+        sharding: FSDP2's settings to start from, for several cards (a dict or
+            ``distributed.Sharding``; default FSDP2's own). On several cards ``fit`` searches
+            them with the rest (CPU offload, resharding after forward, the embedding and head
+            as their own units, bf16 mixed precision on an fp32 model) unless ``toggles``
+            leaves "sharding" out; the answer's are ``result.sharding``.
 
     Returns:
         A ``FitResult``.
@@ -492,32 +523,43 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
         host_limit = None  # on a CPU the budget is the host
     host_room = host_usable(host_limit) if host_limit is not None else None
     room = usable(limit, target, reserve, margin)
-    space = search_space(start, target, num_layers=config.num_layers, toggles=toggles, ranks=cards)
-    search = _Search(Predictor.of(model if isinstance(model, Predictor) else config, target,
-                                  cards, sharding), space, room, host_room, max_tries)
+    given = model if isinstance(model, Predictor) else None
+    if given is not None and cards > 1:
+        sharding = given.sharding if sharding is None else sharding
+    spread = Ranks.of(cards, sharding)  # (refuses settings for one card, and unknown ones)
+    first = spread.sharding if spread is not None else None
+
+    def predictor_for(sh):
+        if given is not None and (cards == 1 or sh == given.sharding):
+            return given
+        return Predictor.of(config, target, cards, sh)
+
+    space = search_space(start, target, num_layers=config.num_layers, toggles=toggles, ranks=cards,
+                         sharding=first, tied=config.tie_word_embeddings)
+    search = _Search(predictor_for, space, room, host_room, max_tries, config.num_layers)
     try:
         chosen, out_of_tries = search.run(), False
     except _OutOfTries:  # the cheapest of those seen to fit, if any
         out_of_tries = True
-        fitting = [c for c in space if c.techniques in search.estimated
-                   and search.estimated[c.techniques].fits]
+        fitting = [c for c in space if c.key in search.estimated and search.estimated[c.key].fits]
         chosen = fitting[0] if fitting else None
     skipped = len(search.pruned - set(search.estimated))
     tried_text, searched = _failures(search), _searched(search, skipped, len(space))
     card = _describe(limit, room, target, cards)
     if chosen is not None:
-        c, memory = chosen, search.memories[chosen.techniques]
+        c, memory = chosen, search.memories[chosen.key]
         need = required(memory)
         message = _found(c, need, card, _on_host(memory, host_room, host_limit), tried_text,
                          out_of_tries)
         return FitResult(c.techniques, dict(c.changes), need, limit, room, start, device, search.rows,
                          c.exact, c.cost, message, memory, search.estimates, skipped, len(space),
-                         host_limit, host_room, searched, cards)
+                         host_limit, host_room, searched, cards, None, c.sharding,
+                         dict(c.sharding_changes or {}))
     where = card
     if host_limit is not None:
         where += f" and {format_bytes(host_room)} usable of {format_bytes(host_limit)} host memory"
     message = _nothing(search.rows, where, room, max_tries if out_of_tries else None, tried_text)
-    needs = _more_cards(config, start, search.rows, cards, target, sharding, room, host_room) \
+    needs = _more_cards(config, start, search.rows, cards, target, first, room, host_room) \
         if target == "cuda" else None
     if needs is not None:
         count, row, need = needs
@@ -525,7 +567,7 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
                     f"at {format_bytes(need)} per card (budget \"{count}x ...\" to fit there).")
     return FitResult(None, {}, None, limit, room, start, device, search.rows, None, None, message,
                      None, search.estimates, skipped, len(space), host_limit, host_room, searched,
-                     cards, needs[0] if needs else None)
+                     cards, needs[0] if needs else None, first)
 
 
 def _more_cards(config, start: Techniques, rows: list[FitRow], cards: int, target: str, sharding,
@@ -537,6 +579,7 @@ def _more_cards(config, start: Techniques, rows: list[FitRow], cards: int, targe
         return None
     lightest = min(sized, key=lambda r: r.peak)
     t = start.replace(**lightest.changes)
+    sharding = replace(sharding or Sharding(), **lightest.sharding_changes)
     for count in (n for n in (cards * 2, cards * 4, cards * 8) if n <= 8 and t.batch_size % n == 0):
         try:
             memory = Predictor.of(config, target, count, sharding).estimate(t)
@@ -583,19 +626,33 @@ def _on_host(memory: MemoryBreakdown, host_room: int | None, host_limit: int | N
 def _found(c: Candidate, need: int, card: str, on_host: str, tried_text: str,
            out_of_tries: bool) -> str:
     """The message of a search that found a combination."""
-    if not c.changes:
+    if not c.changes and not c.sharding_changes:
         return f"The start fits: predicted peak {format_bytes(need)} of {card}.{on_host}{tried_text}"
     what = ("The cheapest predicted to fit before max_tries ran out (raise it to look "
             "for a faster one)" if out_of_tries else "Fastest predicted to fit")
     message = (f"{what}: {c.label}; predicted peak {format_bytes(need)} of "
                f"{card}; step time about {c.cost:.2f}x a plain step.{on_host}")
+    if c.sharding_changes:
+        message += (f" FSDP2 with distributed: {_settings(c.sharding)} in the run file "
+                    "(nbtune train, Session.from_config(..., processes=N)).")
     if c.exact:
         message += " Same maths as the start."
     else:
         maths = {k: v for k, v in c.changes.items() if k not in PLACEMENT_FIELDS}
+        if c.sharding_changes and "mixed_precision" in c.sharding_changes:
+            maths["distributed.mixed_precision"] = c.sharding.mixed_precision
         message += (" No combination that keeps the maths fits, so this one changes it: "
                     + ", ".join(f"{k}={v!r}" for k, v in maths.items()) + ".")
-    return message + f" {APPLY_IN_CODE}{tried_text}"
+    apply = APPLY_IN_CODE if c.changes else ""
+    return message + (f" {apply}" if apply else "") + tried_text
+
+
+def _settings(sharding: Sharding) -> str:
+    """FSDP2's settings as the run file writes them."""
+    def yaml(value) -> str:
+        return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+    return "{" + ", ".join(f"{k}: {yaml(getattr(sharding, k))}" for k in SHARDING_AXES) + "}"
 
 
 def _nothing(rows: list[FitRow], where: str, room: int, max_tries: int | None,

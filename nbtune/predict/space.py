@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from types import SimpleNamespace
 
+from ..distributed import Sharding
 from ..techniques import RULES, Techniques, label_of
 from .costs import checkpointed_fraction, relative_cost
 
@@ -45,9 +46,13 @@ def allowed(t: Techniques, changes: dict, device: str) -> Techniques | None:
 
 # ---- the search space --------------------------------------------------------------------
 
-# Axes fit may move, in display order; the first six keep the maths.
+# Axes fit may move, in display order; the first six keep the maths. "sharding" stands for
+# FSDP2's settings (``SHARDING_AXES``), searched on several cards.
 AXES = ("activation_checkpointing", "chunked_loss", "batch_size", "optimizer_in_backward",
         "activation_offloading", "cpu_offload_optimizer", "optimizer", "dtype", "method")
+SHARDING_AXES = ("cpu_offload", "reshard_after_forward", "shard_embeddings", "mixed_precision")
+# Positions of ``Candidate.saving``: the axes, then each sharding setting.
+SAVING_AXES = AXES + tuple(f"sharding.{name}" for name in SHARDING_AXES)
 # Maths-changing fallbacks, fewest steps first. Steps: levels moved on each ladder.
 _OPTIMIZER_LEVEL = {"adamw": 0, "paged_adamw": 0, "adamw8bit": 1, "paged_adamw8bit": 1,
                     "ao_adamw8bit": 1, "ao_adamw4bit": 2}
@@ -84,18 +89,35 @@ class Candidate:
     cost: float  # relative_cost against the start's method and dtype
     exact: bool  # keeps the start's maths
     steps: int  # maths_steps from the start (0 when exact)
-    saving: tuple  # memory saved along each axis; larger saves more
+    saving: tuple  # memory saved along each of ``SAVING_AXES``; larger saves more
+    sharding: Sharding | None = None  # FSDP2's settings, on several cards
+    sharding_changes: dict | None = None  # those that differ from the start's sharding
+
+    @property
+    def key(self) -> tuple:
+        """What a combination is: its techniques and, on several cards, its sharding."""
+        return self.techniques, self.sharding
 
     @property
     def label(self) -> str:
-        return label_of(self.changes) if self.changes else "start (no change)"
+        parts = [label_of(self.changes)] if self.changes else []
+        parts += [sharding_label(self.sharding_changes)] if self.sharding_changes else []
+        return ", ".join(parts) if parts else "start (no change)"
 
 
-def _saving(t: Techniques, num_layers: int | None) -> tuple:
+def sharding_label(changes: dict) -> str:
+    """FSDP2 setting changes in a few words, as the run file's ``distributed:`` names them."""
+    return label_of({f"distributed.{k}": v for k, v in changes.items()})
+
+
+def _saving(t: Techniques, num_layers: int | None, sharding: Sharding | None = None) -> tuple:
+    sharded = sharding is not None
     return (checkpointed_fraction(t, num_layers), t.chunked_loss > 1, -t.batch_size,
             t.optimizer_in_backward, t.activation_offloading, t.cpu_offload_optimizer,
             _OPTIMIZER_SAVING.get(t.optimizer, 0), t.dtype == "bf16",
-            _METHOD_LEVEL.get(t.method, 0))
+            _METHOD_LEVEL.get(t.method, 0),
+            sharded and sharding.cpu_offload, sharded and sharding.reshard_after_forward,
+            sharded and sharding.shard_embeddings, sharded and sharding.mixed_precision == "bf16")
 
 
 # Which of the on/off memory toggles a combination has on (``fit`` groups the combinations the
@@ -149,20 +171,41 @@ def _options(start: Techniques, device: str, axes, num_layers: int | None,
     return opts
 
 
+def _shardings(start: Sharding, device: str, tied: bool) -> list[Sharding]:
+    """FSDP2's settings ``fit`` may try from ``start``: CPU offload (CUDA), resharding after
+    forward, the embedding and head as units of their own (untied only) and bf16 mixed
+    precision, each on and off; the start first."""
+    values = {"cpu_offload": [start.cpu_offload] + ([not start.cpu_offload]
+                                                    if str(device).startswith("cuda") else []),
+              "reshard_after_forward": [start.reshard_after_forward, not start.reshard_after_forward],
+              "shard_embeddings": [start.shard_embeddings] + ([] if tied else [not start.shard_embeddings]),
+              "mixed_precision": [start.mixed_precision, None if start.mixed_precision else "bf16"]}
+    return [replace(start, **dict(zip(SHARDING_AXES, combo)))
+            for combo in itertools.product(*(values[name] for name in SHARDING_AXES))]
+
+
 def search_space(start: Techniques, device: str = "cuda", *, num_layers: int | None = None,
-                 toggles=None, ranks: int = 1) -> list[Candidate]:
+                 toggles=None, ranks: int = 1, sharding: Sharding | None = None,
+                 tied: bool = False) -> list[Candidate]:
     """Every combination ``fit`` may try, in the order it prefers them: fewest maths steps
     first, then cheapest, then fewest changes. Only combinations valid on ``device``.
 
     ``toggles`` limits the axes searched (names from ``AXES``; "batch_size" stands for the
     split of the effective batch into batch_size x grad_accum); default all. Over ``ranks``
-    processes (FSDP2) ``batch_size`` is the global batch: it stays a multiple of ``ranks``.
+    processes (FSDP2) ``batch_size`` is the global batch: it stays a multiple of ``ranks``,
+    and "sharding" searches FSDP2's settings from ``sharding`` (``tied``: the model ties its
+    embedding and head, which then shard with the root). bf16 mixed precision is tried on an
+    fp32 model only (on bf16 weights it computes as before and reduces in fp32): it changes
+    the maths as bf16 does.
     """
-    axes = AXES if toggles is None else tuple(toggles)
-    unknown = [a for a in axes if a not in AXES]
+    axes = AXES + ("sharding",) if toggles is None else tuple(toggles)
+    unknown = [a for a in axes if a not in AXES + ("sharding",)]
     if unknown:
-        raise ValueError(f"toggles {unknown} are not searched by fit; choose from {', '.join(AXES)}.")
+        raise ValueError(f"toggles {unknown} are not searched by fit; choose from "
+                         f"{', '.join(AXES)}, sharding (FSDP2's settings, on several cards).")
     opts = _options(start, device, axes, num_layers, ranks)
+    first = (sharding or Sharding()) if ranks > 1 else None
+    shardings = [first] if first is None or "sharding" not in axes else _shardings(first, device, tied)
     base = {f.name: getattr(start, f.name) for f in fields(start)}
     rules = [rule for rule in RULES if rule.device is None or rule.device != device]
     out, seen = [], set()
@@ -180,10 +223,18 @@ def search_space(start: Techniques, device: str = "cuda", *, num_layers: int | N
         changed = new.changed(start)
         changes = {k: getattr(new, k) for k in _CHANGE_ORDER if k in changed}
         exact = keeps_maths(start, new)
-        cost = relative_cost(new, device, num_layers=num_layers, baseline=start)
-        out.append(Candidate(new, changes, cost, exact, maths_steps(start, new, exact),
-                             _saving(new, num_layers)))
-    out.sort(key=lambda c: (c.steps, round(c.cost, 9), len(c.changes), c.label))
+        for sh in shardings:
+            mixed = sh is not None and sh.mixed_precision != first.mixed_precision
+            if mixed and new.dtype != "fp32":
+                continue  # bf16 weights already compute in bf16
+            moved = {k: getattr(sh, k) for k in SHARDING_AXES if getattr(sh, k) != getattr(first, k)} \
+                if sh is not None else {}
+            cost = relative_cost(new, device, num_layers=num_layers, baseline=start, sharding=sh)
+            steps = maths_steps(start, new, exact) + mixed
+            out.append(Candidate(new, changes, cost, exact and not mixed, steps,
+                                 _saving(new, num_layers, sh), sh, moved))
+    out.sort(key=lambda c: (c.steps, round(c.cost, 9), len(c.changes) + len(c.sharding_changes or ()),
+                            c.label))
     return out
 
 

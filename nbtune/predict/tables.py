@@ -83,6 +83,12 @@ COSTS: dict[str, tuple[float, str]] = {
     "micro_batch": (256.0, "rough: each micro-batch pays fixed work worth this many tokens "
                            "(launches, small matmuls under-using the GPU): micro-batches of T tokens "
                            "in an effective batch of E add 256/T - 256/E"),
+    "fsdp_cpu_offload": (0.30, "rough: FSDP2 CPU offload brings every layer's shard to the card in "
+                               "forward and again in backward and steps the optimizer on CPU cores: "
+                               "PCIe traffic a step of the frozen weights (NF4 under QLoRA) twice"),
+    "fsdp_reshard": (0.05, "rough: resharding after forward gathers each layer's weights again in "
+                           "backward, a second all-gather that overlaps compute only in part"),
+    "fsdp_shard_embeddings": (0.01, "rough: two more units to gather, the embedding and the head"),
     "compile": (-0.21, "measured 21% less time per step (7075 -> 8998); the first step compiles"),
 }
 

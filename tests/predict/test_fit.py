@@ -110,6 +110,17 @@ def test_cost_model_orderings():
     assert relative_cost(T(dtype="bf16"), baseline=full) < 1.0
     assert relative_cost(T(dtype="bf16"), "cpu", baseline=full) == 1.0
     assert relative_cost(T(method="qlora", dtype="bf16")) == 1.0  # own method and dtype by default
+    # FSDP2 over several cards: CPU offload is dear, resharding and sharded embeddings cheap,
+    # bf16 mixed precision computes as bf16 does (on an fp32 model)
+    from nbtune.distributed import Sharding
+
+    fsdp = relative_cost(T(), sharding=Sharding())
+    assert fsdp == pytest.approx(1 + COSTS["fsdp_reshard"][0])
+    assert relative_cost(T(), sharding=Sharding(reshard_after_forward=False)) == plain < fsdp
+    assert fsdp < relative_cost(T(), sharding=Sharding(shard_embeddings=True)) < fsdp + 0.05 \
+        < relative_cost(T(), sharding=Sharding(cpu_offload=True))
+    assert relative_cost(T(), sharding=Sharding(mixed_precision="bf16")) == pytest.approx(
+        relative_cost(T(dtype="bf16"), baseline=full, sharding=Sharding()))
     assert set(cost_terms(T(activation_checkpointing=True, chunked_loss=8, compile=True))) == {
         "checkpointing", "chunked_loss", "compile"}
     for value, why in COSTS.values():  # every constant says where it comes from

@@ -240,3 +240,34 @@ def test_host_memory_is_predicted_per_machine_and_hsdp_shards_within_a_group():
     assert hsdp.parameters == 2 * nt.estimate(config, t, ranks=4).parameters
     with pytest.raises(ValueError, match="replicate=3 does not split 4 ranks"):
         nt.estimate(config, t, ranks=4, sharding={"replicate": 3})
+
+
+def test_fit_on_two_cards_searches_fsdps_settings_and_says_which_it_chose():
+    """A model whose untied embedding and head dominate: only sharding them as units of their
+    own fits the budget; ``fit`` finds that setting among FSDP2's and names it."""
+    from nbtune.predict.budgets import required
+    from nbtune.predict.space import AXES, search_space
+
+    config = ModelConfig(**{**TINY, "vocab_size": 16384, "num_layers": 2, "tie_word_embeddings": False})
+    t = nt.Techniques(batch_size=2, seq_len=32)
+    apart = required(nt.estimate(config, t, ranks=2, sharding={"shard_embeddings": True}))
+    budget = f"2x {apart}B"
+    assert not nt.fit(config, budget, t, device="cpu", toggles=()).fits  # FSDP2's defaults do not
+    found = nt.fit(config, budget, t, device="cpu", toggles=("sharding",))
+    assert found.fits and found.exact and found.changes == {}
+    assert found.sharding_changes == {"shard_embeddings": True} and found.sharding.shard_embeddings
+    assert found.peak == apart and "shard_embeddings: true" in found.message
+    assert "distributed: {" in found.message and "session.set" not in found.message  # nothing to set
+    tried = {tuple(sorted(r["sharding_changes"])) for r in found.as_dicts()}
+    assert ("reshard_after_forward",) in tried or ("reshard_after_forward", "shard_embeddings") in tried
+    # a tied model's embedding is the head: the search does not offer to shard it apart
+    for tied, offers in ((True, False), (False, True)):
+        space = search_space(t, "cpu", ranks=2, tied=tied, toggles=("sharding",))
+        assert any("shard_embeddings" in c.sharding_changes for c in space) is offers
+    on_cuda = search_space(t, "cuda", ranks=2, toggles=("sharding",))  # CPU offload: CUDA only
+    assert {tuple(sorted(c.sharding_changes)) for c in on_cuda} > {
+        tuple(sorted(c.sharding_changes)) for c in search_space(t, "cpu", ranks=2, toggles=("sharding",))}
+    assert len(on_cuda) == 16 and all(c.sharding is None for c in search_space(t, "cuda"))
+    with pytest.raises(ValueError, match="sharding settings need ranks=2"):
+        nt.fit(config, "24GiB", t, device="cpu", sharding={"shard_embeddings": True})
+    assert "sharding" not in AXES  # (a name of its own: ``toggles`` takes it beside the axes)

@@ -10,6 +10,7 @@ skips bf16 rungs there.
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import torch
@@ -36,6 +37,16 @@ def bf16_slowdown() -> float:
 
 
 BUSY_CORES = 0.25  # other processes using this much of a core on average: a timing is suspect
+BUSY_SECONDS = 5.0  # a run's share of the machine is said once it has run this long (less is noise)
+
+
+def busy_words(others: float | None) -> str:
+    """What a reader of a speed should know when other processes kept the cores busy ("" when
+    they did not, or the machine does not say)."""
+    if others is None or others < BUSY_CORES:
+        return ""
+    return (f"machine busy: other processes used {others:.1f} of {os.cpu_count()} cores, "
+            "so this runs slower than it would alone")
 
 
 def _busy_jiffies() -> int | None:
@@ -55,24 +66,25 @@ def _busy_jiffies() -> int | None:
 
 class Contention:
     """How many cores other processes kept busy while the ``with`` block ran, on average
-    (``others``: None where the machine does not say). A speed measured while they did is
-    the machine's, not the technique's."""
+    (``others``: None where the machine does not say); ``so_far()`` while it runs. A speed
+    measured while they did is the machine's, not the technique's."""
 
     def __init__(self) -> None:
         self.others: float | None = None
+        self._started, self._busy, self._ours = time.monotonic(), _busy_jiffies(), os.times()
 
     def __enter__(self) -> "Contention":
-        import os
-
         self._started, self._busy, self._ours = time.monotonic(), _busy_jiffies(), os.times()
         return self
 
-    def __exit__(self, *exc) -> None:
-        import os
-
+    def so_far(self) -> float | None:
+        """Cores other processes kept busy on average since the start (None: not known)."""
         busy, ours, wall = _busy_jiffies(), os.times(), time.monotonic() - self._started
         if busy is None or self._busy is None or wall <= 0:
-            return
+            return None
         total = (busy - self._busy) / os.sysconf("SC_CLK_TCK")
         own = (ours.user - self._ours.user) + (ours.system - self._ours.system)
-        self.others = max(0.0, total - own) / wall
+        return max(0.0, total - own) / wall
+
+    def __exit__(self, *exc) -> None:
+        self.others = self.so_far()

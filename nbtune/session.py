@@ -14,6 +14,7 @@ import contextlib
 import functools
 import os
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
@@ -366,12 +367,13 @@ class Session:
         """
         from tqdm.auto import tqdm
 
-        from .run.runner import check_run_args
+        from .hardware import BUSY_SECONDS, Contention, busy_words
         from .ui.live import LiveChart, in_notebook
 
-        check_run_args("run", steps, on_oom)
+        self.runner.ready("run", steps, on_oom)  # bad arguments, no rows: said before any bar
         periodic = periodic_checkpoint("run", checkpoint, checkpoint_minutes, self.parts, self.runner.say)
         chart = LiveChart(self.overhead) if (in_notebook() if live is None else live) else None
+        others, started = Contention(), time.monotonic()
         with tqdm(total=steps, desc="training", unit="step", disable=not progress) as bar:
             def shown(report: StepReport) -> None:
                 bar.update()
@@ -382,6 +384,8 @@ class Session:
                                       after_step=periodic.after_step if periodic else None)
         if chart is not None:
             chart.update(self.history, force=True)
+        if time.monotonic() - started >= BUSY_SECONDS and busy_words(others.so_far()):
+            self.runner.say(busy_words(others.so_far()) + ".")
         return reports
 
     def start(self, steps: int, *, on_oom: str = "raise",
@@ -423,6 +427,14 @@ class Session:
             return RunView(self, run)
 
         run.show = show
+        from .ui.live import in_notebook
+
+        if in_notebook():  # the bar and Stop show wherever it was started from, assigned or not
+            from IPython import get_ipython
+            from IPython.display import display
+
+            run.shown_in = get_ipython().execution_count
+            display(show())
         return run
 
     def stop(self, wait: bool = True) -> BackgroundRun | None:

@@ -220,6 +220,21 @@ def test_run_shows_progress_and_returns_reports(capsys):
     assert "3/3" in capsys.readouterr().err  # the tqdm bar
 
 
+def test_a_run_on_a_busy_machine_says_so_and_a_quiet_one_does_not(monkeypatch, capsys):
+    """Against a process the test starts (``test_ladder``'s spinner measures the same
+    ``Contention``): here its figure is set, and the run says it or stays quiet."""
+    from nbtune import hardware
+
+    session = small_session()
+    monkeypatch.setattr(hardware, "BUSY_SECONDS", 0.0)
+    for others, said in ((1.6, True), (0.1, False)):
+        monkeypatch.setattr(hardware.Contention, "so_far", lambda self, v=others: v)
+        session.run(1, progress=False, live=False)
+        out = capsys.readouterr().out
+        assert ("nbtune: machine busy: other processes used 1.6 of" in out) is said, out
+        assert "slower than it would alone" in out or not said
+
+
 def test_generate_and_evaluate():
     session = small_session()
     text = session.generate("Which vowel is in the word?", input="bcad", max_new_tokens=5)

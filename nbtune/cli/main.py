@@ -4,6 +4,7 @@ runs a saved session unattended."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
@@ -48,7 +49,9 @@ def run_demo(args: argparse.Namespace) -> int:
     # A bar on a terminal (none in a log), a line for about every tenth step; every step's
     # numbers go to the JSON summary.
     every = max(1, steps // DEMO_LINES)
-    rows = []
+    from ..hardware import Contention, busy_words
+
+    rows, others = [], Contention()
     with tqdm(total=steps, desc="training", unit="step", disable=None, file=sys.stderr) as bar:
         for _ in range(steps):
             r = parts.runner.step()
@@ -69,6 +72,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "heldout_accuracy_before": before,
         "heldout_accuracy_after": after,
         "seconds": time.perf_counter() - started,
+        "busy_cores": others.so_far(),  # other processes' share of the cores while it trained
         "peak_bytes": max(r.memory.peak for r in parts.history),
         "memory_last_step": parts.history[-1].memory.categories,
         "device": str(parts.device),
@@ -82,6 +86,8 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"{measure} after training: {after:.0%}")
     print(f"loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f} "
           f"(mean of the last {LAST_WINDOW} steps) in {summary['seconds']:.0f} s")
+    if busy_words(summary["busy_cores"]):
+        print(f"nbtune: {busy_words(summary['busy_cores'])} (the README's time is a quiet machine's).")
     print(f"wrote {out / 'demo_memory.png'} and {out / 'demo_summary.json'}")
     return 0
 
@@ -132,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     ladder.add_argument("--steps", type=int, default=2, help="steps per row (default 2)")
     ladder.add_argument("--out", default=None, help="folder for ladder.json")
     ladder.add_argument("--device", default=None)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and not argv[0].startswith("-") and argv[0] not in commands.choices:
+        close = difflib.get_close_matches(argv[0], commands.choices, n=1)
+        parser.error(f"there is no command {argv[0]!r}" + (f": did you mean {close[0]!r}?" if close else
+                     f"; the commands are {', '.join(commands.choices)}."))
     args = parser.parse_args(argv)
     try:
         if args.command == "ladder":

@@ -30,6 +30,7 @@ from typing import Callable
 from .. import files, runfile
 from ..run import factory
 from ..atomic import write_file_atomically
+from ..hardware import Contention, busy_words
 from ..run.checkpoints import CHECKPOINTS, StepCheckpoints, checkpoints, stop_signals
 from ..units import format_bytes
 
@@ -313,7 +314,7 @@ def _run(parts, job: TrainJob) -> int:
         say(f"held-out accuracy before: {summary['heldout_accuracy_before']:.0%}")
     loggers = _Loggers(out_dir, settings, rank=job.rank, resumed_at=len(parts.history))
     logged = [len(parts.history)]  # the last step written to metrics.jsonl
-    interrupted = False
+    interrupted, others = False, Contention()
     try:
         with tqdm(total=total, initial=len(parts.history), desc="training", unit="step",
                   disable=None if job.progress and lead else True, file=sys.stderr) as bar:
@@ -353,7 +354,8 @@ def _run(parts, job: TrainJob) -> int:
         "loss_first": losses[0], "loss_last": sum(window) / len(window),
         "peak_bytes": max(r.memory.peak for r in parts.history),
         "seconds": time.perf_counter() - job.started, "saved": saved,
-        "techniques": parts.techniques.as_dict(), "device": str(parts.device)})
+        "techniques": parts.techniques.as_dict(), "device": str(parts.device),
+        "busy_cores": others.so_far()})  # other processes' share of the cores meanwhile
     if evaluate:
         summary["heldout_accuracy_after"] = parts.evaluate()
         say(f"held-out accuracy after: {summary['heldout_accuracy_after']:.0%}")
@@ -362,6 +364,8 @@ def _run(parts, job: TrainJob) -> int:
           f"{summary['loss_last']:.3f} (mean of steps {len(losses) - len(window) + 1}-{len(losses)}), peak "
           f"{format_bytes(summary['peak_bytes'])}, {summary['seconds']:.0f} s; saved "
           + (", ".join(saved.values()) or "nothing") + f"; metrics in {out_dir / METRICS}")
+    if busy_words(summary["busy_cores"]):
+        say(f"nbtune: {busy_words(summary['busy_cores'])}.")
     return 0
 
 

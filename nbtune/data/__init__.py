@@ -43,6 +43,11 @@ class TrainingData:
         """Training row ``index`` as a prompt, its fields for GRPO's reward functions."""
         return as_prompt(self.train[index])
 
+    def check_rows(self) -> None:
+        """Refuse to train a session made without training rows (``DataError``)."""
+        if not self.train:
+            raise DataError(NO_TRAINING_DATA)
+
     def problems(self, t) -> list[str]:
         """What this data cannot do for techniques ``t``, in words (nothing: [])."""
         out = []

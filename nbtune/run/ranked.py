@@ -42,6 +42,10 @@ class _RanksData:
     pairs = False  # not known here: the rows are on the ranks
 
     @staticmethod
+    def check_rows() -> None:
+        """The ranks read their rows from the run file, which names them."""
+
+    @staticmethod
     def problems(techniques) -> list[str]:
         if techniques.objective == "grpo":  # its reward functions are the kernel's Python
             return ["objective='grpo' does not yet run on ranks driven from a notebook (the reward "

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from .. import hardware
+from ..hardware import Contention
 from ..memory.sampling import MemorySampler
 from ..oom import OutOfMemory
 from ..overhead import OverheadBudget
@@ -197,6 +198,9 @@ class BackgroundRun:
         self.after_step: Callable[[], None] | None = None  # (``start(checkpoint=)``'s periodic save)
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=target, args=(self,), name="nbtune-run", daemon=True)
+        self.before = 0  # the session's steps when it started: its first step is ``before + 1``
+        self.others = Contention()  # other processes' share of the cores since it started
+        self.shown_in: int | None = None  # the notebook cell that shows it already
 
     @property
     def running(self) -> bool:
@@ -256,8 +260,12 @@ class BackgroundRun:
         return f"<BackgroundRun {len(self.reports)}/{self.steps} steps, {state}{said}>"
 
     def _ipython_display_(self) -> None:
+        from IPython import get_ipython
         from IPython.display import display
 
+        shell = get_ipython()
+        if self.shown_in is not None and shell is not None and shell.execution_count == self.shown_in:
+            return  # ``start`` showed it in this cell's output already
         display(self.show() if self.show is not None else repr(self))
 
 
@@ -567,7 +575,7 @@ class Runner:
             after_step: Callable[[], None] | None = None) -> list[StepReport]:
         """``steps`` steps in this thread. Ctrl-C ends the run cleanly after the step under
         way was rolled back (or, if its update was being written, completed first)."""
-        check_run_args("run", steps, on_oom)
+        self.ready("run", steps, on_oom)
         history = self.trainer.history
         with self.claim("run"):
             start, reports = len(history), []
@@ -606,12 +614,19 @@ class Runner:
                 task, future = self._between.pop(0)
             _settle(future, task)
 
+    def ready(self, name: str, steps, on_oom: str) -> None:
+        """Refuse a run that cannot start (bad arguments, a damaged session, no training rows)
+        before anything is drawn or started."""
+        check_run_args(name, steps, on_oom)
+        self.trainer.check_usable()
+        self.trainer.data.check_rows()
+
     # ---- the background run ---------------------------------------------------------------
 
     def start(self, steps: int, on_oom: str = "raise",
               after_step: Callable[[], None] | None = None) -> BackgroundRun:
         """Train ``steps`` steps in a background thread; returns the ``BackgroundRun`` at once."""
-        check_run_args("start", steps, on_oom)
+        self.ready("start", steps, on_oom)
         with self._lock:
             if self._run is not None:
                 raise BusyError(f"start: a background run is already training "
@@ -623,6 +638,7 @@ class Runner:
             self.trainer.check_usable()  # a damaged session says so here, not in the thread
             run = self._run = BackgroundRun(steps, on_oom, self._background)
             run.after_step = after_step
+            run.before = len(self.trainer.history)
         try:
             run.thread.start()
         except BaseException:

@@ -32,7 +32,7 @@ from ..charts import draw_memory, figure_png
 from ..predict import APPLY_IN_CODE, CARDS, HOST_RAM, Predictor
 from .fitcheck import FitCheck, in_background
 from .live import PacedRedraw
-from .status import objective_words, run_status
+from .status import objective_words, run_status, step_count
 from matplotlib.figure import Figure
 
 
@@ -40,7 +40,8 @@ LABEL_PX = 200  # room for the longest control label ("held-out loss every N ste
 # What the panel's figures mean, as their hover text.
 PRICE_HELP = ("What the rented card costs per hour, in dollars: the status line then shows the "
               "cost so far and to finish (0: not shown)")
-STATUS_HELP = ("step: optimizer steps done of this run's; loss: the last step's mean loss per "
+STATUS_HELP = ("step: the session's optimizer step, the chart's count (with this run's steps "
+               "done of its total where the session had steps before it); loss: the last step's mean loss per "
                "trained token; tokens/s: tokens read per second over this run's steps (padding "
                "not counted); elapsed: wall time since the run started; the time still to go "
                "(while it runs) assumes this run's pace so far; $: the price per hour times "
@@ -439,9 +440,8 @@ class Panel(w.VBox):
                 return  # a synchronous run: its numbers are in the progress line already
             self._run_seen = None
             if run.stopped:
-                self._say(f"stopped after {len(run.reports)} of the {run.steps} steps of this run; "
-                          f"the session keeps every step up to step {len(self.session.history)} "
-                          "(Run goes on from there).")
+                self._say(f"stopped at {step_count(len(run.reports), run.steps, run.before)}; the "
+                          "session keeps every step up to it (Run goes on from there).")
 
     # will it fit?
     def _check_fit(self) -> None:
@@ -556,7 +556,8 @@ class Panel(w.VBox):
             return
         end = run.finished or time.monotonic()
         line = run_status(run.reports, run.steps, end - run.started, self.session.price_per_hour,
-                          finished=run.finished is not None)
+                          finished=run.finished is not None, before=run.before,
+                          busy=run.others.so_far())
         if run.finished is not None:
             line = ("stopped · " if run.stopped else "failed · " if run.error else "done · ") + line
         self.progress.value = _wrapped(html.escape(line), title=STATUS_HELP)
@@ -710,7 +711,8 @@ class RunView(w.HBox):
         self.bar.value = min(len(run.reports), run.steps)
         end = run.finished or time.monotonic()
         text = run_status(run.reports, run.steps, end - run.started, self.session.price_per_hour,
-                          finished=run.finished is not None)
+                          finished=run.finished is not None, before=run.before,
+                          busy=run.others.so_far())
         if run.finished is not None:
             self.stop_button.layout.display = "none"
             self.bar.bar_style = "danger" if run.error else "warning" if run.stopped else "success"

@@ -30,17 +30,31 @@ def format_duration(seconds: float) -> str:
     return f"{hours} h {minutes:02d} min"
 
 
+def step_count(done: int, total: int, before: int = 0) -> str:
+    """The session's step, the one the chart and the replies count, with this run's share
+    where the session had steps before it: ``step 12 of 100``, ``step 30 (24 of this run's
+    300)``."""
+    now = before + done
+    return f"step {now} of {total}" if not before else f"step {now} ({done} of this run's {total})"
+
+
 def run_status(reports: list, total: int, elapsed: float,
-               price_per_hour: float | None = None, finished: bool = False) -> str:
+               price_per_hour: float | None = None, finished: bool = False,
+               before: int = 0, busy: float | None = None) -> str:
     """``step 12 of 100 · loss 1.234 · 2,345 tokens/s · 0 min 12 s elapsed, 1 min 28 s
     left · $0.01 so far, $0.02 to finish at $0.44/h`` for ``reports`` of one run.
 
-    ``elapsed`` is the run's wall time so far (its steps plus what happened between them);
-    tokens/s is over the run's own steps. A ``finished`` run (stopped early too) has nothing
-    left, so no time left or cost to finish is shown.
+    ``before``: the session's steps before this run (the step shown is the session's, as
+    the chart counts). ``elapsed`` is the run's wall time so far (its steps plus what
+    happened between them); tokens/s is over the run's own steps. A ``finished`` run
+    (stopped early too) has nothing left, so no time left or cost to finish is shown.
+    ``busy``: cores other processes kept busy meanwhile; said where it slows the run
+    (``hardware.BUSY_CORES``) once the run has gone on long enough to tell.
     """
+    from ..hardware import BUSY_SECONDS, busy_words
+
     done = len(reports)
-    parts = [f"step {done} of {total}"]
+    parts = [step_count(done, total, before)]
     if reports:
         parts.append(f"loss {reports[-1].loss:.3f}")
         if objective_words(reports[-1]):
@@ -53,6 +67,8 @@ def run_status(reports: list, total: int, elapsed: float,
     if left is not None and done < total:
         timing += f", {format_duration(left)} left"
     parts.append(timing)
+    if elapsed >= BUSY_SECONDS and busy_words(busy):
+        parts.append(busy_words(busy))
     if price_per_hour:
         cost = f"${price_per_hour * elapsed / 3600:.2f} so far"
         if left is not None and done < total:

@@ -34,6 +34,8 @@ def test_demo_learns_and_writes_chart_and_summary(tmp_path):
     assert summary["loss_last"] <= summary["loss_first"] / 2
     assert summary["heldout_accuracy_after"] > summary["heldout_accuracy_before"]
     assert summary["peak_bytes"] > 0
+    busy = summary["busy_cores"]  # other processes' share of the cores: said when it slowed the run
+    assert busy is not None and busy >= 0 and ("machine busy" in done.stdout) == (busy >= 0.25)
     png = (tmp_path / "demo_memory.png").read_bytes()
     assert png[:4] == b"\x89PNG" and len(png) > 10_000
 
@@ -44,7 +46,7 @@ def test_help_and_argument_errors_answer_before_torch_is_imported():
     probe = ("import sys\n"
              "import nbtune.cli.main as cli\n"
              "for argv in (['--help'], ['train', '--help'], ['demo', '--method', 'lorra'],\n"
-             "             ['train', 'run.yaml', '--set', 'novalue']):\n"
+             "             ['train', 'run.yaml', '--set', 'novalue'], ['trian', 'run.yaml']):\n"
              "    try:\n"
              "        cli.main(argv)\n"
              "    except SystemExit as done:\n"
@@ -52,7 +54,8 @@ def test_help_and_argument_errors_answer_before_torch_is_imported():
              "print('torch imported:', 'torch' in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.count("exit 0") == 2 and done.stdout.count("exit 2") == 2, done.stdout
+    assert done.stdout.count("exit 0") == 2 and done.stdout.count("exit 2") == 3, done.stdout
     assert "torch imported: False" in done.stdout
     assert "invalid choice: 'lorra'" in done.stderr and "write FIELD=VALUE" in done.stderr
+    assert "no command 'trian': did you mean 'train'?" in done.stderr
     assert "seed 001" not in done.stdout  # user text says what the ladder is

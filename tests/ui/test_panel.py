@@ -159,8 +159,11 @@ def test_run_in_the_background_stop_and_pending_changes_shown(session_and_panel)
     # a stopped run has nothing left: no time left in its line; the reply names both counts
     assert " left" not in panel.progress.value
     done, total = len(run.reports), len(session.history)
-    assert f"stopped after {done} of the 10000 steps of this run" in panel.status.value
-    assert f"up to step {total}" in panel.status.value
+    assert total == run.before + done and run.reports[-1].step == total
+    said = (f"stopped at step {total} of 10000" if not run.before
+            else f"stopped at step {total} ({done} of this run's 10000)")
+    assert said in panel.status.value  # the reply and the progress line: the same count
+    assert "stopped · " + said.removeprefix("stopped at ") in panel.progress.value
 
 
 def test_run_status_line_counts_time_left_and_cost():
@@ -177,6 +180,13 @@ def test_run_status_line_counts_time_left_and_cost():
     stopped = run_status(reports, 10, elapsed=2.4, price_per_hour=3.6, finished=True)
     assert " left" not in stopped and "to finish" not in stopped and "$0.00 so far" in stopped
     assert run_status([], 5, 0.0) == "step 0 of 5 · 0 s elapsed"
+    # one count everywhere: the session's step (the chart's), this run's share beside it
+    later = [StepReport(step=20 + i, loss=1.0, tokens=1000, trained_tokens=500, seconds=0.5, lr=1e-3,
+                        memory=None) for i in range(1, 5)]
+    assert run_status(later, 300, 2.4, before=20).startswith("step 24 (4 of this run's 300) · loss")
+    # a machine kept busy by other processes is said once the run is long enough to tell
+    assert "machine busy: other processes used 1.5 of" in run_status(later, 300, 6.0, busy=1.5)
+    assert "busy" not in run_status(later, 300, 6.0, busy=0.1) + run_status(later, 300, 2.0, busy=1.5)
     assert format_duration(3725) == "1 h 02 min" and format_duration(65) == "1 min 05 s"
 
 
@@ -434,3 +444,43 @@ def test_two_cards_in_the_machine_list_badge_one_ranks_step(session_and_panel):
     badge = shown[-1][2]
     assert shown[-1][1] == two[0] and badge.need == per_rank < whole
     assert f"{format_bytes(badge.usable - per_rank)} to spare" in panel.badge.value
+
+
+def test_a_background_run_started_in_a_cell_shows_its_bar_whatever_it_is_assigned_to(monkeypatch):
+    """``run = session.start(n)`` (the README's form) shows the bar and Stop in that cell's
+    output; ``run`` as the cell's last expression does not show a second one, and shown in
+    a later cell it shows again."""
+    import IPython
+    import IPython.display
+
+    import nbtune.ui.live
+    from nbtune.ui.panel import RunView
+
+    shown, shell = [], type("Shell", (), {"execution_count": 7})()
+    monkeypatch.setattr(nbtune.ui.live, "in_notebook", lambda: True)
+    monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
+    monkeypatch.setattr(IPython.display, "display", lambda *objs, **kw: shown.extend(objs))
+    session = small_session()
+    run = session.start(3)
+    assert len(shown) == 1 and isinstance(shown[0], RunView) and shown[0].run is run
+    run._ipython_display_()  # ``run`` at the end of the same cell: already shown
+    assert len(shown) == 1
+    run.wait()
+    shell.execution_count = 8
+    run._ipython_display_()  # in a later cell: shown again, finished
+    assert len(shown) == 2 and shown[1].bar.value == 3 and "done" in shown[1].line.value
+    for view in shown:
+        view.close()
+
+
+def test_a_session_without_rows_says_so_before_a_bar_is_drawn(capsys):
+    import nbtune as nt
+    from nbtune.data import DataError
+    from nbtune.demos import demo_named
+
+    session = nt.Session.from_pretrained(demo_named("tiny").model())  # to chat: no data
+    for command in (lambda: session.run(1), lambda: session.start(1)):
+        with pytest.raises(DataError, match="no training rows"):
+            command()
+    assert "training" not in capsys.readouterr().err  # no progress bar was drawn
+    assert session.current_run is None and not session.history

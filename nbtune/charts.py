@@ -91,7 +91,7 @@ def _top(reports: list, history: list = ()) -> float:
     return max([1] + [max(sum(_composition(r.memory).values()), r.memory.peak, r.memory.reserved,
                           r.memory.eval_peak, r.memory.generation_peak, *r.memory.categories.values())
                       for r in reports]
-               + [max(r.usage.peak, r.usage.reserved) for r in history if r.usage is not None])
+               + [max(r.usage.drawn, r.usage.reserved) for r in history if r.usage is not None])
 
 
 HIGH_LABEL = "category's own high point"
@@ -245,14 +245,21 @@ def _source(history: list) -> str | None:
     return metered[-1].usage.source if metered else None
 
 
+def _usage_label(history: list, source: str) -> str:
+    """The every-step line's legend: what it is, and on a CPU how much runtime it leaves out."""
+    runtime = max((r.usage.runtime for r in history if r.usage is not None), default=0)
+    return SOURCES[source] + (f"; {format_bytes(runtime)} of runtime left out" if runtime else "")
+
+
 def _resident_axis(ax, history: list):
     """The process's peak resident memory of every step on an axis of its own (right): it
     counts the whole process, far above the tensors on the left axis."""
     other = ax.twinx()
-    top = max(r.usage.peak for r in history if r.usage is not None)
+    top = max(r.usage.drawn for r in history if r.usage is not None)
     unit, size = byte_unit(top)
-    xs, ys = _usage_line(history, lambda u: u.peak / size)
-    other.plot(xs, ys, color=RESIDENT_COLOR, linewidth=1.2, label=SOURCES["resident"], gid="usage")
+    xs, ys = _usage_line(history, lambda u: u.drawn / size)
+    other.plot(xs, ys, color=RESIDENT_COLOR, linewidth=1.2, label=_usage_label(history, "resident"),
+               gid="usage")
     other.set_ylabel(f"process memory ({unit})")
     other.set_ylim(0, top / size * 1.1)
     return other
@@ -268,9 +275,9 @@ def _timeline(ax, history: list, size: int, unit: str, top: float, usage: bool =
     metered = [r for r in history if r.usage is not None] if usage else []
     source = _source(metered)
     if metered and not (every and source == "allocator"):
-        xs, ys = _usage_line(history, lambda u: u.peak / size)
+        xs, ys = _usage_line(history, lambda u: u.drawn / size)
         ax.plot(xs, ys, color=PEAK_COLOR if source == "allocator" else RESIDENT_COLOR,
-                linewidth=1.2, label=SOURCES[source], gid="usage")
+                linewidth=1.2, label=_usage_label(metered, source), gid="usage")
         if any(r.usage.reserved for r in metered):
             xs, ys = _usage_line(history, lambda u: u.reserved / size)
             ax.plot(xs, ys, color=RESERVED_COLOR, linestyle="--", linewidth=1.2,

@@ -361,7 +361,7 @@ def _history(rows: list, path) -> list[StepReport]:
                 state_field(row["memory"], name, "a number", path, where + "memory.")
         if row.get("usage") is not None:
             usage = state_field(row, "usage", "an object", path, where)
-            for name in ("peak", "reserved"):
+            for name in ("peak", "reserved") + (("runtime",) if "runtime" in usage else ()):
                 if state_field(usage, name, "an integer", path, where + "usage.") < 0:
                     raise refused(path, f"the field '{where}usage.{name}' is negative")
             if state_field(usage, "source", "a string", path, where + "usage.") not in SOURCES:

@@ -47,8 +47,9 @@ session.panel()"""),
     ("md", """Training from code works the same way. `run(n)` shows a progress bar, and in a
 notebook the memory chart below it is updated in place after the steps: left, where the
 memory of the latest step broken down by category went; right, the loss falling, a line of
-every step's peak (here the process's peak resident memory; on a GPU the allocator's peak:
-either costs microseconds to read) and, as points, the peak of the steps broken down by
+every step's peak (here the process's peak resident memory less the runtime, the
+interpreter and torch before the session loaded; on a GPU the allocator's peak: either costs
+microseconds to read) and, as points, the peak of the steps broken down by
 category. Breaking a step down watches every operator, which slows it, so by default nbtune
 breaks down the first two steps after a change (the first one makes the optimizer's state)
 and then only as many as fit 2 % of the training time."""),

@@ -22,6 +22,7 @@ from ..data import (DataError, Example, TrainingData, check_renderable, examples
                    prompt_and_reference, prompt_ids, prompt_text)
 from ..generate import Reply, TextStream, generate_ids
 from ..hub import resolve_model_folder
+from ..memory.usage import note_runtime
 from ..models import Tokenizer, load_model
 from ..models.loading import read_config
 from ..models.decoder import CausalLM
@@ -356,6 +357,7 @@ def build(spec: RunSpec) -> Run:
     """The run ``spec`` says, built: the tokenizer and the model read (each rank its rows of
     every weight, under torchrun; NF4 as each weight is read for QLoRA), the trainer and
     runner made (``assemble``), an adapter loaded on it."""
+    note_runtime()  # the process before it loads: what every CPU step's figure leaves out
     if spec.seed is not None:
         torch.manual_seed(spec.seed)  # adapters' initial values and dropout: repeatable runs
     techniques, parallel, device = spec.techniques, spec.parallel, spec.device

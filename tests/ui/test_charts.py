@@ -8,6 +8,7 @@ from matplotlib.figure import Figure
 
 from nbtune.memory import CATEGORIES, MemoryBreakdown
 from nbtune.memory.usage import SOURCES, Usage
+from nbtune.units import format_bytes
 from nbtune.step import StepReport
 from nbtune.charts import (COLORS, HIGH_LABEL, LABELS, byte_unit, draw_memory, figure_png,
                               ladder_figure, memory_figure, steps_figure)
@@ -317,6 +318,16 @@ def test_a_session_meters_every_step_and_a_bare_trainer_does_not(trained):
     assert all(r.usage is not None and r.usage.source == "resident" for r in session.history)
     # the process's peak resident memory holds at least the step's tensors at their peak
     assert all(r.usage.peak >= r.memory.peak for r in session.history if r.memory.measured)
+    # the runtime (the process before its first session loaded: interpreter, torch) is left
+    # out of the line the chart draws beside the tensors' peaks, and the legend says how much
+    runtime = session.history[0].usage.runtime
+    assert runtime > 50 * MiB and all(r.usage.runtime == runtime for r in session.history)
+    fig = draw_memory(Figure(), session.history)
+    line = next(line for line in fig.axes[1].get_lines() if line.get_gid() == "usage")
+    drawn = [r.usage.peak - runtime for r in session.history]
+    assert list(line.get_ydata()) == pytest.approx([d / drawn[0] * line.get_ydata()[0] for d in drawn])
+    assert line.get_label() == (f"{SOURCES['resident']}; {format_bytes(runtime)} of runtime left out")
+    assert "less the runtime" in SOURCES["resident"]
     bare = small_session()
     assert bare.trainer.step(track=True).usage is None
 
@@ -326,7 +337,7 @@ def test_each_steps_figure_is_its_own_peak_not_the_processes_lifetime_one():
     before it does not show (the meter resets the high-water mark at the step's start)."""
     import mmap
 
-    from nbtune.memory.usage import _resident_peak
+    from nbtune.memory.usage import _resident
 
     session = small_session()
     session.step()
@@ -335,7 +346,7 @@ def test_each_steps_figure_is_its_own_peak_not_the_processes_lifetime_one():
     big = mmap.mmap(-1, 400 * 2**20)
     for at in range(0, len(big), mmap.PAGESIZE):
         big[at] = 1
-    high = _resident_peak()
+    high = _resident()
     big.close()
     report = session.step()
     assert report.usage.peak < high - 200 * 2**20, (report.usage.peak, high)

@@ -354,8 +354,7 @@ def _run(parts, job: TrainJob) -> int:
         "loss_first": losses[0], "loss_last": sum(window) / len(window),
         "peak_bytes": max(r.memory.peak for r in parts.history),
         "seconds": time.perf_counter() - job.started, "saved": saved,
-        "techniques": parts.techniques.as_dict(), "device": str(parts.device),
-        "busy_cores": others.so_far()})  # other processes' share of the cores meanwhile
+        "techniques": parts.techniques.as_dict(), "device": str(parts.device), "busy_cores": others.so_far()})
     if evaluate:
         summary["heldout_accuracy_after"] = parts.evaluate()
         say(f"held-out accuracy after: {summary['heldout_accuracy_after']:.0%}")
@@ -363,9 +362,8 @@ def _run(parts, job: TrainJob) -> int:
     say(f"done: {len(parts.history)} steps, loss {summary['loss_first']:.3f} -> "
           f"{summary['loss_last']:.3f} (mean of steps {len(losses) - len(window) + 1}-{len(losses)}), peak "
           f"{format_bytes(summary['peak_bytes'])}, {summary['seconds']:.0f} s; saved "
-          + (", ".join(saved.values()) or "nothing") + f"; metrics in {out_dir / METRICS}")
-    if busy_words(summary["busy_cores"]):
-        say(f"nbtune: {busy_words(summary['busy_cores'])}.")
+          + (", ".join(saved.values()) or "nothing") + f"; metrics in {out_dir / METRICS}"
+          + "".join(f"; {busy}" for busy in [busy_words(summary["busy_cores"])] if busy))
     return 0
 
 

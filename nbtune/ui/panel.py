@@ -32,6 +32,7 @@ from ..charts import draw_memory, figure_png
 from ..predict import APPLY_IN_CODE, CARDS, HOST_RAM, Predictor
 from .fitcheck import FitCheck, in_background
 from .live import PacedRedraw
+from .alive import PANEL_CLASS, Heartbeat, watch_script
 from .status import objective_words, run_status, step_count
 from matplotlib.figure import Figure
 
@@ -229,6 +230,7 @@ class Panel(w.VBox):
                                                           margin=f"0 0 6px {LABEL_PX + 8}px"))
                             for name in CHOICE_HELP}
         self.summary = w.HTML()  # the techniques in words
+        self._heartbeat = Heartbeat()  # ticks while the kernel lives: the page marks a dead one
         tabs = w.Tab([w.VBox([widget for name in names
                               for widget in (self.controls[name], self.choice_help.get(name)) if widget])
                       for names in TABS.values()])
@@ -242,7 +244,8 @@ class Panel(w.VBox):
                     self.context]),
             w.HBox([self.step_button, self.steps, self.run_button, self.stop_button, self.price]),
             self.status, self.progress, self.chart,
-            w.HBox([self.prompt, self.prompt_button]), self.reply])
+            w.HBox([self.prompt, self.prompt_button]), self.reply, self._heartbeat.widget])
+        self.add_class(PANEL_CLASS)  # the page's watcher finds it by this (``alive``)
         self._search = None  # the fit search's thread, while it runs
         self._context_search = None  # the longest-context search's thread
         self.last_context = None  # its last answer (a LongestContext)
@@ -362,10 +365,19 @@ class Panel(w.VBox):
         self.fit_apply.on_click(lambda _: self._guarded(self._apply_fit))
         self.budget.observe(lambda _: (self._check_fit(), self._context_stale()), names="value")
 
+    def _ipython_display_(self, **kwargs) -> None:
+        """The panel, and once beside it the page's watcher that disables a panel whose
+        kernel is gone (``alive.WATCH_JS``)."""
+        from IPython.display import Javascript, display
+
+        display(self._repr_mimebundle_(**kwargs), raw=True)
+        display(Javascript(watch_script()))
+
     def close(self) -> None:
         """Detach from the session (no more events) and end the fit check's worker."""
         self._subscription.close()
         self._fitcheck.close()
+        self._heartbeat.close()
         for thread in (self._search, self._context_search, self._prompting):
             if thread is not None:
                 thread.join()

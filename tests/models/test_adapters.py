@@ -210,3 +210,28 @@ def test_a_damaged_expert_adapter_config_is_refused_by_name(tmp_path, changes, s
     (folder / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(AdapterError, match=says):
         read_adapter(folder)
+
+
+def test_a_reloaded_adapter_trains_on_with_the_settings_it_was_trained_with(saved, tmp_path):
+    """The lr, seq_len, batch and the rest come back with the adapter (continuing would
+    otherwise train differently without a word); a dict given changes them, a Techniques
+    replaces them; a damaged note is refused by name and changes nothing."""
+    session, folder, _ = saved
+    back = nt.Session.from_pretrained(folder, demo_data_file("train"))
+    same = {"lora_targets": session.techniques.lora_targets}  # (the adapter's: those the model has)
+    assert back.techniques.replace(**same) == session.techniques  # every field, not only its shape
+    assert (back.techniques.lr, back.techniques.seq_len, back.techniques.batch_size) == (1e-2, 96, 4)
+    assert nt.Session.from_pretrained(folder, techniques={"lr": 5e-4}).techniques.replace(lr=1e-2, **same) \
+        == session.techniques
+    assert nt.Session.from_pretrained(folder, techniques=nt.Techniques(method="lora")).techniques.lr \
+        == nt.Techniques().lr
+    # an adapter PEFT wrote (no note): LoRA's defaults, as before
+    foreign = tmp_path / "peft"
+    shutil.copytree(folder, foreign)
+    (foreign / "nbtune_techniques.json").unlink()
+    assert nt.Session.from_pretrained(foreign).techniques.lr == nt.Techniques().lr
+    damaged = tmp_path / "damaged"
+    shutil.copytree(folder, damaged)
+    (damaged / "nbtune_techniques.json").write_text(json.dumps({"lr": "fast", "dtype": "fp32"}))
+    with pytest.raises(AdapterError, match="nbtune_techniques.json does not hold"):
+        nt.Session.from_pretrained(damaged)

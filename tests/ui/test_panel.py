@@ -422,6 +422,16 @@ def test_a_prompt_tried_in_the_panel_streams_its_reply_there_during_a_run(sessio
     panel.prompt.value = "  "
     panel.prompt_button.click()
     assert "Type a prompt" in panel.status.value
+    # the task's rows have an input: the box beside the prompt takes one, and the reply is the
+    # model's to the instruction with that input, as generate makes it
+    from nbtune.ui.panel import PROMPT_TOKENS
+
+    assert panel.prompt_input.layout.display == ""
+    panel.prompt.value, panel.prompt_input.value = "Which vowel is in the word?", "bcud"
+    panel.prompt_button.click()
+    panel._prompting.join(120)
+    expected = session.generate("Which vowel is in the word?", input="bcud", max_new_tokens=PROMPT_TOKENS)
+    assert f"Which vowel is in the word?</b> (bcud)<br>{expected}<br>" in panel.reply.value
 
 
 @pytest.mark.slow

@@ -109,36 +109,25 @@ def read_adapter(folder) -> Adapter:
                    float(dropout), tuple(order))
 
 
-def adapter_techniques(adapter: Adapter, given: Techniques | dict | None) -> Techniques:
-    """The techniques the adapter was trained with where nbtune saved it (``TECHNIQUES_NOTE``),
-    else LoRA's defaults; a dict given changes them, a ``Techniques`` replaces them; always
-    with the adapter's rank, alpha, dropout and targets."""
-    t = as_techniques(given, trained_techniques(adapter) or Techniques(method="lora"))
+def adapter_techniques(adapter: Adapter, given: Techniques | dict | None,
+                       trained: Techniques | None = None) -> Techniques:
+    """``trained``: the techniques the adapter was trained with (``TECHNIQUES_NOTE``), else
+    LoRA's defaults; a dict given changes them, a ``Techniques`` replaces them; always with
+    the adapter's rank, alpha, dropout and targets."""
+    t = as_techniques(given, trained or Techniques(method="lora"))
     if t.method == "full":
         t = t.replace(method="lora")  # an adapter is trained as one, on a frozen base
     return t.replace(lora_rank=adapter.rank, lora_alpha=adapter.alpha,
                      lora_dropout=adapter.dropout, lora_targets=adapter.targets)
 
 
-def trained_techniques(adapter: Adapter) -> Techniques | None:
-    """The techniques saved beside the adapter (None: no note, e.g. an adapter from PEFT),
-    checked as a run file's ``techniques:`` is (a damaged or hostile note is refused by name)."""
-    from pydantic import ValidationError
-
-    from .runfile import TechniquesFields
-
-    note = adapter.folder / TECHNIQUES_NOTE
-    if not note.is_file():
+def trained_record(adapter: Adapter) -> dict | None:
+    """The techniques saved beside the adapter as a JSON object, bounded (None: no note, e.g.
+    an adapter PEFT wrote); the run's builder checks them as a run file's ``techniques:``."""
+    if not (adapter.folder / TECHNIQUES_NOTE).is_file():
         return None
-    record = files.read_json(files.inside(adapter.folder, TECHNIQUES_NOTE, "nbtune techniques note"),
-                             "nbtune techniques note")
-    try:
-        return Techniques(**TechniquesFields.model_validate(record).model_dump())
-    except (ValidationError, TypeError, ValueError) as err:
-        first = str(err).splitlines()[:3]
-        raise AdapterError(f"{note} does not hold the techniques the adapter was trained with "
-                           f"({' '.join(first)}). Delete the file to load the adapter with "
-                           "the default techniques, or save the adapter again.") from None
+    return files.read_json(files.inside(adapter.folder, TECHNIQUES_NOTE, "nbtune techniques note"),
+                           "nbtune techniques note")
 
 
 def base_name(source) -> tuple[str | None, dict | None]:

@@ -17,7 +17,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..adapters import adapter_techniques, base_of, is_adapter_folder, load_adapter_weights, read_adapter
+from ..adapters import (TECHNIQUES_NOTE, AdapterError, adapter_techniques, base_of, is_adapter_folder,
+                        load_adapter_weights, read_adapter, trained_record)
 from ..data import (DataError, Example, TrainingData, check_renderable, examples_from,
                    prompt_and_reference, prompt_ids, prompt_text)
 from ..generate import Reply, TextStream, generate_ids
@@ -297,7 +298,7 @@ def pretrained_spec(path_or_id: str | os.PathLike, data=None, *, heldout=None,
     given = techniques  # as the user gave it: did they choose seq_len? (``assemble``)
     adapter = read_adapter(path_or_id) if is_adapter_folder(path_or_id) else None
     if adapter is not None:
-        techniques = given = adapter_techniques(adapter, techniques)
+        techniques = given = adapter_techniques(adapter, techniques, _trained(adapter))
         path_or_id = base_of(adapter, base)
     elif base is not None:
         raise ValueError(f"base={base!r} is for an adapter folder; {path_or_id} is a whole model.")
@@ -307,6 +308,25 @@ def pretrained_spec(path_or_id: str | os.PathLike, data=None, *, heldout=None,
              if isinstance(value, (str, os.PathLike))}
     return RunSpec(path_or_id, train, held, as_techniques(techniques), given, adapter, device,
                    revision, parallel, files)
+
+
+def _trained(adapter) -> Techniques | None:
+    """The techniques the adapter was trained with, checked as a run file's are (a damaged or
+    hostile note is refused by name, before anything loads)."""
+    from pydantic import ValidationError
+
+    from ..runfile import TechniquesFields
+
+    record = trained_record(adapter)
+    if record is None:
+        return None
+    try:
+        return Techniques(**TechniquesFields.model_validate(record).model_dump())
+    except (ValidationError, TypeError, ValueError) as err:
+        first = " ".join(str(err).splitlines()[:3])
+        raise AdapterError(f"{adapter.folder / TECHNIQUES_NOTE} does not hold the techniques the "
+                           f"adapter was trained with ({first}). Delete the file to load the "
+                           "adapter with the default techniques, or save the adapter again.") from None
 
 
 def demo_spec(name: str = "tiny", techniques: Techniques | dict | None = None, device=None,

@@ -42,8 +42,10 @@ BUSY_SECONDS = 5.0  # a run's share of the machine is said once it has run this 
 
 def busy_words(others: float | None) -> str:
     """What a reader of a speed should know when other processes kept the cores busy ("" when
-    they did not, or the machine does not say)."""
-    if others is None or others < BUSY_CORES:
+    they did not, or the machine does not say): a quarter of a core on a small machine, a
+    tenth of its cores on a big one. Said of a run in one process on a CPU only (a GPU's step
+    barely waits on the cores; a job's other ranks are its own work, not contention)."""
+    if others is None or others < max(BUSY_CORES, 0.1 * (os.cpu_count() or 1)):
         return ""
     return (f"machine busy: other processes used {others:.1f} of {os.cpu_count()} cores, "
             "so this runs slower than it would alone")

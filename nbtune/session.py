@@ -384,7 +384,8 @@ class Session:
                                       after_step=periodic.after_step if periodic else None)
         if chart is not None:
             chart.update(self.history, force=True)
-        if time.monotonic() - started >= BUSY_SECONDS and busy_words(others.so_far()):
+        if (time.monotonic() - started >= BUSY_SECONDS and self.parallel is None
+                and self.device.type == "cpu" and busy_words(others.so_far())):
             self.runner.say(busy_words(others.so_far()) + ".")
         return reports
 
@@ -422,7 +423,7 @@ class Session:
             run.on_exit = SaveOnExit(self, run, Path(checkpoint))
 
         def show():
-            from .ui.panel import RunView
+            from .ui.runview import RunView
 
             return RunView(self, run)
 
@@ -573,7 +574,11 @@ class Session:
         """
         from .predict import fit
 
+        from .predict.budgets import parse_cards
+
         options.setdefault("device", "cuda")
+        if self.parallel is not None and parse_cards(budget)[0] > 1:
+            options.setdefault("sharding", self.parallel.sharding)  # the start: this run's
         return fit(self.model.config, budget, self.planned, **options)
 
     def longest_context(self, card="RTX 3090", **options):

@@ -72,7 +72,8 @@ def run_demo(args: argparse.Namespace) -> int:
         "heldout_accuracy_before": before,
         "heldout_accuracy_after": after,
         "seconds": time.perf_counter() - started,
-        "busy_cores": others.so_far(),  # other processes' share of the cores while it trained
+        # other processes' share of the cores while it trained (said on a CPU, where it slows)
+        "busy_cores": others.so_far() if parts.device.type == "cpu" else None,
         "peak_bytes": max(r.memory.peak for r in parts.history),
         "memory_last_step": parts.history[-1].memory.categories,
         "device": str(parts.device),

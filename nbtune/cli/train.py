@@ -354,7 +354,8 @@ def _run(parts, job: TrainJob) -> int:
         "loss_first": losses[0], "loss_last": sum(window) / len(window),
         "peak_bytes": max(r.memory.peak for r in parts.history),
         "seconds": time.perf_counter() - job.started, "saved": saved,
-        "techniques": parts.techniques.as_dict(), "device": str(parts.device), "busy_cores": others.so_far()})
+        "techniques": parts.techniques.as_dict(), "device": str(parts.device),
+        "busy_cores": others.so_far() if parallel is None and parts.device.type == "cpu" else None})
     if evaluate:
         summary["heldout_accuracy_after"] = parts.evaluate()
         say(f"held-out accuracy after: {summary['heldout_accuracy_after']:.0%}")

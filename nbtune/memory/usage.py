@@ -18,7 +18,7 @@ import torch
 
 # What each source measures, as the chart's legend says it.
 SOURCES = {"allocator": "allocator peak (every step)",
-           "resident": "process peak resident memory less the runtime (every step)"}
+           "resident": "process peak resident memory (every step)"}
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
 

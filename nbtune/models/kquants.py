@@ -19,7 +19,8 @@ K_QUANTS = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY
 EXTRA = 'pip install "nbtune[kquants]"'
 # pip builds llama-cpp-python from source: 13 min on 2 cores (measured by issue 56's filer);
 # its project publishes prebuilt wheels, which pip takes instead from this index
-PREBUILT = "pip install llama-cpp-python --extra-index-url https://abetlen.github.io/llama-cpp-python/whl/cpu"
+PREBUILT = ("pip install --prefer-binary llama-cpp-python "
+            "--extra-index-url https://abetlen.github.io/llama-cpp-python/whl/cpu")
 
 
 def llama_cpp():

@@ -48,7 +48,9 @@ _REGISTRY_LOCK = threading.Lock()
 # Gradients made in forward hold what a recomputing backward holds at the same point, and
 # the pieces' loss scalars and their gradient's scale a moment longer: 12 bytes measured.
 LOSS_PIECES_SLACK = 1024
-MAX_PREDICTORS = 8  # model shapes kept (an 8B's cache is a few MiB of breakdowns at most)
+# model shapes kept, each per device and sharding (an 8B's cache is a few MiB of breakdowns at
+# most): one fit over several cards makes up to 16 (FSDP2's settings), and keeps the others
+MAX_PREDICTORS = 32
 
 
 class Predictor:

@@ -523,7 +523,7 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
         host_limit = None  # on a CPU the budget is the host
     host_room = host_usable(host_limit) if host_limit is not None else None
     room = usable(limit, target, reserve, margin)
-    given = model if isinstance(model, Predictor) else None
+    given = Predictor.of(model, target) if isinstance(model, Predictor) else None  # (its device checked)
     if given is not None and cards > 1:
         sharding = given.sharding if sharding is None else sharding
     spread = Ranks.of(cards, sharding)  # (refuses settings for one card, and unknown ones)
@@ -562,9 +562,10 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
     needs = _more_cards(config, start, search.rows, cards, target, first, room, host_room) \
         if target == "cuda" else None
     if needs is not None:
-        count, row, need = needs
+        count, row, need, sh = needs
+        with_fsdp = "" if sh == (first or Sharding()) else f" with FSDP2's distributed: {_settings(sh)}"
         message += (f" It needs {count} cards of {format_bytes(limit)}: {row.label} is predicted "
-                    f"at {format_bytes(need)} per card (budget \"{count}x ...\" to fit there).")
+                    f"at {format_bytes(need)} per card{with_fsdp} (budget \"{count}x ...\" to fit there).")
     return FitResult(None, {}, None, limit, room, start, device, search.rows, None, None, message,
                      None, search.estimates, skipped, len(space), host_limit, host_room, searched,
                      cards, needs[0] if needs else None, first)
@@ -572,23 +573,27 @@ def fit(model, budget, techniques: Techniques | None = None, *, device: str = "c
 
 def _more_cards(config, start: Techniques, rows: list[FitRow], cards: int, target: str, sharding,
                 room: int, host_room: int | None):
-    """(cards, row, per-card need): the fewest cards, up to 8 and doubling from ``cards``, on
-    which the lightest combination tried fits, keeping the global batch; None if none."""
+    """(cards, row, per-card need, sharding): the fewest cards, up to 8 and doubling from
+    ``cards``, on which the lightest combination tried fits, keeping the global batch (with
+    FSDP2's settings as they were, or on CUDA its most saving ones); None if none."""
     sized = [r for r in rows if r.peak is not None]
     if not sized:
         return None
     lightest = min(sized, key=lambda r: r.peak)
     t = start.replace(**lightest.changes)
     sharding = replace(sharding or Sharding(), **lightest.sharding_changes)
+    # FSDP2's settings as the lightest row had them, then (CUDA) the most saving ones too
+    saving = replace(sharding, cpu_offload=True, shard_embeddings=not config.tie_word_embeddings)
     for count in (n for n in (cards * 2, cards * 4, cards * 8) if n <= 8 and t.batch_size % n == 0):
-        try:
-            memory = Predictor.of(config, target, count, sharding).estimate(t)
-        except ESTIMATE_ERRORS:  # (an NF4 weight that does not split over so many ranks)
-            continue
-        need = required(memory)
-        on_host = host_room is None or memory.host is None or memory.host.without_undo <= host_room
-        if need <= room and on_host:
-            return count, lightest, need
+        for sh in (sharding, saving) if target == "cuda" and saving != sharding else (sharding,):
+            try:
+                memory = Predictor.of(config, target, count, sh).estimate(t)
+            except ESTIMATE_ERRORS:  # (an NF4 weight that does not split over so many ranks)
+                continue
+            need = required(memory)
+            on_host = host_room is None or memory.host is None or memory.host.without_undo <= host_room
+            if need <= room and on_host:
+                return count, lightest, need, sh
     return None
 
 
@@ -652,7 +657,8 @@ def _settings(sharding: Sharding) -> str:
     def yaml(value) -> str:
         return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
-    return "{" + ", ".join(f"{k}: {yaml(getattr(sharding, k))}" for k in SHARDING_AXES) + "}"
+    names = SHARDING_AXES + (("replicate",) if sharding.replicate != 1 else ())
+    return "{" + ", ".join(f"{k}: {yaml(getattr(sharding, k))}" for k in names) + "}"
 
 
 def _nothing(rows: list[FitRow], where: str, room: int, max_tries: int | None,

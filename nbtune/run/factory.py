@@ -30,7 +30,7 @@ from ..models.decoder import CausalLM
 from ..models.gguf import GGUFFile, gguf_tokenizer, is_gguf
 from .runner import Runner
 from ..shards import build_sharded, is_sharded
-from ..techniques import Techniques, as_techniques
+from ..techniques import RULES, Techniques, as_techniques
 from .trainer import Trainer
 
 
@@ -288,6 +288,7 @@ class RunSpec:
     memory_tracking: str | None = None
     seed: int | None = None
     rewards: tuple = ()  # GRPO's reward functions (``objectives.grpo.Reward``), a run file's
+    notes: list = field(default_factory=list)  # what resolving it has to say (relayed once built)
 
 
 def pretrained_spec(path_or_id: str | os.PathLike, data=None, *, heldout=None,
@@ -297,8 +298,11 @@ def pretrained_spec(path_or_id: str | os.PathLike, data=None, *, heldout=None,
     names, or the one given), the data read (first, to fail fast on bad rows)."""
     given = techniques  # as the user gave it: did they choose seq_len? (``assemble``)
     adapter = read_adapter(path_or_id) if is_adapter_folder(path_or_id) else None
+    said = []
     if adapter is not None:
-        techniques = given = adapter_techniques(adapter, techniques, _trained(adapter))
+        # a Techniques given replaces the adapter's; a dict changes them
+        trained, said = _trained(adapter, device) if not isinstance(techniques, Techniques) else (None, [])
+        techniques = given = adapter_techniques(adapter, techniques, trained)
         path_or_id = base_of(adapter, base)
     elif base is not None:
         raise ValueError(f"base={base!r} is for an adapter folder; {path_or_id} is a whole model.")
@@ -307,26 +311,51 @@ def pretrained_spec(path_or_id: str | os.PathLike, data=None, *, heldout=None,
     files = {split: str(value) for split, value in (("train", data), ("heldout", heldout))
              if isinstance(value, (str, os.PathLike))}
     return RunSpec(path_or_id, train, held, as_techniques(techniques), given, adapter, device,
-                   revision, parallel, files)
+                   revision, parallel, files, notes=said)
 
 
-def _trained(adapter) -> Techniques | None:
+# What the data given now decides, not the note: its form (pairs, prompts, instruction rows)
+# and whether it has held-out rows.
+_FROM_THE_DATA = ("objective", "reference", "eval_every")
+
+
+def _trained(adapter, device) -> tuple[Techniques | None, list[str]]:
     """The techniques the adapter was trained with, checked as a run file's are (a damaged or
-    hostile note is refused by name, before anything loads)."""
+    hostile note is refused by name, before anything loads), and what was left out of them
+    in words: fields the data decides, ones an older nbtune does not know, and ones this
+    device cannot run (back to LoRA's defaults)."""
     from pydantic import ValidationError
 
     from ..runfile import TechniquesFields
 
-    record = trained_record(adapter)
+    record, said = trained_record(adapter), []
     if record is None:
-        return None
+        return None, said
+    note = adapter.folder / TECHNIQUES_NOTE
+    known = set(TechniquesFields.model_fields)
+    unknown = sorted(set(record) - known)
+    if unknown:
+        said.append(f"{note.name}: {', '.join(unknown)} unknown to this nbtune, left out")
+    kept = {k: v for k, v in record.items() if k in known and k not in _FROM_THE_DATA}
     try:
-        return Techniques(**TechniquesFields.model_validate(record).model_dump())
+        t = Techniques(**TechniquesFields.model_validate(kept).model_dump())
     except (ValidationError, TypeError, ValueError) as err:
         first = " ".join(str(err).splitlines()[:3])
-        raise AdapterError(f"{adapter.folder / TECHNIQUES_NOTE} does not hold the techniques the "
-                           f"adapter was trained with ({first}). Delete the file to load the "
-                           "adapter with the default techniques, or save the adapter again.") from None
+        raise AdapterError(f"{note} does not hold the techniques the adapter was trained with "
+                           f"({first}). Delete the file to load the adapter with the default "
+                           "techniques, or save the adapter again.") from None
+    said.insert(0, f"the adapter's training settings came back from {note.name} (lr={t.lr:g}, "
+                   f"seq_len={t.seq_len}, batch_size={t.batch_size}, ...): techniques= changes them")
+    target, plain = torch.device(device or default_device()).type, Techniques(method="lora")
+    for _ in range(len(RULES)):  # each pass puts one refused rule's fields back to the defaults
+        refused = t.conflicts(target)
+        if not refused:
+            break
+        back = {name: getattr(plain, name) for name in refused[0].fields}
+        said.append(f"{', '.join(f'{k}={getattr(t, k)!r}' for k in back)} left at the default "
+                    f"here ({refused[0].reason})")
+        t = t.replace(**back)
+    return t, said
 
 
 def demo_spec(name: str = "tiny", techniques: Techniques | dict | None = None, device=None,
@@ -405,6 +434,7 @@ def build(spec: RunSpec) -> Run:
         run.runner.sampler.mode = spec.memory_tracking
     if spec.rewards:
         run.trainer.data.rewards = spec.rewards
+    run.trainer.notes += spec.notes
     return run
 
 

@@ -2,11 +2,11 @@
 
 A widget's view outlives its kernel: after the kernel is shut down, restarted or killed (out
 of host memory is the common case) the page still shows a blue Run and a green badge, and
-clicks go nowhere. The kernel therefore ticks a hidden widget every ``BEAT_SECONDS`` from a
-thread (it keeps ticking while a cell runs), and a watcher in the page (``WATCH_JS``, shown
-once beside the panel) marks a panel whose ticks stopped for ``GONE_SECONDS``: its controls
-disabled and a line saying what happened and what to do. Ticks that come back (a page that
-lost its connection for a while) undo it.
+clicks go nowhere. The kernel therefore ticks a hidden widget every ``BEAT_SECONDS`` from one
+thread a process (it keeps ticking while a cell runs), every panel and run view holds it, and
+a watcher in the page (``WATCH_JS``, shown beside them) marks one whose ticks stopped for
+``GONE_SECONDS``: its controls disabled and a line saying what happened and what to do.
+Ticks that come back (a page that lost its connection for a while) undo it.
 """
 
 from __future__ import annotations
@@ -49,6 +49,35 @@ class Heartbeat:
         self.widget.close()
 
 
+_SHARED: list[Heartbeat] = []
+_LOCK = threading.Lock()
+
+
+def heartbeat() -> w.HTML:
+    """The process's heartbeat widget, started on first use and shared by every panel and
+    run view (one thread a process, however many panels are made and never closed)."""
+    with _LOCK:
+        if not _SHARED:
+            _SHARED.append(Heartbeat())
+        return _SHARED[0].widget
+
+
+def display_watched(widget, **kwargs) -> None:
+    """Show ``widget`` and, in a notebook, the page's watcher beside it (it runs once a page).
+    A closed widget shows its text."""
+    from IPython.display import Javascript, display
+
+    from .live import in_notebook
+
+    bundle = widget._repr_mimebundle_(**kwargs) if widget._repr_mimebundle_ is not None else None
+    if bundle is None:
+        display(repr(widget))
+        return
+    display(bundle, raw=True)
+    if in_notebook():
+        display(Javascript(watch_script()))
+
+
 # One watcher a page: every second, each panel whose tick has not changed for GONE_SECONDS is
 # marked gone (controls it disabled remembered, so that ticks coming back re-enable only those).
 WATCH_JS = """
@@ -66,6 +95,8 @@ WATCH_JS = """
     note.style.cssText = 'color:#b00020;font-weight:bold;margin:4px 0;white-space:normal';
     panel.prepend(note);
     panel.style.opacity = '0.75';
+    panel.style.pointerEvents = 'none';  // sliders and tabs too
+    note.style.pointerEvents = 'auto';
   }
   function revive(panel) {
     panel.classList.remove('nbtune-gone');
@@ -74,6 +105,7 @@ WATCH_JS = """
     });
     panel.querySelectorAll('.nbtune-gone-note').forEach(function (n) { n.remove(); });
     panel.style.opacity = '';
+    panel.style.pointerEvents = '';
   }
   window.nbtuneWatch = setInterval(function () {
     const now = Date.now();

@@ -32,7 +32,8 @@ from ..charts import draw_memory, figure_png
 from ..predict import APPLY_IN_CODE, CARDS, HOST_RAM, Predictor
 from .fitcheck import FitCheck, in_background
 from .live import PacedRedraw
-from .alive import PANEL_CLASS, Heartbeat, watch_script
+from .alive import PANEL_CLASS, display_watched, heartbeat
+from .runview import STATUS_HELP, busy_of as _busy, wrapped as _wrapped
 from .status import objective_words, run_status, step_count
 from matplotlib.figure import Figure
 
@@ -41,12 +42,6 @@ LABEL_PX = 200  # room for the longest control label ("held-out loss every N ste
 # What the panel's figures mean, as their hover text.
 PRICE_HELP = ("What the rented card costs per hour, in dollars: the status line then shows the "
               "cost so far and to finish (0: not shown)")
-STATUS_HELP = ("step: the session's optimizer step, the chart's count (with this run's steps "
-               "done of its total where the session had steps before it); loss: the last step's mean loss per "
-               "trained token; tokens/s: tokens read per second over this run's steps (padding "
-               "not counted); elapsed: wall time since the run started; the time still to go "
-               "(while it runs) assumes this run's pace so far; $: the price per hour times "
-               "those times")
 BADGE_HELP = ("Estimated for the next step with the toggles as they are (fake tensors: nothing is "
               "allocated). To spare: what the card offers (less the CUDA context and a margin for "
               "the allocator: 'usable') minus the step's peak, the most held at one moment. Host: "
@@ -235,7 +230,6 @@ class Panel(w.VBox):
                                                           margin=f"0 0 6px {LABEL_PX + 8}px"))
                             for name in CHOICE_HELP}
         self.summary = w.HTML()  # the techniques in words
-        self._heartbeat = Heartbeat()  # ticks while the kernel lives: the page marks a dead one
         tabs = w.Tab([w.VBox([widget for name in names
                               for widget in (self.controls[name], self.choice_help.get(name)) if widget])
                       for names in TABS.values()])
@@ -250,7 +244,7 @@ class Panel(w.VBox):
             w.HBox([self.step_button, self.steps, self.run_button, self.stop_button, self.price]),
             self.status, self.progress, self.chart,
             w.HBox([self.prompt, self.prompt_input, self.prompt_button]), self.reply,
-            self._heartbeat.widget])
+            heartbeat()])  # ticks while the kernel lives: the page marks a dead one (``alive``)
         self.add_class(PANEL_CLASS)  # the page's watcher finds it by this (``alive``)
         self._search = None  # the fit search's thread, while it runs
         self._context_search = None  # the longest-context search's thread
@@ -377,18 +371,14 @@ class Panel(w.VBox):
         self.budget.observe(lambda _: (self._check_fit(), self._context_stale()), names="value")
 
     def _ipython_display_(self, **kwargs) -> None:
-        """The panel, and once beside it the page's watcher that disables a panel whose
-        kernel is gone (``alive.WATCH_JS``)."""
-        from IPython.display import Javascript, display
-
-        display(self._repr_mimebundle_(**kwargs), raw=True)
-        display(Javascript(watch_script()))
+        """The panel, and beside it the page's watcher that disables a panel whose kernel is
+        gone (``alive.WATCH_JS``)."""
+        display_watched(self, **kwargs)
 
     def close(self) -> None:
         """Detach from the session (no more events) and end the fit check's worker."""
         self._subscription.close()
         self._fitcheck.close()
-        self._heartbeat.close()
         for thread in (self._search, self._context_search, self._prompting):
             if thread is not None:
                 thread.join()
@@ -499,9 +489,11 @@ class Panel(w.VBox):
                 return
             finally:
                 self.fit_button.disabled = False
-            self._fit_changes = result.changes if result.fits else None
-            self.fit_apply.layout.display = "" if result.changes and result.fits else "none"
-            message = result.message.replace(APPLY_IN_CODE, "Apply uses it.")
+            # FSDP2's settings live in the run file: Apply alone would not give the answer
+            whole = result.fits and result.changes and not result.sharding_changes
+            self._fit_changes = result.changes if whole else None
+            self.fit_apply.layout.display = "" if whole else "none"
+            message = result.message.replace(APPLY_IN_CODE, "Apply uses it." if whole else APPLY_IN_CODE)
             self._say(message, error=not result.fits)
 
         self._search = in_background(search, "nbtune-fit")
@@ -580,7 +572,7 @@ class Panel(w.VBox):
         end = run.finished or time.monotonic()
         line = run_status(run.reports, run.steps, end - run.started, self.session.price_per_hour,
                           finished=run.finished is not None, before=run.before,
-                          busy=run.others.so_far())
+                          busy=_busy(self.session, run))
         if run.finished is not None:
             line = ("stopped · " if run.stopped else "failed · " if run.error else "done · ") + line
         self.progress.value = _wrapped(html.escape(line), title=STATUS_HELP)
@@ -652,14 +644,6 @@ class Panel(w.VBox):
         self.status.value = _wrapped("".join(self._lines))
 
 
-def _wrapped(body: str, color: str = "#333", size: str = "100%", title: str | None = None) -> str:
-    """HTML that wraps at the panel's edge: ipywidgets' HTML keeps one line and cuts the rest.
-    ``title``: the hover text saying what its figures mean."""
-    hover = f" title='{html.escape(title, quote=True)}'" if title else ""
-    return (f"<div{hover} style='white-space:normal;overflow-wrap:anywhere;line-height:1.35;"
-            f"color:{color};font-size:{size}'>{body}</div>")
-
-
 def _look(toggle: w.ToggleButton, on: bool, disabled: bool = False) -> None:
     """On and off look different: a check and a filled style only when on; a toggle that
     cannot move here is struck through, so it does not read as merely off."""
@@ -694,51 +678,3 @@ def _labels(changes: list[dict]) -> str:
     from ..techniques import label_of
 
     return "; ".join(label_of(c) for c in changes)
-
-
-class RunView(w.HBox):
-    """A background run in a notebook: progress bar, status line and a Stop button."""
-
-    def __init__(self, session, run) -> None:
-        self.session, self.run = session, run
-        self.bar = w.IntProgress(value=len(run.reports), min=0, max=run.steps,
-                                 layout=w.Layout(width="240px"))
-        self.line = w.HTML()
-        self.stop_button = w.Button(description="Stop", icon="stop", button_style="danger",
-                                    tooltip="Stop after the step under way",
-                                    layout=w.Layout(width="90px"))
-        self.stop_button.on_click(lambda _: self._stop())
-        super().__init__([self.bar, self.stop_button, self.line])
-        self._subscription = session.subscribe(self._on_event)
-        self._update()
-
-    def close(self) -> None:
-        self._subscription.close()
-        super().close()
-
-    def _stop(self) -> None:
-        self.run.stop(wait=False)
-        self.stop_button.disabled = True
-        self.stop_button.description = "Stopping"
-
-    def _on_event(self, event) -> None:
-        if isinstance(event, (StepDone, RunFinished)):
-            self._update()
-            if isinstance(event, RunFinished) and event.run is self.run:
-                self._subscription.close()  # its run is over: nothing more to show
-        elif isinstance(event, Message) and self.run.running:
-            self.line.value = _wrapped(html.escape(event.text))
-
-    def _update(self) -> None:
-        run = self.run
-        self.bar.value = min(len(run.reports), run.steps)
-        end = run.finished or time.monotonic()
-        text = run_status(run.reports, run.steps, end - run.started, self.session.price_per_hour,
-                          finished=run.finished is not None, before=run.before,
-                          busy=run.others.so_far())
-        if run.finished is not None:
-            self.stop_button.layout.display = "none"
-            self.bar.bar_style = "danger" if run.error else "warning" if run.stopped else "success"
-            text = ("failed: " + str(run.error) + " · " if run.error else
-                    "stopped · " if run.stopped else "done · ") + text
-        self.line.value = _wrapped(html.escape(text), title=STATUS_HELP)

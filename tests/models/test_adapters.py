@@ -212,7 +212,7 @@ def test_a_damaged_expert_adapter_config_is_refused_by_name(tmp_path, changes, s
         read_adapter(folder)
 
 
-def test_a_reloaded_adapter_trains_on_with_the_settings_it_was_trained_with(saved, tmp_path):
+def test_a_reloaded_adapter_trains_on_with_the_settings_it_was_trained_with(saved, tmp_path, capsys):
     """The lr, seq_len, batch and the rest come back with the adapter (continuing would
     otherwise train differently without a word); a dict given changes them, a Techniques
     replaces them; a damaged note is refused by name and changes nothing."""
@@ -230,6 +230,18 @@ def test_a_reloaded_adapter_trains_on_with_the_settings_it_was_trained_with(save
     shutil.copytree(folder, foreign)
     (foreign / "nbtune_techniques.json").unlink()
     assert nt.Session.from_pretrained(foreign).techniques.lr == nt.Techniques().lr
+    # what the data given now decides, what this device cannot run and what a newer nbtune
+    # wrote are left out, each said; the rest comes back
+    odd = tmp_path / "odd"
+    shutil.copytree(folder, odd)
+    note = json.loads((odd / "nbtune_techniques.json").read_text())
+    note.update(eval_every=50, optimizer="paged_adamw8bit", objective="dpo", newer_field=1)
+    (odd / "nbtune_techniques.json").write_text(json.dumps(note))
+    loaded = nt.Session.from_pretrained(odd)
+    said = capsys.readouterr().out
+    assert (loaded.techniques.eval_every, loaded.techniques.optimizer, loaded.techniques.objective) \
+        == (0, "adamw", "sft") and loaded.techniques.lr == 1e-2
+    assert "newer_field unknown" in said and "optimizer='paged_adamw8bit' left at the default" in said
     damaged = tmp_path / "damaged"
     shutil.copytree(folder, damaged)
     (damaged / "nbtune_techniques.json").write_text(json.dumps({"lr": "fast", "dtype": "fp32"}))

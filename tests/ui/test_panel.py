@@ -193,7 +193,7 @@ def test_run_status_line_counts_time_left_and_cost():
 def test_a_background_run_shows_as_a_progress_bar_with_stop():
     import time
 
-    from nbtune.ui.panel import RunView
+    from nbtune.ui.runview import RunView
 
     session = small_session()
     run = session.start(10_000)
@@ -375,7 +375,8 @@ def test_the_longest_context_button_answers_beside_the_fit_buttons(session_and_p
 
 
 def test_every_figure_the_panel_shows_says_what_it_means_on_hover(session_and_panel):
-    from nbtune.ui.panel import BADGE_HELP, PRICE_HELP, STATUS_HELP
+    from nbtune.ui.panel import BADGE_HELP, PRICE_HELP
+    from nbtune.ui.runview import STATUS_HELP
 
     session, panel = session_and_panel
     assert panel._fitcheck.wait(120)
@@ -464,7 +465,7 @@ def test_a_background_run_started_in_a_cell_shows_its_bar_whatever_it_is_assigne
     import IPython.display
 
     import nbtune.ui.live
-    from nbtune.ui.panel import RunView
+    from nbtune.ui.runview import RunView
 
     shown, shell = [], type("Shell", (), {"execution_count": 7})()
     monkeypatch.setattr(nbtune.ui.live, "in_notebook", lambda: True)

@@ -507,13 +507,16 @@ def test_notebook_08s_panel_shows_each_objectives_settings_and_trains_them(lab, 
 GONE_CELLS = [
     "import os\nimport nbtune as nt\ns = nt.Session.demo(device='cpu')\nprint('kernel', os.getpid())",
     "p = s.panel()\np",
+    "run = s.start(20)  # assigned, as the README writes it",
 ]
 
 
 def test_a_panel_whose_kernel_is_gone_says_so_and_disables_its_controls(lab, tmp_path):
     """Killed (SIGKILL, as the out-of-memory killer does: the server starts a new kernel) and
     shut down from the Kernel menu: each time the panel says the kernel is gone, and no
-    control of it can be clicked; a panel on a live kernel is not marked."""
+    control of it can be clicked; a panel on a live kernel is not marked. A background run
+    started with ``run = s.start(20)`` shows its bar in its cell, counting the session's
+    steps, and is marked with the panel."""
     import signal
 
     from nbtune.ui.alive import GONE_SECONDS
@@ -539,19 +542,24 @@ def test_a_panel_whose_kernel_is_gone_says_so_and_disables_its_controls(lab, tmp
             note.wait_for(timeout=(GONE_SECONDS + 20) * 1000)
             assert "kernel behind this panel is gone" in note.inner_text()
             controls = panel.locator("button, input, select, textarea")
-            assert controls.count() > 10
+            assert controls.count() > 10 and panel.evaluate("el => el.style.pointerEvents") == "none"
             assert all(controls.nth(i).is_disabled() for i in range(controls.count())), how
             _shot(page, f"panel-kernel-{how}", panel)
             for dialog in page.locator(".jp-Dialog button.jp-mod-accept").all():
                 dialog.click()  # JupyterLab's own "the kernel died" notice
 
         pid, panel = open_panel()
+        panel = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".nbtune-panel")
+        _run_cell(page, 2)
+        view = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".nbtune-panel")
+        view.get_by_text(re.compile(r"done · step 20 of 20")).wait_for(timeout=60_000)
         page.wait_for_timeout(GONE_SECONDS * 1000 + 1500)  # alive: ticking, not marked
-        assert panel.locator(".nbtune-gone-note").count() == 0
+        assert page.locator(".nbtune-gone-note").count() == 0
         os.kill(pid, signal.SIGKILL)
         gone(panel, "killed")
+        assert "kernel behind this panel is gone" in view.locator(".nbtune-gone-note").inner_text()
         page.get_by_text("Python 3 (ipykernel) | Idle").wait_for()  # the server's new kernel
-        again, panel = open_panel()
+        again, _ = open_panel()
         assert again != pid and panel.locator(".nbtune-gone-note").count() == 0
         page.evaluate("window.jupyterapp.commands.execute('kernelmenu:shutdown')")
         accept = page.locator(".jp-Dialog button.jp-mod-accept")

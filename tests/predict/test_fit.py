@@ -625,3 +625,25 @@ def test_fit_with_the_default_reserve_and_margin_does_not_call_a_start_fitting_t
     assert result.usable == room and result.tried[0].changes == {} and result.tried[0].fits is False
     assert result.techniques is not None and result.changes and result.peak <= room
     assert nt.fit("llama-3.2-1b", card, start, device="cuda", reserve=0, margin=0).changes == {}
+
+
+def test_fsdps_settings_bound_all_but_the_activations_held_at_a_failed_peak():
+    """``reach``: CPU offload, resharding and sharded embeddings can free the weights (the
+    gathered ones are "other"), gradients and state held at a failed combination's peak,
+    never its activations; a candidate differing only so is ruled out when even that is not
+    enough, and not when it might be."""
+    from nbtune.memory.breakdown import MemoryBreakdown
+    from nbtune.predict.search import reach
+    from nbtune.predict.space import search_space
+
+    t = T(batch_size=2, activation_checkpointing=True)
+    space = search_space(t, "cuda", ranks=2, num_layers=4, toggles=("sharding",))
+    start = next(c for c in space if not c.sharding_changes)
+    offload = next(c for c in space if c.sharding_changes == {"cpu_offload": True})
+    held = {"parameters": 10, "gradients": 5, "optimizer_state": 20, "activations": 30, "other": 35}
+    memory = MemoryBreakdown(peak=100, activations=30, at_peak=held)
+    assert reach(start, memory, offload, 4) == 70  # everything but the activations
+    assert reach(offload, memory, start, 4) == 0  # offloading less saves nothing
+    mixed = next(c for c in space if c.sharding_changes == {"mixed_precision": "bf16"}) \
+        if any(c.sharding_changes.get("mixed_precision") for c in space) else None
+    assert mixed is None or reach(start, memory, mixed, 4) is None  # a maths change: no bound

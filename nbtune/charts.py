@@ -174,7 +174,9 @@ def _draw_peak_bar(ax, report, latest_step: int, size: int) -> None:
     if memory.generation_peak:
         ax.axhline(memory.generation_peak / size, color=GENERATION_COLOR, linestyle=":", linewidth=1.4,
                    label=f"writing the completions ({format_bytes(memory.generation_peak)})")
-    step = f"step {report.step}" + ("" if report.step == latest_step else "\n(last broken down)")
+    old = latest_step - report.step  # the sampled breakdown can be far behind: say how far
+    step = f"step {report.step}" + ("" if not old else
+                                    f"\n(last broken down,\n{old} step{'s' if old > 1 else ''} ago)")
     if split:
         # One stem per category, spread so that equal highs stay apart.
         xs = [0.5 + 0.1 * i for i in range(len(CATEGORIES))]

@@ -141,7 +141,7 @@ def test_the_bar_is_the_moment_of_the_peak_and_reaches_exactly_the_peak():
     assert sum(heights.values()) == pytest.approx(last.peak / MiB)
     assert sum(heights.values()) < sum(last.categories.values()) / MiB  # the old, taller bar
     assert "step 5" in bars.get_xticklabels()[0].get_text()
-    assert "last broken down" in bars.get_xticklabels()[0].get_text()
+    assert "last broken down,\n5 steps ago" in bars.get_xticklabels()[0].get_text()  # the latest is 10
 
 
 def test_each_categorys_own_high_point_is_a_marker_in_its_colour():

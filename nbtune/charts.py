@@ -250,7 +250,9 @@ def _source(history: list) -> str | None:
 def _usage_label(history: list, source: str) -> str:
     """The every-step line's legend: what it is, and on a CPU how much runtime it leaves out."""
     runtime = max((r.usage.runtime for r in history if r.usage is not None), default=0)
-    return SOURCES[source] + (f", less {format_bytes(runtime)} of runtime" if runtime else "")
+    if not runtime:
+        return SOURCES[source]
+    return f"process peak less {format_bytes(runtime)} runtime (every step)"  # (short: the legend's width)
 
 
 def _resident_axis(ax, history: list):

@@ -30,8 +30,9 @@ REBUILDS_OPTIMIZER = REBUILDS_MODEL | {"optimizer", "optimizer_in_backward", "cp
 # each layer. The rest of RETUNES_MODEL are flags each layer reads as it runs (checkpointing,
 # tiling) or the adapters' scaling and dropout: they change on ranks as in one process.
 SHARDED_FIELDS = REBUILDS_MODEL | {"compile"}
-SHARDED_REASON = ("the model is sharded over ranks as these made it (compile would wrap the hooks "
-                  "FSDP2 put on each layer): change it in the run file and start the ranks again")
+SHARDED_REASON = ("the model is sharded over ranks as these settings made it (and compile would wrap "
+                  "the hooks FSDP2 put on each layer): change it in the run file and start the "
+                  "ranks again")
 
 
 def projections(model: nn.Module) -> set[str]:

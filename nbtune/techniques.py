@@ -82,7 +82,7 @@ CHOICE_HELP = {
     "method": {
         "full": "Trains every weight: gradients and optimizer state for all of them, the most memory.",
         "lora": "Freezes the model and trains small adapters beside each projection: gradients and "
-                "optimizer state for well under 1% of the weights.",
+                "optimizer state for a few percent of the weights at most.",
         "qlora": "LoRA over a base stored in 4-bit NF4 (a quarter of bf16, an eighth of fp32), "
                  "dequantized as each layer runs: the least memory, slower steps (0.87x LoRA's "
                  "tokens/s on the 125M peers' CPU benchmark).",

@@ -780,8 +780,8 @@ The ladder runs rows that each add one change to the row before, two steps a row
 step measured on every rank, and prints the peak of the highest rank. Here its rows run on two
 ranks started from this cell (`processes=2`), each row built afresh on them; in a terminal,
 `torchrun --nproc_per_node 2 -m nbtune ladder run.yaml` measures the same. The rows are
-those of seed 001's table: FSDP2 alone, + activation checkpointing, + CPU offload, + sharded
-embeddings, + chunked loss.
+those of torchtune's published FSDP2 memory table: FSDP2 alone, + activation checkpointing,
++ CPU offload, + sharded embeddings, + chunked loss.
 
 * **Activation checkpointing** keeps each layer's input instead of its intermediate tensors.
 * **CPU offload** (FSDP2's `CPUOffloadPolicy`) keeps the shards in CPU memory and copies each

@@ -498,13 +498,13 @@ def cpu_demo_quotes(r: dict) -> list[tuple[str, str]]:
     s = r["demo_summary.json"]
     first, last = f"{s['loss_first']:.3f}", f"{s['loss_last']:.3f}"
     after = f"{s['heldout_accuracy_after'] * 100:.0f} %"
+    took = f"{s['seconds']:.0f} s"
     return [(README, f"the demo's {s['steps']} steps"),
             (README, f"loss {first} → "),
-            # the README sends the reader to the folder for these two figures
-            (README, f"({last} and {after} on "),
+            # the README and the install page send the reader to the folder for these figures
+            (README, f"cpu-demo): {last} and {after} in {took}"),
             (INSTALL, f"loss {first} → "),
-            (INSTALL, f"on an AVX2-only AMD EPYC the demo took {s['seconds']:.0f} s"),
-            (INSTALL, f"{last} and {after} there")]
+            (INSTALL, f"cpu-demo/README.md): {last} and {after} in {took})")]
 
 
 def load_memory_quotes(r: dict) -> list[tuple[str, str]]:

@@ -65,7 +65,7 @@ def heartbeat() -> w.HTML:
 def display_watched(widget, **kwargs) -> None:
     """Show ``widget`` and, in a notebook, the page's watcher beside it (it runs once a page).
     A closed widget shows its text."""
-    from IPython.display import Javascript, display
+    from IPython.display import display
 
     from .live import in_notebook
 
@@ -74,8 +74,8 @@ def display_watched(widget, **kwargs) -> None:
         display(repr(widget))
         return
     display(bundle, raw=True)
-    if in_notebook():
-        display(Javascript(watch_script()))
+    if in_notebook():  # (no text: a reopened notebook runs no saved script and shows its text)
+        display({"application/javascript": watch_script(), "text/plain": ""}, raw=True)
 
 
 # One watcher a page: every second, each panel whose tick has not changed for GONE_SECONDS is

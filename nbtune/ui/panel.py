@@ -287,7 +287,7 @@ class Panel(w.VBox):
     def _make_prompt_controls(self) -> None:
         """A prompt to try on the model as it is now; the reply streams in below it."""
         self.prompt = w.Text(placeholder="Try a prompt on the model as trained so far",
-                             layout=w.Layout(width="480px"))
+                             layout=w.Layout(width="480px"), tooltip=PROMPT_HELP)
         # the task's input beside its instruction, where its rows have one (the demo's do)
         self.prompt_input = w.Text(placeholder="input", layout=w.Layout(
             width="160px", display="" if _has_inputs(self.session.train_examples) else "none"),

@@ -62,7 +62,11 @@ def run_status(reports: list, total: int, elapsed: float,
         seconds = sum(r.seconds for r in reports)
         if seconds > 0:
             parts.append(f"{sum(r.tokens for r in reports) / seconds:,.0f} tokens/s")
-    left = elapsed / done * (total - done) if done and not finished else None
+    # the first step pays for what later ones do not (the optimizer's state, a warm-up): the
+    # pace is read from the steps after it once there are some
+    first = reports[0].seconds if done > 1 else 0.0
+    pace = (elapsed - first) / (done - 1) if done > 1 and elapsed > first else (elapsed / done if done else 0)
+    left = pace * (total - done) if done and not finished else None
     timing = f"{format_duration(elapsed)} elapsed"
     if left is not None and done < total:
         timing += f", {format_duration(left)} left"

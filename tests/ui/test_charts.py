@@ -326,7 +326,7 @@ def test_a_session_meters_every_step_and_a_bare_trainer_does_not(trained):
     line = next(line for line in fig.axes[1].get_lines() if line.get_gid() == "usage")
     drawn = [r.usage.peak - runtime for r in session.history]
     assert list(line.get_ydata()) == pytest.approx([d / drawn[0] * line.get_ydata()[0] for d in drawn])
-    assert line.get_label() == f"{SOURCES['resident']}, less {format_bytes(runtime)} of runtime"
+    assert line.get_label() == f"process peak less {format_bytes(runtime)} runtime (every step)"
     bare = small_session()
     assert bare.trainer.step(track=True).usage is None
 

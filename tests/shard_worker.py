@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+import nbtune as nt
 import nbtune.models.hf as hf
 from nbtune import shards
 from nbtune.distributed import Parallel, Sharding, shard_model
@@ -124,11 +125,11 @@ def saves(model, plain, parallel, where: str) -> dict:
     for name, kwargs in (("adapter", {}), ("merged", {"merge": True}),
                          ("gguf", {"format": "gguf", "quantization": "q8_0"})):
         gathered.clear()
-        ranks = types.SimpleNamespace(model=model, tokenizer=tokenizer, source=None, base_changed=False,
+        ranks = types.SimpleNamespace(model=model, tokenizer=tokenizer, source=None, base_changed=False, techniques=nt.Techniques(),
                                       parallel=parallel)
         save_sharded_session(ranks, f"{where}.{name}.ranks", **kwargs)
         if parallel.rank == 0:
-            one = types.SimpleNamespace(model=plain, tokenizer=tokenizer, source=None, base_changed=False)
+            one = types.SimpleNamespace(model=plain, tokenizer=tokenizer, source=None, base_changed=False, techniques=nt.Techniques())
             save_session(one, f"{where}.{name}.one", **kwargs)
             files = sorted(os.listdir(f"{where}.{name}.one"))
             same = files == sorted(os.listdir(f"{where}.{name}.ranks")) and all(
@@ -140,7 +141,7 @@ def saves(model, plain, parallel, where: str) -> dict:
     open(f"{where}.blocked.{parallel.rank}", "w").close()
     try:
         save_sharded_session(types.SimpleNamespace(model=model, tokenizer=tokenizer, source=None,
-                                                   base_changed=False, parallel=parallel),
+                                                   base_changed=False, techniques=nt.Techniques(), parallel=parallel),
                              f"{where}.blocked.0/inside", merge=True)
         out["blocked"] = "saved"
     except Exception as err:  # noqa: BLE001

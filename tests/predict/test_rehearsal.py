@@ -194,7 +194,7 @@ def _trainer_view(run):
         note_checkpoint=lambda folder: None)
     trainer.state_dict = lambda: Trainer.state_dict(trainer)
     return types.SimpleNamespace(trainer=trainer, source=None, model=run.model,
-                                 tokenizer=None, base_changed=False)
+                                 tokenizer=None, base_changed=False, techniques=run.t)
 
 
 @pytest.fixture

@@ -96,7 +96,8 @@ def test_buttons_train_and_draw(session_and_panel):
     run.wait()
     assert len(session.history) == 4
     assert panel.chart.value[:4] == b"\x89PNG"
-    assert "done" in panel.progress.value and "step 3 of 3" in panel.progress.value
+    # the session's step, the chart's count, with this run's share (one step came before)
+    assert "done · step 4 (3 of this run&#x27;s 3)" in panel.progress.value
     assert not panel.run_button.disabled and panel.stop_button.layout.display == "none"
     assert "loss" in panel.progress.value
 

@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "DataError": "data", "MemoryBreakdown": "memory", "HostMemory": "memory.breakdown",
+    "Data": "data", "DataError": "data", "MemoryBreakdown": "memory", "HostMemory": "memory.breakdown",
     "ModelConfig": "models", "load_model": "models", "save_model": "models",
     "smollm2_path": "models.gguf", "BackgroundRun": "run.runner", "BusyError": "run.runner",
     "Session": "session", "Ladder": "run.ladder", "OutOfMemory": "oom", "SimulatedCard": "oom",

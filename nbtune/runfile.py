@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from . import files
 from .atomic import write_file_atomically
@@ -34,7 +34,6 @@ from .techniques import Techniques
 HEADER = "# nbtune run file:"  # the first line of every run file nbtune writes
 
 SAVE_CHOICES = ("hf", "merged", "gguf")  # hf: full weights or the PEFT adapter; merged: LoRA folded in
-LOGGERS = ("tensorboard",)
 TRACKING = ("sampled", "every_step", "off")
 
 
@@ -96,9 +95,31 @@ def _sharding_model() -> type[BaseModel]:
 ShardingFields = _sharding_model()
 
 
+class DataSource(_Strict):
+    """Rows that need more than a path: a split, a revision, a column mapping (``nt.Data``)."""
+
+    path: str  # a file, a save_to_disk folder, hf://datasets/owner/name or hf://datasets/.../file
+    split: str | None = None  # of a DatasetDict folder or Hub dataset (default train)
+    revision: str | None = None  # of a Hub dataset
+    columns: dict[str, str] | None = None  # nbtune's field: your column, e.g. {instruction: question}
+
+    @field_validator("columns")
+    @classmethod
+    def _known_fields(cls, columns):
+        from .data.sources import DataError, check_columns  # (torch only once a file names columns)
+
+        try:
+            check_columns(columns)
+        except DataError as err:
+            raise ValueError(str(err)) from None
+        return columns
+
+
 class DataSettings(_Strict):
-    train: str | None = None  # a .jsonl/.json file or hf://datasets/... URL; a demo brings its own
-    heldout: str | None = None
+    # a .jsonl/.json/.parquet/.csv file, a save_to_disk folder or an hf://datasets/... URL, or a
+    # mapping (path, split, revision, columns); a demo brings its own
+    train: str | DataSource | None = None
+    heldout: str | DataSource | None = None
     match: str = "exact"  # how held-out replies are scored (nbtune.scoring.MATCHES)
 
 
@@ -109,8 +130,19 @@ class RunSettings(_Strict):
     keep_checkpoints: int = Field(default=2, ge=1)  # the newest this many are kept
     out: str = "nbtune-run"  # metrics.jsonl, checkpoints/ and the final save go here
     save: list[Literal["hf", "merged", "gguf"]] = ["hf"]
-    log: list[Literal["tensorboard"]] = []  # besides metrics.jsonl, always written
+    # trackers besides metrics.jsonl (always written): nbtune.trackers.TRACKERS
+    log: list[Literal["tensorboard", "trackio", "wandb", "mlflow"]] = []
     evaluate: bool = False  # held-out accuracy (generation, scored by data.match) before and after
+
+
+class BenchmarkSettings(_Strict):
+    """lm-evaluation-harness tasks scored before and after the run (``Session.benchmark``)."""
+
+    tasks: list[str] = []  # registry names (mmlu, gsm8k, ...) or tasks in include_path
+    limit: float | None = Field(default=None, gt=0)  # documents per task at most (< 1: a share)
+    num_fewshot: int | None = Field(default=None, ge=0)
+    include_path: str | None = None  # a folder of task YAML files, from the run file's folder
+    batch_size: int = Field(default=8, gt=0)
 
 
 class RunConfig(_Strict):
@@ -123,6 +155,7 @@ class RunConfig(_Strict):
     memory_tracking: Literal["sampled", "every_step", "off"] = "sampled"
     data: DataSettings = DataSettings()
     techniques: TechniquesFields = TechniquesFields()
+    benchmark: BenchmarkSettings = BenchmarkSettings()  # lm-eval tasks, before and after
     run: RunSettings = RunSettings()
     distributed: ShardingFields = ShardingFields()  # FSDP2, under torchrun only
     # Ranks a notebook's ``Session.from_config(file)`` starts and drives (``processes=N``);
@@ -134,6 +167,26 @@ class RunConfig(_Strict):
     # Set by ``load`` (not in the file): the file's folder, which relative paths start from.
     base: str = Field(default=".", exclude=True)
 
+    def benchmark_absolute(self) -> BenchmarkSettings:
+        """``benchmark:`` with its task folder from the file's folder."""
+        folder = self.benchmark.include_path
+        return self.benchmark.model_copy(update={"include_path": self.path(folder) if folder else None})
+
+    def data_absolute(self, value: "str | DataSource | None"):
+        """A data entry with its path from the file's folder (a run's own run.yaml)."""
+        if isinstance(value, DataSource):
+            return value.model_copy(update={"path": self.path(value.path)})
+        return self.path(value)
+
+    def data_source(self, value: "str | DataSource | None"):
+        """A data entry as ``examples_from`` takes it: a path from the file's folder, or an
+        ``nt.Data`` (a mapping with a split, revision or columns)."""
+        if not isinstance(value, DataSource):
+            return self.path(value)
+        from .data import Data
+
+        return Data(self.path(value.path), value.split, value.revision, value.columns)
+
     def path(self, value: str | None) -> str | None:
         """``value`` (a path in the file) from the file's folder; ids and URLs unchanged."""
         if value is None or "://" in value:
@@ -141,7 +194,8 @@ class RunConfig(_Strict):
         candidate = Path(value).expanduser()
         if not candidate.is_absolute():
             candidate = Path(self.base) / candidate
-        if candidate.exists() or value.lower().endswith((".jsonl", ".json", ".gguf")) or value.startswith("."):
+        if candidate.exists() or value.lower().endswith((".jsonl", ".json", ".gguf", ".parquet", ".csv", ".tsv")) \
+                or value.startswith("."):
             return str(candidate)
         return value  # not a path here: a Hub repo id
 
@@ -433,11 +487,13 @@ def written_by_nbtune(path: Path) -> bool:
 
 def write_rows(examples, path: Path) -> None:
     """Rows as JSONL in the format they were read from (instruction rows stay instruction rows)."""
-    from .data import Pair, PromptRow
+    from .data import Pair, PromptRow, TextRow
 
     lines = []
     for example in examples:
-        if isinstance(example, PromptRow):  # TRL's form: the prompt as given, its other fields
+        if isinstance(example, TextRow):
+            row = {"text": example.text}
+        elif isinstance(example, PromptRow):  # TRL's form: the prompt as given, its other fields
             row = {"prompt": example.prompt, **dict(example.fields)}
         elif isinstance(example, Pair):  # TRL's form: a text prompt stays text, else messages
             chosen, rejected = example.chosen, example.rejected
@@ -505,7 +561,11 @@ def save_config(session, path: str | Path, **changes) -> Path:
     for split, rows in (("train", session.train_examples), ("heldout", session.heldout_examples)):
         if session.demo_name is not None or not rows:
             continue
-        if split in files and "://" not in files[split]:
+        if split in files and isinstance(files[split], dict):  # an nt.Data: its path, split, columns
+            entry = files[split]
+            local = "://" not in entry["path"]
+            data[split] = {**entry, "path": relative(entry["path"], folder) if local else entry["path"]}
+        elif split in files and "://" not in files[split]:
             data[split] = relative(files[split], folder)
         elif split in files:
             data[split] = files[split]

@@ -88,6 +88,7 @@ class Session:
         self._speaking = threading.local()  # inside a command that prints what is said
         self.echo = True  # commands print what they say; a program with its own printer turns it off
         self.conversation: list[dict] = []  # ``chat``'s turns so far
+        self.trackers = None  # ``log_to``'s: where every step goes besides the chart
         with self._voice():
             self.runner.relay()  # what building the run had to say (rows skipped)
 
@@ -708,7 +709,72 @@ class Session:
         Returns:
             The share right, from 0 to 1 (GRPO: the mean reward).
         """
-        return self.parts.evaluate(examples, match)
+        score = self.parts.evaluate(examples, match)
+        if self.trackers is not None:
+            self.trackers.log({"eval/score": score}, len(self.history))
+        return score
+
+    def benchmark(self, tasks, *, limit: int | float | None = None, num_fewshot: int | None = None,
+                  include_path: str | os.PathLike | None = None, batch_size: int = 8) -> dict:
+        """Score the model as trained so far on lm-evaluation-harness tasks, through lm-eval's own
+        ``simple_evaluate`` (``pip install 'nbtune[eval]'``): registry tasks ("mmlu",
+        "gsm8k", ...) or your own YAML tasks over local files in ``include_path``. Run it before
+        and after training to compare; each result goes to the trackers (``log_to``) too.
+
+        Args:
+            tasks: Task names (or one).
+            limit: Documents per task at most (a number, or a share below 1).
+            num_fewshot: Examples in each prompt (default: the task's).
+            include_path: A folder of task YAML files (they may read local JSONL files).
+            batch_size: Sequences scored at once.
+
+        Returns:
+            ``{task: {metric: value}}``, e.g. ``{"mmlu": {"acc,none": 0.46, ...}}``.
+        """
+        from .benchmark import run
+
+        results = run(self.model, self.tokenizer, tasks, limit=limit, num_fewshot=num_fewshot,
+                      include_path=include_path, batch_size=batch_size)
+        if self.trackers is not None:
+            self.trackers.log({f"benchmark/{task}/{metric.split(',')[0]}": float(value)
+                               for task, metrics in results.items() for metric, value in metrics.items()},
+                              len(self.history))
+        return results
+
+    def log_to(self, *trackers: str, folder: str | os.PathLike = "nbtune-logs",
+               project: str = "nbtune", name: str | None = None):
+        """Send every step from now on to experiment trackers, each through its own library:
+        "tensorboard", "trackio", "wandb" (offline unless a W&B login is set up), "mlflow"
+        (a local store in ``folder`` unless MLFLOW_TRACKING_URI names one). Logged: the loss,
+        lr, tokens/s, each step's memory and each breakdown's categories, the objective's
+        metrics, the estimate beside the measured peak, ``evaluate``'s results; the techniques
+        as the configuration and a toggle changed mid-run at its step. ``log_to()`` with no
+        tracker stops logging; a tracker that fails is said once and left out.
+
+        Args:
+            trackers: Names from "tensorboard", "trackio", "wandb", "mlflow".
+            folder: Where local stores and files go (TensorBoard's under ``tensorboard/<name>``).
+            project: The project (experiment) name in the trackers.
+            name: This run's name (default: the time it started).
+
+        Returns:
+            The ``trackers.Trackers`` (``.where`` says where each writes; ``.close()`` ends them).
+        """
+        from .trackers import Trackers, check_trackers
+
+        check_trackers(trackers)  # before the trackers running now are closed
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
+        if not trackers:
+            return None
+        name = name or time.strftime("run-%Y%m%d-%H%M%S")
+        self.trackers = Trackers(trackers, folder, project=project, name=name,
+                                 config=self.techniques.as_dict(), say=self.runner.say)
+        self.trackers.follow(self.subscribe, estimate=lambda: self.estimate().peak)
+        with self._voice():
+            self.runner.say(f"logging to {'; '.join(self.trackers.where) or 'no tracker'}")
+        return self.trackers
 
     # ---- saving -------------------------------------------------------------------------
 
@@ -824,6 +890,8 @@ class Session:
         """End what the session started: its ranks (``processes=N``), none left behind.
         Nothing to end for a session in this process."""
         self.stop()
+        if self.trackers is not None:
+            self.trackers.close()
         self.parts.close()
 
     def panel(self):

@@ -474,8 +474,9 @@ You will write a dataset, see exactly which tokens the model is trained on, trai
 adapters, compare replies before and after, and export the result three ways: a PEFT
 adapter, merged safetensors, and a GGUF file for llama.cpp / Ollama."""),
     ("md", """Rows are JSON lines: `{"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}`
-for chats, or `{"instruction", "input", "output"}`. A `datasets.Dataset` with those columns,
-or a list of dicts, works too. The task here: pull a person out of a sentence as JSON."""),
+for chats, or `{"instruction", "input", "output"}`; ShareGPT's `conversations`, raw `{"text"}`
+and preference pairs work too. They may live in Parquet or CSV files, a `datasets.Dataset`, a
+`save_to_disk` folder or a Hub dataset. The task here: pull a person out of a sentence as JSON."""),
     ("code", """import json
 import random
 from pathlib import Path
@@ -512,6 +513,18 @@ session = nt.Session.from_pretrained(
                              lora_rank=16, lora_alpha=32.0))
 session.match = "json_keys"
 session"""),
+    ("md", """Your data may already be a table whose columns have other names. A Parquet file with
+`sentence` and `person` columns reads the same once `columns=` says which is which (a run file
+takes the same mapping), so nothing needs converting:"""),
+    ("code", """import pandas as pd
+
+table = pd.DataFrame([{"sentence": r["messages"][0]["content"], "person": r["messages"][1]["content"]}
+                      for r in train])
+table.to_parquet("my_data/train.parquet")
+from_parquet = nt.data.examples_from(nt.Data("my_data/train.parquet",
+                                             columns={"instruction": "sentence", "output": "person"}))
+same_rows = [ex.messages for ex in from_parquet] == [ex.messages for ex in session.train_examples]
+print(f"{len(from_parquet)} rows from Parquet, the same conversations as the JSONL file: {same_rows}")"""),
     ("md", """What the model reads: the model's own chat template (here SmolLM2's, which adds a
 system line) turns the row into text. Only the assistant's reply is trained on; the loss
 ignores everything before it, so the model learns to answer, not to write questions."""),
@@ -586,22 +599,44 @@ print(f"GGUF f16, same next token at {int(same_token.sum())} of {same_token.nume
     ("code", """back = nt.Session.from_pretrained("out/adapter")
 same_replies = [back.generate(p) for p in prompts] == [session.generate(p) for p in prompts]
 print("the reloaded adapter gives the same replies:", same_replies)"""),
+    ("md", """Continued pretraining: rows of raw text (`{"text": ...}`) train every token, not only an
+answer; a text longer than `seq_len` is cut into pieces that together cover all of it, and
+`packing=True` fills each row. Here a note about each person, then what the model writes after
+the opening words of one (`raw=True`: the text as it is, no chat template)."""),
+    ("code", """jobs = ["baker", "pilot", "violinist", "gardener", "nurse"]
+notes = [{"text": f"{n} works as a {jobs[i % 5]} in {cities[i % 12]}. Every morning {n} "
+                  "walks to work along the river."} for i, n in enumerate(names)]
+(data / "notes.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in notes))
+pretrain = nt.Session.from_pretrained(
+    nt.smollm2_path(), "my_data/notes.jsonl",
+    techniques=nt.Techniques(method="lora", lr=2e-3, batch_size=4, seq_len=64, packing=True,
+                             lora_rank=16, lora_alpha=32.0))
+notes_before = pretrain.generate("Maria works as a", raw=True, max_new_tokens=8)"""),
+    ("code", """# NBVAL_IGNORE_OUTPUT
+note_reports = pretrain.run(10)"""),
+    ("code", """print(f"loss on the notes: {note_reports[0].loss:.2f} at the first step, {note_reports[-1].loss:.2f} at the last")
+print("Maria works as a ... before:", notes_before.strip().split("\\n")[0])
+print("                     after: ", pretrain.generate("Maria works as a", raw=True, max_new_tokens=8).strip())"""),
     ("md", "The outcomes this notebook promises, checked:"),
     ("code", """# NBVAL_CHECK_OUTPUT
+print("the Parquet file with a column mapping gives the same rows:", same_rows)
 print("only the reply is trained on:", 0 < int(trained.sum()) < len(sample.input_ids) / 2)
 print("learned the schema on unseen names:", before == 0 and after >= 0.75)
 print("merged weights reload with the same logits:", torch.allclose(merged_logits, trained_logits, atol=1e-3))
 print("GGUF reloads with the trained logits up to f16 rounding:", bool(gguf_error < 0.1))
-print("the adapter folder reloads to the same replies:", same_replies)"""),
+print("the adapter folder reloads to the same replies:", same_replies)
+print("raw text: the loss on the notes falls:", note_reports[-1].loss < note_reports[0].loss)"""),
     ("md", "The exports take about 1 GB; remove them (and the data) when you are done:"),
     ("code", """shutil.rmtree("out")
 shutil.rmtree("my_data")"""),
 ]
 
-YOUR_DATA_CHECK = ("only the reply is trained on: True\nlearned the schema on unseen names: True\n"
+YOUR_DATA_CHECK = ("the Parquet file with a column mapping gives the same rows: True\n"
+                   "only the reply is trained on: True\nlearned the schema on unseen names: True\n"
                    "merged weights reload with the same logits: True\n"
                    "GGUF reloads with the trained logits up to f16 rounding: True\n"
-                   "the adapter folder reloads to the same replies: True\n")
+                   "the adapter folder reloads to the same replies: True\n"
+                   "raw text: the loss on the notes falls: True\n")
 
 
 SCALE_OUT = [

@@ -32,6 +32,7 @@ from ..run import factory
 from ..atomic import write_file_atomically
 from ..hardware import Contention, busy_words
 from ..run.checkpoints import CHECKPOINTS, StepCheckpoints, checkpoints, stop_signals
+from ..trackers import TRL_NAMES
 from ..units import format_bytes
 
 METRICS = "metrics.jsonl"
@@ -60,9 +61,6 @@ def _rollouts(report) -> dict:
             **({"kl": report.mean_kl} if report.mean_kl is not None else {})}
 
 
-GRPO_KEYS = ("reward", "reward_std", "kl")  # (with rewards/NAME/mean and completions/..., TRL's names)
-TRL_NAMES = {"chosen_reward": "chosen", "rejected_reward": "rejected", "margin": "margins",
-             "accuracy": "accuracies"}  # as TRL logs them (``rewards/margins``, ...)
 
 
 def _rewards(prefix: str, metrics) -> dict:
@@ -80,9 +78,11 @@ def total_steps(settings, parts) -> int:
 
 
 class _Loggers:
-    """metrics.jsonl always; TensorBoard when the run file asks (checked before any work)."""
+    """metrics.jsonl always; the trackers the run file's ``run.log`` names (checked before any
+    work; ``nbtune.trackers``), on the first rank, with the estimate beside the first step."""
 
-    def __init__(self, out: Path, settings, rank: int, resumed_at: int) -> None:
+    def __init__(self, out: Path, settings, rank: int, resumed_at: int, config: dict | None = None,
+                 estimate=None, say=print) -> None:
         self.rank = rank
         name = METRICS if rank == 0 else f"metrics.rank{rank}.jsonl"
         self.path = out / name
@@ -101,40 +101,49 @@ class _Loggers:
                         "is damaged. Move it away to resume (the checkpoint holds the run).") from None
         write_file_atomically(self.path, "".join(line + "\n" for line in kept))
         self.file = self.path.open("a")
-        self.tensorboard = None
-        if "tensorboard" in settings.log and rank == 0:
-            from torch.utils.tensorboard import SummaryWriter
+        self.trackers, self.estimate = None, estimate
+        if settings.log and rank == 0:
+            from ..trackers import Trackers
 
-            self.tensorboard = SummaryWriter(str(out / "tensorboard"))
+            self.trackers = Trackers(settings.log, out, config=config, say=say)  # name: the folder's
 
     def write(self, report) -> None:
         row = metrics_row(report, self.rank)
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if self.tensorboard is not None:
-            for key in ("loss", "tokens_per_second", "peak_bytes", "lr"):
-                self.tensorboard.add_scalar(f"train/{key}", row[key], report.step)
-            if report.eval_loss is not None:
-                self.tensorboard.add_scalar("eval/loss", report.eval_loss, report.step)
-            if report.router_loss is not None:
-                self.tensorboard.add_scalar("train/router_loss", report.router_loss, report.step)
-            for key in (k for k in row if "rewards/" in k or k in GRPO_KEYS or k.startswith("completions/")):
-                self.tensorboard.add_scalar(key if key.startswith("eval/") else f"train/{key}",
-                                            row[key], report.step)
+        if self.trackers is not None:
+            estimate, self.estimate = self.estimate, None  # beside the first step logged
+            self.trackers.step(report, estimate() if estimate is not None else None)
+
+    def log(self, metrics: dict, step: int) -> None:
+        if self.trackers is not None:
+            self.trackers.log(metrics, step)
 
     def close(self) -> None:
+        """The metrics file; the trackers stay open for the held-out results after the run."""
         self.file.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+
+    def close_trackers(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
+
+
+def _estimate(parts, parallel):
+    """The predicted peak of this run's step, for the trackers (one process; None on ranks)."""
+    if parallel is not None:
+        return None
+    from ..predict import Predictor
+
+    return lambda: Predictor.of(parts.model.config, parts.device.type).estimate(parts.techniques).peak
 
 
 def check_loggers(settings) -> None:
-    if "tensorboard" in settings.log:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError:
-            raise runfile.RunFileError("run.log asks for tensorboard, which is not installed: "
-                                       "pip install tensorboard, or drop it from run.log.") from None
+    from ..trackers import TrackerError, check_trackers
+
+    try:
+        check_trackers(settings.log)
+    except TrackerError as err:
+        raise runfile.RunFileError(f"run.log: {err}") from None
 
 
 def rank_memory(parts, parallel) -> list[dict] | None:
@@ -243,15 +252,17 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
             effective = config.model_copy(update={
                 "run": settings.model_copy(update={"out": str(out_dir.resolve())}),
                 "model": config.path(config.model), "rewards": config.rewards_absolute(),
+                "benchmark": config.benchmark_absolute(),
                 "data": config.data.model_copy(update={
-                    "train": config.path(config.data.train), "heldout": config.path(config.data.heldout)})})
+                    "train": config.data_absolute(config.data.train),
+                    "heldout": config.data_absolute(config.data.heldout)})})
             write_file_atomically(out_dir / "run.yaml", runfile.dump(effective))
         if parallel is not None:
             parallel.barrier()
         with stop_signals() as stopped:
             try:
                 code = _run(parts, TrainJob(path, out, out_dir, settings, resume, parallel, rank,
-                                            say, started, progress))
+                                            say, started, progress, config.benchmark_absolute()))
             except Exception as err:  # a rank or its machine gone: named, not a traceback
                 lost = parallel.lost(err) if parallel is not None else None
                 if lost is None:
@@ -284,6 +295,32 @@ class TrainJob:
     say: Callable[[str], None]
     started: float
     progress: bool
+    benchmark: object = None  # the run file's benchmark: (lm-eval tasks), include_path resolved
+
+
+def _scores(parts, job: TrainJob, loggers, when: str) -> dict:
+    """Held-out accuracy (``run.evaluate``) and lm-eval's tasks (``benchmark:``) ``when``
+    ("before" or "after" training), said, logged to the trackers and returned for the summary."""
+    out, step = {}, len(parts.history)
+    if job.parallel is not None:
+        return out
+    if job.settings.evaluate and parts.data.heldout:
+        out[f"heldout_accuracy_{when}"] = score = parts.evaluate()
+        job.say(f"held-out accuracy {when}: {score:.0%}")
+        loggers.log({"eval/score": score}, step)
+    bench = job.benchmark
+    if bench is not None and bench.tasks:
+        from ..benchmark import run
+
+        results = run(parts.model, parts.tokenizer, bench.tasks, limit=bench.limit,
+                      num_fewshot=bench.num_fewshot, include_path=bench.include_path,
+                      batch_size=bench.batch_size)
+        out[f"benchmark_{when}"] = results
+        flat = {f"benchmark/{task}/{name.split(',')[0]}": float(value)
+                for task, metrics in results.items() for name, value in metrics.items()}
+        job.say(f"benchmark {when}: " + ", ".join(f"{k[10:]} {v:.3f}" for k, v in flat.items()))
+        loggers.log(flat, step)
+    return out
 
 
 def _run(parts, job: TrainJob) -> int:
@@ -306,13 +343,12 @@ def _run(parts, job: TrainJob) -> int:
         f"({numbers[1] / 1e6:.2f}M trained), {parts.techniques.method}, {total} steps -> {out_dir}")
     summary = {"run_file": str(Path(path).resolve()), "steps": total, "resumed_at": len(parts.history),
                "ranks": parallel.world if parallel is not None else 1}
-    evaluate = settings.evaluate and parts.data.heldout and parallel is None
-    if settings.evaluate and parallel is not None:
-        say("nbtune: run.evaluate is skipped under torchrun (generation is not sharded yet).")
-    if evaluate:
-        summary["heldout_accuracy_before"] = parts.evaluate()
-        say(f"held-out accuracy before: {summary['heldout_accuracy_before']:.0%}")
-    loggers = _Loggers(out_dir, settings, rank=job.rank, resumed_at=len(parts.history))
+    if (settings.evaluate or (job.benchmark is not None and job.benchmark.tasks)) and parallel is not None:
+        say("nbtune: run.evaluate and benchmark: are skipped under torchrun (generation is not sharded yet).")
+    loggers = _Loggers(out_dir, settings, rank=job.rank, resumed_at=len(parts.history),
+                       config=parts.techniques.as_dict(), estimate=_estimate(parts, parallel),
+                       say=lambda text: say(f"nbtune: {text}"))
+    summary.update(_scores(parts, job, loggers, "before"))
     logged = [len(parts.history)]  # the last step written to metrics.jsonl
     interrupted, others = False, Contention()
     try:
@@ -339,6 +375,7 @@ def _run(parts, job: TrainJob) -> int:
             loggers.write(report)
         loggers.close()
     if interrupted:
+        loggers.close_trackers()
         saver.interrupted(f"nbtune train {path} --resume" + (f" --out {out}" if out else ""), say)
         return 130
     ranks = rank_memory(parts, parallel)
@@ -356,9 +393,8 @@ def _run(parts, job: TrainJob) -> int:
         "seconds": time.perf_counter() - job.started, "saved": saved,
         "techniques": parts.techniques.as_dict(), "device": str(parts.device),
         "busy_cores": others.so_far() if parallel is None and parts.device.type == "cpu" else None})
-    if evaluate:
-        summary["heldout_accuracy_after"] = parts.evaluate()
-        say(f"held-out accuracy after: {summary['heldout_accuracy_after']:.0%}")
+    summary.update(_scores(parts, job, loggers, "after"))
+    loggers.close_trackers()
     write_file_atomically(out_dir / "summary.json", json.dumps(summary, indent=2))
     say(f"done: {len(parts.history)} steps, loss {summary['loss_first']:.3f} -> "
           f"{summary['loss_last']:.3f} (mean of steps {len(losses) - len(window) + 1}-{len(losses)}), peak "

@@ -1,4 +1,5 @@
-"""Training data: rows (``rows.py``: the formats, from files, lists and Datasets) turned into
+"""Training data: rows (``rows.py``: the formats; ``sources.py``: Parquet, CSV, Datasets and the
+Hub, with a column mapping) turned into
 token ids with the prompt masked out of the loss (``batches.py``), and ``TrainingData``, which
 holds a run's rows, held-out rows and tokenizer and makes its batch stream."""
 
@@ -6,16 +7,18 @@ from __future__ import annotations
 
 from ..models.tokenizer import Tokenizer
 from .batches import (NO_TRAINING_DATA, BatchStream, PromptSample, Sample, collate, collate_pairs,
-                      collate_prompts, pack, tokenize, tokenize_all, tokenize_pairs, tokenize_prompts)
-from .rows import (ACCEPTED, IGNORE, PROMPT, PROMPT_WITH_INPUT, ROLES, DataError, Example, Pair, PromptRow,
-                   as_prompt, check_renderable, examples_from, format_prompt, load_examples,
+                      collate_prompts, pack, tokenize, tokenize_all, tokenize_pairs, tokenize_prompts,
+                      tokenize_text)
+from .rows import (ACCEPTED, IGNORE, PROMPT, PROMPT_WITH_INPUT, ROLES, Data, DataError, Example, Pair,
+                   PromptRow, TextRow, as_prompt, check_renderable, examples_from, format_prompt, load_examples,
                    prompt_and_reference, prompt_ids, prompt_text)
 
 __all__ = ["ACCEPTED", "IGNORE", "NO_TRAINING_DATA", "PROMPT", "PROMPT_WITH_INPUT", "ROLES", "BatchStream",
-           "DataError", "Example", "Pair", "PromptRow", "PromptSample", "Sample", "TrainingData", "as_prompt",
+           "Data", "DataError", "Example", "Pair", "PromptRow", "PromptSample", "Sample", "TextRow",
+           "TrainingData", "as_prompt",
            "check_renderable", "collate", "collate_pairs", "collate_prompts", "examples_from", "format_prompt",
            "load_examples", "pack", "prompt_and_reference", "prompt_ids", "prompt_text", "tokenize",
-           "tokenize_all", "tokenize_pairs", "tokenize_prompts"]
+           "tokenize_all", "tokenize_pairs", "tokenize_prompts", "tokenize_text"]
 
 
 class TrainingData:
@@ -33,6 +36,11 @@ class TrainingData:
     @property
     def pad_id(self) -> int:
         return self.tokenizer.pad_id
+
+    @property
+    def text(self) -> bool:
+        """Whether the rows are raw text (continued pretraining: every token trained)."""
+        return bool(self.train) and isinstance(self.train[0], TextRow)
 
     @property
     def pairs(self) -> bool:
@@ -59,7 +67,11 @@ class TrainingData:
                        "held-out rows are instruction or chat rows: give held-out pairs (prompt, "
                        "chosen, rejected), or set eval_every=0.")
         prompts = bool(self.train) and isinstance(self.train[0], PromptRow)
-        if prompts and t.objective != "grpo":
+        if self.text and t.objective != "sft":
+            out.append(f"These rows are raw text ('text'), which trains every token (objective='sft'); "
+                       f"objective={t.objective!r} needs {'prompts' if t.objective == 'grpo' else 'pairs'}: "
+                       "set objective='sft', or give rows of that form.")
+        elif prompts and t.objective != "grpo":
             out.append(f"These rows are prompts alone (no answer to imitate or compare), which only "
                        f"objective='grpo' trains on (its completions are generated and rewarded): "
                        f"set objective='grpo', or give rows with answers for {t.objective!r}.")

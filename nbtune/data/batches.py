@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from ..models.tokenizer import Tokenizer
-from .rows import (IGNORE, DataError, Example, Pair, PromptRow, alpaca_fields, chat_spans, format_prompt,
-                   prompt_and_reference, prompt_ids, with_bos)
+from .rows import (IGNORE, DataError, Example, Pair, PromptRow, TextRow, alpaca_fields, chat_spans,
+                   format_prompt, prompt_and_reference, prompt_ids, with_bos)
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,27 @@ def tokenize(example: Example, tokenizer: Tokenizer, seq_len: int,
     return Sample(torch.tensor(ids[:-1]), torch.tensor(labels))
 
 
-def tokenize_all(examples: list[Example], tokenizer: Tokenizer, seq_len: int,
+def tokenize_text(row: TextRow, tokenizer: Tokenizer, seq_len: int) -> list[Sample]:
+    """Raw text as pieces of at most ``seq_len`` tokens that train on every token of it once:
+    BOS first, EOS last, each piece predicting the token after its last from the next piece's
+    first (continued pretraining, as a base model was trained)."""
+    ids = with_bos(tokenizer, tokenizer.encode(row.text))
+    ids += [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    ends = [(start, min(start + seq_len, len(ids) - 1)) for start in range(0, len(ids) - 1, seq_len)]
+    return [Sample(torch.tensor(ids[start:end]), torch.tensor(ids[start + 1:end + 1])) for start, end in ends]
+
+
+def tokenize_all(examples: list, tokenizer: Tokenizer, seq_len: int,
                  source: str = "the data", last_only: bool = False) -> tuple[list[Sample], int]:
     """Tokenize every example; returns the samples and how many were dropped as too long.
-    ``last_only``: only each example's last assistant turn trained (``tokenize``)."""
-    samples = [tokenize(ex, tokenizer, seq_len, last_only) for ex in examples]
+    ``last_only``: only each example's last assistant turn trained (``tokenize``); raw text
+    becomes as many pieces as its tokens need (``tokenize_text``), none dropped."""
+    samples = []
+    for ex in examples:
+        if isinstance(ex, TextRow):
+            samples.extend(tokenize_text(ex, tokenizer, seq_len))
+        else:
+            samples.append(tokenize(ex, tokenizer, seq_len, last_only))
     kept = [s for s in samples if s is not None]
     if examples and not kept:
         raise DataError(f"Every row of {source} is longer than seq_len={seq_len} before its "

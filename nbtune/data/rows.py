@@ -10,10 +10,17 @@ Row formats (JSONL, one object per line, or a .json file holding a list):
   completions are scored.
 * prompt-completion (TRL's form): ``{"prompt": ..., "completion": ...}``, imitated as an
   instruction (text) or chat (messages) row is;
+* raw text (continued pretraining): ``{"text": ...}``, every token trained, a text longer
+  than ``seq_len`` cut into pieces that together train on all of it (packed when packing is on);
+* ShareGPT: ``{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}, ...]}``, read
+  as chat rows (``from``/``value`` or ``role``/``content``);
 * prompt (TRL's form, for GRPO): ``{"prompt": ..., ...}``, a string or messages ending with a
   user turn; the row's other fields go to the reward functions. GRPO takes the prompt of
   any row: an instruction or chat row's (its answer as the field ``output``), a pair's
   (``chosen`` and ``rejected`` as fields).
+
+Besides JSONL and JSON lists, rows come from Parquet and CSV files, Datasets, ``save_to_disk``
+folders and Hub datasets (``sources.py``), with a column mapping onto these fields.
 
 Rows are read without a tokenizer and become text only when tokenized, because the model
 decides how a conversation is written:
@@ -46,15 +53,13 @@ import jinja2
 from .. import files
 from ..hub import resolve_data_file
 from ..models.tokenizer import Tokenizer
+from . import sources
+from .sources import Data, DataError
 
 IGNORE = -100  # label of positions that do not count in the loss
 PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 ROLES = ("system", "user", "assistant")
-
-
-class DataError(ValueError):
-    """A data file or row that cannot be used, with where and why."""
 
 
 @dataclass(frozen=True)
@@ -148,12 +153,23 @@ class PromptRow:
         return not isinstance(self.prompt, str)
 
 
+@dataclass(frozen=True)
+class TextRow:
+    """Raw text to continue pretraining on: every token of it trained."""
+
+    text: str
+    where: str = field(default="", compare=False)
+
+
 def as_prompt(row) -> PromptRow:
     """Any row as a prompt for GRPO: a prompt row itself; an instruction or chat row's turns
     before its last answer (the answer a field, ``output``, for a reward to compare with);
     a pair's prompt (``chosen`` and ``rejected`` fields)."""
     if isinstance(row, PromptRow):
         return row
+    if isinstance(row, TextRow):
+        raise DataError(f"{row.where or 'a text row'}: raw text has no prompt to complete; GRPO "
+                        "needs prompts (rows with 'prompt', or instruction or chat rows).")
     if isinstance(row, Pair):
         messages = row.chosen.messages[:-1]
         fields = (("chosen", row.chosen.messages[-1][1]), ("rejected", row.rejected.messages[-1][1]))
@@ -174,6 +190,8 @@ def check_renderable(examples: list, tokenizer: Tokenizer) -> None:
     """Fail now, before weights are loaded, if chat rows meet a tokenizer with no template."""
     if tokenizer.chat_template is None:
         for example in examples:
+            if isinstance(example, TextRow):
+                continue  # raw text is read as it is, with no template
             for one in ((example.chosen, example.rejected) if isinstance(example, Pair) else
                         (example.example,) if isinstance(example, PromptRow) else (example,)):
                 alpaca_fields(one)
@@ -287,9 +305,39 @@ def _row_to_prompt(row: dict, where: str) -> PromptRow:
     return PromptRow(example, row["prompt"], fields, where)
 
 
-def _row_to_example(row, where: str) -> Example | Pair | PromptRow:
+# ShareGPT's speakers as chat roles (Unsloth's standardize_sharegpt reads the same)
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system"}
+_FORM_FIELDS = ("messages", "conversations", "instruction", "output", "prompt", "completion",
+                "chosen", "rejected")
+
+
+def _sharegpt(turns, where: str) -> list:
+    """ShareGPT's ``conversations`` as messages: ``from``/``value`` (or ``role``/``content``)."""
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: 'conversations' must be a non-empty list of "
+                        "{'from': ..., 'value': ...} turns.")
+    messages = []
+    for i, turn in enumerate(turns):
+        speaker = turn.get("from", turn.get("role")) if isinstance(turn, dict) else None
+        text = turn.get("value", turn.get("content")) if isinstance(turn, dict) else None
+        if speaker not in SHAREGPT_ROLES or not isinstance(text, str):
+            raise DataError(f"{where}: conversations turn {i} must be an object with 'from' in "
+                            f"{tuple(SHAREGPT_ROLES)} and a string 'value'; got {turn!r:.80}.")
+        messages.append({"role": SHAREGPT_ROLES[speaker], "content": text})
+    return messages
+
+
+def _row_to_example(row, where: str) -> Example | Pair | PromptRow | TextRow:
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}.")
+    if "text" in row and not any(k in row for k in _FORM_FIELDS):  # raw text, to continue pretraining
+        if not isinstance(row["text"], str) or not row["text"]:
+            raise DataError(f"{where}: 'text' must be a non-empty string (raw text to train on).")
+        _check_text([row["text"]], where)
+        return TextRow(row["text"], where)
+    if "conversations" in row and "messages" not in row:
+        row = {**row, "messages": _sharegpt(row["conversations"], where)}
     if "chosen" in row or "rejected" in row:
         return _row_to_pair(row, where)
     if "prompt" in row and "completion" in row:  # TRL's prompt-completion form: a row to imitate
@@ -323,7 +371,9 @@ def _row_to_example(row, where: str) -> Example | Pair | PromptRow:
     missing = [k for k in ("instruction", "output") if k not in row]
     if missing:
         raise DataError(f"{where}: missing {' and '.join(repr(k) for k in missing)}. Rows need "
-                        "'instruction' and 'output' (and optionally 'input'), or 'messages'.")
+                        "'instruction' and 'output' (and optionally 'input'), 'messages', "
+                        "'conversations', 'prompt' and 'completion', or 'text'; columns={...} "
+                        "maps your column names onto these.")
     for key in ("instruction", "input", "output"):
         if key in row and not isinstance(row[key], str):
             hint = " Use \"\" (or leave it out) for no input." if key == "input" else ""
@@ -338,14 +388,16 @@ def _row_to_example(row, where: str) -> Example | Pair | PromptRow:
 
 
 # Formats people reach for that are not JSON rows: named, with how to convert them.
-_OTHER_FORMATS = {".csv": "CSV", ".tsv": "TSV", ".parquet": "Parquet", ".arrow": "Arrow",
-                  ".xlsx": "Excel", ".xls": "Excel", ".pkl": "pickle", ".pickle": "pickle"}
-ACCEPTED = ("a .jsonl/.json file path (or an hf://datasets/owner/name/file.jsonl URL), a list of "
-            "row dicts, a list of nbtune Examples, or a Hugging Face datasets.Dataset (one split)")
+_OTHER_FORMATS = {".arrow": "Arrow", ".xlsx": "Excel", ".xls": "Excel", ".pkl": "pickle",
+                  ".pickle": "pickle"}
+ACCEPTED = ("a .jsonl/.json/.parquet/.csv/.tsv file path, a save_to_disk folder, an "
+            "hf://datasets/owner/name URL (a Hub dataset, or /file in it), a list of row dicts, a "
+            "datasets.Dataset or DatasetDict, or nt.Data(path, split=, revision=, columns=)")
+_SUFFIXES = (".jsonl", ".json", *sources.TABLES)
 
 
 def _data_files(folder: Path) -> list[str]:
-    return sorted(str(p) for p in folder.iterdir() if p.suffix.lower() in (".jsonl", ".json") and p.is_file())
+    return sorted(str(p) for p in folder.iterdir() if p.suffix.lower() in _SUFFIXES and p.is_file())
 
 
 def _decode(path: Path, raw: bytes) -> str:
@@ -396,23 +448,48 @@ def _missing_file_hint(name: str) -> str:
     return hint
 
 
-def load_examples(path: str | Path) -> list[Example]:
-    """Read a .jsonl (one row per line) or .json (a list of rows) file."""
+def _json_lines(path: Path, text: str):
+    """(where, row) for each line of a JSON Lines text, parsed as it is reached."""
+    # JSON Lines ends a line at \n only (str.splitlines would also cut at U+2028, which
+    # JSON allows inside strings).
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}: line {lineno}: not valid JSON ({err.msg} at column "
+                            f"{err.colno}). Each line must be one JSON object.") from err
+        except RecursionError:
+            raise DataError(f"{path}: line {lineno}: nested deeper than any data row is; "
+                            "the line is damaged.") from None
+        yield f"{path}: line {lineno}", row
+
+
+def load_examples(path: str | Path, columns=None, split: str | None = None) -> list:
+    """Read a .jsonl (one row per line), .json (a list of rows), .parquet, .csv or .tsv file, or
+    a ``save_to_disk`` folder (its ``split``); ``columns`` maps nbtune's fields to its columns."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such data file.{_missing_file_hint(str(path))}")
+    if sources.is_disk_dataset(path):
+        return _from_rows(sources.load_disk(path, split, str(path)), columns, str(path))
     if path.is_dir():
         inside = _data_files(path)
         hint = (f" It holds {', '.join(repr(p) for p in inside[:5])}"
                 f"{' ...' if len(inside) > 5 else ''}: pass one of them." if inside else
-                " It holds no .jsonl or .json file.")
-        raise DataError(f"{path} is a folder, not a data file: give a .jsonl file (one row per "
-                        f"line) or a .json file (a list of rows).{hint}")
+                " It holds no data file (.jsonl, .json, .parquet, .csv).")
+        raise DataError(f"{path} is a folder, not a data file or a save_to_disk folder: give a "
+                        f".jsonl, .json, .parquet or .csv file.{hint}")
     if path.suffix.lower() in _OTHER_FORMATS:
         kind = _OTHER_FORMATS[path.suffix.lower()]
-        raise DataError(f"{path}: a {kind} file, but nbtune reads .jsonl or .json rows. Convert it "
-                        "(pandas: df.to_json('data.jsonl', orient='records', lines=True)), or load "
-                        "it with datasets.load_dataset and pass the Dataset (ds['train']).")
+        raise DataError(f"{path}: a {kind} file, but nbtune reads .jsonl, .json, .parquet or .csv "
+                        "rows. Convert it (pandas: df.to_parquet('data.parquet')), or load it with "
+                        "datasets.load_dataset and pass the Dataset (ds['train']).")
+    if path.suffix.lower() == ".parquet":
+        names, rows = sources.parquet_rows(path)
+        sources.missing_columns(columns, names, str(path))
+        return _converted(rows, columns, str(path))
     try:
         raw = files.read_bytes(path, "data", "data_bytes")  # a pipe or device is refused, not read
     except files.FileRefused as err:
@@ -421,9 +498,13 @@ def load_examples(path: str | Path) -> list[Example]:
         raise DataError(f"{path}: cannot read the data file ({err.strerror or err}). Check that "
                         "it is a readable file.") from err
     listed = path.suffix.lower() == ".json"  # rows.JSON too: suffixes match without case
-    if not listed:  # JSON Lines: one row a line (a .json list may be one line)
+    if not listed:  # JSON Lines (and CSV): one row a line (a .json list may be one line)
         _check_lines(path, raw)
     text = _decode(path, raw)
+    if path.suffix.lower() in (".csv", ".tsv"):
+        names, rows = sources.csv_rows(path, text)
+        sources.missing_columns(columns, names, str(path))
+        return _converted(rows, columns, str(path))
     if listed:
         try:
             rows = json.loads(text)
@@ -437,23 +518,10 @@ def load_examples(path: str | Path) -> list[Example]:
                     f"{'is a list' if len(lists) == 1 else 'are lists'}: write that list alone to "
                     "the file, or pass it as the data." if lists else "")
             raise DataError(f"{path}: a .json data file must hold a list of rows.{hint}")
-        examples = [_row_to_example(row, f"{path}: row {i + 1}") for i, row in enumerate(rows)]
+        examples = _converted(((f"{path}: row {i + 1}", row) for i, row in enumerate(rows)), columns,
+                              str(path), from_file=True)
     else:
-        examples = []
-        # JSON Lines ends a line at \n only (str.splitlines would also cut at U+2028, which
-        # JSON allows inside strings).
-        for lineno, line in enumerate(text.split("\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}: line {lineno}: not valid JSON ({err.msg} at column "
-                                f"{err.colno}). Each line must be one JSON object.") from err
-            except RecursionError:
-                raise DataError(f"{path}: line {lineno}: nested deeper than any data row is; "
-                                "the line is damaged.") from None
-            examples.append(_row_to_example(row, f"{path}: line {lineno}"))
+        examples = _converted(_json_lines(path, text), columns, str(path), from_file=True)
     if not examples:
         raise DataError(f"{path}: the file holds no rows.")
     return _one_kind(examples, str(path))
@@ -470,11 +538,6 @@ def _refuse(data, source: str) -> DataError:
     module = type(data).__module__.split(".")[0]
     if module == "pandas" or (hasattr(data, "columns") and hasattr(data, "iloc")):
         fix = " Pass df.to_dict('records') (a list of row dicts), or save it as JSONL first."
-    elif isinstance(data, Mapping) and any(hasattr(v, "column_names") for v in data.values()):
-        splits = ", ".join(repr(k) for k in data)
-        first = next(iter(data))
-        return DataError(f"{_cap(source)} is a DatasetDict with splits {splits}: pick one split, "
-                         f"e.g. ds[{first!r}].")
     elif isinstance(data, Mapping):
         looks_like_row = "messages" in data or "instruction" in data or "chosen" in data
         fix = (" It looks like one row: wrap it in a list, [row]." if looks_like_row else
@@ -492,26 +555,63 @@ def _refuse(data, source: str) -> DataError:
                      f"Pass {ACCEPTED}.")
 
 
-def _dataset_columns(data, source: str) -> None:
-    """A Dataset whose columns are neither format: name them and what is needed, up front."""
-    columns = data.column_names
+_FORMS = ("'instruction' and 'output' (and optionally 'input'), 'messages', 'conversations' "
+          "(ShareGPT), 'prompt' with 'completion' or 'chosen' and 'rejected', or 'text' (raw text)")
+
+
+def _dataset_columns(columns: list, mapping, source: str) -> None:
+    """A table whose columns, once mapped, make no row form: its columns and the fix, up front."""
     if not isinstance(columns, (list, tuple)) or not columns:
         return  # not a plain Dataset, or empty: the rows themselves tell
-    if "messages" in columns or {"instruction", "output"} <= set(columns) \
-            or {"prompt", "chosen", "rejected"} <= set(columns):
+    sources.missing_columns(mapping, columns, source)
+    named = set(columns) - set((mapping or {}).values()) | set(mapping or {})
+    if named & {"messages", "conversations", "prompt", "text"} or {"instruction", "output"} <= named:
         return
-    raise DataError(f"{_cap(source)} is a Dataset with columns {', '.join(map(repr, columns))}, but "
-                    "nbtune needs 'instruction' and 'output' (and optionally 'input'), or "
-                    "'messages'. Rename them first, e.g. ds.rename_columns({'question': "
-                    "'instruction', 'answer': 'output'}).")
+    raise DataError(f"{_cap(source)} has columns {', '.join(map(repr, columns))}, but nbtune needs "
+                    f"{_FORMS}. Name yours with columns=, e.g. "
+                    "nt.Data(ds, columns={'instruction': 'question', 'output': 'answer'}).")
 
 
-def examples_from(data, source: str = "the data") -> list[Example]:
-    """Rows from a path, an ``hf://datasets/...`` URL, row dicts, Examples or a datasets.Dataset.
+def _converted(rows, columns, source: str, from_file: bool = False) -> list:
+    """(where, row) pairs as nbtune's rows, each row's columns mapped first. ``from_file``: a
+    JSON file's rows, where a row that is not an object is said in JSON's words and no rows
+    at all is the caller's to say."""
+    examples = []
+    for where, row in rows:
+        if isinstance(row, (Example, Pair, PromptRow, TextRow)):
+            examples.append(row)
+        elif from_file and not isinstance(row, Mapping):
+            examples.append(_row_to_example(row, where))  # "expected a JSON object"
+        elif isinstance(row, Mapping):
+            row = dict(row)
+            if columns:  # a row may leave its optional input out, as unmapped rows may
+                sources.missing_columns({f: c for f, c in columns.items() if f != "input"}, row, where)
+            examples.append(_row_to_example(sources.mapped(row, columns), where))
+        else:
+            raise DataError(f"{_cap(where)} has type {type(row).__name__} ({row!r:.60}); each row "
+                            "must be a dict ('instruction' and 'output', or 'messages') or an "
+                            "nbtune Example.")
+    if not from_file and not examples:
+        raise DataError(f"{_cap(source)} holds no rows: give at least one.")
+    return _one_kind(examples, source) if examples else examples
+
+
+def _from_rows(data, columns, source: str) -> list:
+    """Rows from a list or a Dataset (its columns checked first)."""
+    if hasattr(data, "column_names"):
+        _dataset_columns(data.column_names, columns, source)
+    return _converted(((f"{source}: row {i + 1}", row) for i, row in enumerate(data)), columns, source)
+
+
+def examples_from(data, source: str = "the data") -> list:
+    """Rows from a path, an ``hf://datasets/...`` URL, row dicts, Examples, a datasets.Dataset
+    or DatasetDict, or an ``nt.Data`` saying where and how (split, revision, columns).
 
     ``source`` names the data in errors (``"the held-out data"``). Anything else, and no
     rows at all, raise ``DataError`` saying what to pass instead.
     """
+    spec = data if isinstance(data, Data) else Data(data)
+    data, columns, split = spec.path, spec.columns, spec.split
     if isinstance(data, str):
         text = data.strip()
         if "\n" in text or text.startswith(("{", "[")):
@@ -519,31 +619,26 @@ def examples_from(data, source: str = "the data") -> list[Example]:
             raise DataError(f"{_cap(source)} is a string that holds text ({shown}), not a file "
                             f"path. Write the rows to a .jsonl file and pass its path, or pass the "
                             "rows as a list of dicts.")
-        return load_examples(resolve_data_file(data))
+        hub = sources.hub_dataset(text)
+        if hub is not None:
+            repo_id, revision = hub
+            if revision and spec.revision and revision != spec.revision:
+                raise DataError(f"{data!r} names revision {revision!r} but revision={spec.revision!r} "
+                                "was given too: give one.")
+            loaded = sources.load_hub(repo_id, revision or spec.revision, split, source)
+            return _from_rows(loaded, columns, f"{source} ({repo_id})")
+        return load_examples(resolve_data_file(data, spec.revision), columns, split)
     if isinstance(data, os.PathLike):
-        return load_examples(resolve_data_file(data))
+        return load_examples(resolve_data_file(data), columns, split)
+    if isinstance(data, Mapping) and data and all(hasattr(v, "column_names") for v in data.values()):
+        data = sources.pick_split(data, split, source)  # a DatasetDict
     if isinstance(data, (Mapping, bytes, bytearray, Example)) or data is None \
             or not isinstance(data, Iterable) or hasattr(data, "iloc"):
         raise _refuse(data, source)
-    if hasattr(data, "column_names"):
-        _dataset_columns(data, source)
-    examples = []
-    for i, row in enumerate(data):
-        where = f"{source}: row {i + 1}"
-        if isinstance(row, (Example, Pair, PromptRow)):
-            examples.append(row)
-        elif isinstance(row, Mapping):
-            examples.append(_row_to_example(dict(row), where))
-        else:
-            raise DataError(f"{_cap(where)} has type {type(row).__name__} ({row!r:.60}); each row "
-                            "must be a dict ('instruction' and 'output', or 'messages') or an "
-                            "nbtune Example.")
-    if not examples:
-        raise DataError(f"{_cap(source)} holds no rows: give at least one.")
-    return _one_kind(examples, source)
+    return _from_rows(data, columns, source)
 
 
-_KINDS = {Example: "instruction or chat rows", Pair: "preference pairs ('prompt', 'chosen', 'rejected')",
+_KINDS = {Example: "instruction or chat rows", TextRow: "raw text ('text')", Pair: "preference pairs ('prompt', 'chosen', 'rejected')",
           PromptRow: "prompts (rows with a 'prompt' alone)"}
 
 

@@ -19,7 +19,7 @@ import torch
 
 from ..adapters import (TECHNIQUES_NOTE, AdapterError, adapter_techniques, base_of, is_adapter_folder,
                         load_adapter_weights, read_adapter, trained_record)
-from ..data import (DataError, Example, TrainingData, check_renderable, examples_from,
+from ..data import (Data, DataError, Example, TextRow, TrainingData, check_renderable, examples_from,
                    prompt_and_reference, prompt_ids, prompt_text)
 from ..generate import Reply, TextStream, generate_ids
 from ..hub import resolve_model_folder
@@ -156,7 +156,7 @@ class Run:
         """``Session.evaluate``: the share of greedy replies that match the references; for
         preference pairs, the share of pairs whose chosen completion the model ranks above the
         rejected one (by the objective's reward; under ``sft``, the average log-probability)."""
-        from ..data import Pair, PromptRow
+        from ..data import Pair, PromptRow, TextRow
         from ..scoring import resolve_match
 
         matches = resolve_match(self.match if match is None else match)
@@ -168,6 +168,10 @@ class Run:
             return self._mean_reward(examples)
         if isinstance(examples[0], Pair):
             return self._ranked_right(examples)
+        if isinstance(examples[0], TextRow):
+            raise DataError("These held-out rows are raw text, with no question and answer to compare "
+                            "a reply with: eval_every measures the model's loss on them instead; "
+                            "evaluate() takes rows with answers (instruction, chat or pairs).")
         if isinstance(examples[0], PromptRow):
             raise DataError("These held-out rows are prompts alone, with no answer to compare a reply "
                             "with: evaluate on rows with answers (instruction, chat or pairs), or under "
@@ -308,10 +312,23 @@ def pretrained_spec(path_or_id: str | os.PathLike, data=None, *, heldout=None,
         raise ValueError(f"base={base!r} is for an adapter folder; {path_or_id} is a whole model.")
     train = examples_from(data) if data is not None else None
     held = examples_from(heldout, "the held-out data") if heldout is not None else None
-    files = {split: str(value) for split, value in (("train", data), ("heldout", heldout))
-             if isinstance(value, (str, os.PathLike))}
+    if techniques is None and train and isinstance(train[0], TextRow):
+        techniques = given = {"packing": True}  # raw text: pieces of all lengths, packed into full rows
+        said.append("the rows are raw text: packing is on (every token trained, the rows filled)")
+    files = {split: _data_file(value) for split, value in (("train", data), ("heldout", heldout))
+             if isinstance(getattr(value, "path", value), (str, os.PathLike))}
     return RunSpec(path_or_id, train, held, as_techniques(techniques), given, adapter, device,
                    revision, parallel, files, notes=said)
+
+
+def _data_file(value) -> str | dict:
+    """Where rows given by path came from, for ``save_config``: the path, or an ``nt.Data``'s
+    path, split, revision and columns."""
+    if not isinstance(value, Data):
+        return str(value)
+    entry = {"path": str(value.path), "split": value.split, "revision": value.revision,
+             "columns": dict(value.columns) if value.columns else None}
+    return {key: v for key, v in entry.items() if v is not None}
 
 
 # What the data given now decides, not the note: its form (pairs, prompts, instruction rows)
@@ -393,8 +410,8 @@ def config_spec(config, *, overrides: dict | None = None, device=None, parallel=
     if config.demo is not None:
         spec = demo_spec(config.demo, techniques=techniques, device=device, parallel=parallel)
     else:
-        spec = pretrained_spec(config.path(config.model), config.path(config.data.train),
-                               heldout=config.path(config.data.heldout), techniques=techniques,
+        spec = pretrained_spec(config.path(config.model), config.data_source(config.data.train),
+                               heldout=config.data_source(config.data.heldout), techniques=techniques,
                                device=device, revision=config.revision, parallel=parallel)
         spec.match = config.data.match
     spec.memory_tracking, spec.settings, spec.seed = config.memory_tracking, config.run, techniques.seed

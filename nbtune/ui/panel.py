@@ -24,6 +24,7 @@ import ipywidgets as w
 
 from ..run.runner import (Message, PendingChanged, Refused, RunFinished, RunStarted, StepDone,
                       TechniquesChanged)
+from ..data import TextRow
 from ..techniques import (CHOICE_HELP, DTYPES, GRPO_LOSSES, HELP, LORA_TARGETS, METHODS, NO_EFFECT,
                           KV_CACHES, OBJECTIVES, OPTIMIZERS, REFERENCES)
 from ..plan import SHARDED_FIELDS, SHARDED_REASON, projections
@@ -50,6 +51,9 @@ BADGE_HELP = ("Estimated for the next step with the toggles as they are (fake te
 PROMPT_HELP = ("A reply from the model as trained so far (greedy, as session.generate gives it), "
                "written here as it is made; during a run it is made between two steps, which the "
                "run waits for and which changes nothing in its training")
+TEXT_HELP = ("The rows are raw text (continued pretraining: every token trained, a long text cut "
+             "into seq_len pieces; packing fills each row): the model continues what you type as "
+             "it is, with no chat template")
 PROMPT_TOKENS = 64  # a reply's most new tokens in the panel
 CONTEXT_HELP = ("The longest sequence (tokens per row) predicted to fit this card and its host "
                 "with the other toggles as they are; Use it sets seq_len to it")
@@ -286,8 +290,11 @@ class Panel(w.VBox):
 
     def _make_prompt_controls(self) -> None:
         """A prompt to try on the model as it is now; the reply streams in below it."""
-        self.prompt = w.Text(placeholder="Try a prompt on the model as trained so far",
-                             layout=w.Layout(width="480px"), tooltip=PROMPT_HELP)
+        rows = self.session.train_examples
+        self._raw = bool(rows) and isinstance(rows[0], TextRow)  # continued pretraining: text goes on
+        self.prompt = w.Text(placeholder=("Start a text for the model to continue" if self._raw else
+                                          "Try a prompt on the model as trained so far"),
+                             layout=w.Layout(width="480px"), tooltip=TEXT_HELP if self._raw else PROMPT_HELP)
         # the task's input beside its instruction, where its rows have one (the demo's do)
         self.prompt_input = w.Text(placeholder="input", layout=w.Layout(
             width="160px", display="" if _has_inputs(self.session.train_examples) else "none"),
@@ -315,7 +322,7 @@ class Panel(w.VBox):
 
         def reply() -> tuple:
             return len(self.session.history), self.session.generate(
-                prompt, input=given, stream=show, max_new_tokens=PROMPT_TOKENS)
+                prompt, input=given, stream=show, max_new_tokens=PROMPT_TOKENS, raw=self._raw)
 
         def wait() -> None:
             try:

@@ -444,7 +444,7 @@ def test_tensorboard_logging_writes_each_steps_scalars(tmp_path):
     expected = [(m["step"], m["loss"]) for m in _metrics(tmp_path / "o")]
     assert [s for s, _ in logged] == [1, 2, 3]
     assert all(math.isclose(a, b, rel_tol=1e-6) for (_, a), (_, b) in zip(logged, expected))
-    peak = events.Scalars("train/peak_bytes")[0].value  # stored as float32
+    peak = events.Scalars("memory/peak_bytes")[0].value  # stored as float32
     assert math.isclose(peak, _metrics(tmp_path / "o")[0]["peak_bytes"], rel_tol=1e-6)
 
 

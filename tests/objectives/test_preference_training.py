@@ -524,8 +524,11 @@ def test_split_pairs_trains_as_one_batch_does_holding_less(changes):
         runs[split] = reports, weights
     (whole, w1), (split, w2) = runs[False], runs[True]
     for a, b in zip(whole, split):
-        assert b.loss == pytest.approx(a.loss, rel=1e-6, abs=1e-6)  # (ipo's loss is ~6: float32's last bits)
-        assert b.preference.margin == pytest.approx(a.preference.margin, rel=1e-6, abs=1e-6)
+        # ipo's loss is ~6 and squares a difference: after three steps float32's last bits
+        # differ by up to ~2e-6 of it (a CI machine's BLAS); a split that dropped or doubled a
+        # pair moves it by far more
+        assert b.loss == pytest.approx(a.loss, rel=1e-5, abs=1e-6)
+        assert b.preference.margin == pytest.approx(a.preference.margin, rel=1e-5, abs=1e-6)
         assert b.preference.accuracy == a.preference.accuracy
     torch.testing.assert_close(w2, w1, atol=1e-6, rtol=0)
     assert split[-1].memory.peak < whole[-1].memory.peak

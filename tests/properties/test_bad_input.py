@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import nbtune as nt
-from nbtune.data import DataError, Example, examples_from, load_examples
+from nbtune.data import Data, DataError, Example, examples_from, load_examples
 from nbtune.models import demo_model_dir
 from nbtune.models.config import ConfigError, ModelConfig
 
@@ -61,18 +61,18 @@ def test_folder_as_data_file_lists_the_data_files_inside(tmp_path):
         examples_from(tmp_path)
     message = str(err.value)
     assert str(tmp_path) in message and "is a folder" in message
-    assert "give a .jsonl file" in message and str(tmp_path / "train.jsonl") in message
+    assert "give a .jsonl, .json, .parquet or .csv file" in message and str(tmp_path / "train.jsonl") in message
     assert "notes.txt" not in message
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(DataError, match="is a folder.*holds no .jsonl or .json file"):
+    with pytest.raises(DataError, match=r"is a folder.*holds no data file \(\.jsonl, \.json, \.parquet"):
         examples_from(str(empty))
 
 
-def test_csv_file_is_refused_with_how_to_convert(tmp_path):
-    path = tmp_path / "rows.csv"
-    path.write_text("instruction,output\nAdd 2 and 3.,5\n")
-    with pytest.raises(DataError, match=r"rows\.csv: a CSV file.*Convert it"):
+def test_excel_file_is_refused_with_how_to_convert(tmp_path):
+    path = tmp_path / "rows.xlsx"
+    path.write_bytes(b"PK\x03\x04")
+    with pytest.raises(DataError, match=r"rows\.xlsx: a Excel file.*Convert it"):
         examples_from(path)
 
 
@@ -126,16 +126,17 @@ def test_examples_from_takes_rows_examples_and_datasets(tmp_path):
     assert examples_from(str(path)) == examples_from(path) == from_rows[:1]
 
 
-def test_dataset_dict_asks_for_a_split():
-    ds = FakeDatasetDict(train=FakeDataset([ROW]), test=FakeDataset([ROW]))
-    with pytest.raises(DataError, match=r"DatasetDict with splits 'train', 'test': pick one split, "
-                                        r"e\.g\. ds\['train'\]"):
-        examples_from(ds)
+def test_dataset_dict_reads_its_train_split_or_the_one_named():
+    ds = FakeDatasetDict(train=FakeDataset([ROW]), test=FakeDataset([{**ROW, "output": "6"}]))
+    assert [ex.messages[-1][1] for ex in examples_from(ds)] == ["5"]
+    assert [ex.messages[-1][1] for ex in examples_from(Data(ds, split="test"))] == ["6"]
+    with pytest.raises(DataError, match=r"The data has no split 'train'; its splits are 'test': pass split="):
+        examples_from(FakeDatasetDict(test=FakeDataset([ROW])))
 
 
 def test_dataset_with_other_columns_names_them_and_the_fix():
     ds = FakeDataset([{"question": "2+3?", "answer": "5"}])
-    with pytest.raises(DataError, match="Dataset with columns 'question', 'answer'.*rename_columns"):
+    with pytest.raises(DataError, match="has columns 'question', 'answer'.*Name yours with columns="):
         examples_from(ds)
 
 
@@ -151,8 +152,8 @@ def test_bad_row_in_a_list_names_the_row_and_source():
 @pytest.mark.parametrize("data, named, fix", [
     (ROW, "has type dict", r"wrap it in a list, \[row\]"),
     ({"rows": [ROW]}, "has type dict", "Give its list of rows"),
-    (42, "has type int", "Pass a .jsonl/.json file path"),
-    (None, "no data was given", "Pass a .jsonl/.json file path"),
+    (42, "has type int", "Pass a .jsonl/.json/.parquet/.csv/.tsv file path"),
+    (None, "no data was given", "Pass a .jsonl/.json/.parquet/.csv/.tsv file path"),
     (b'{"instruction": "a"}', "has type bytes", "write it to a .jsonl file"),
     (Example((("user", "a"), ("assistant", "b"))), "has type Example", r"\[example\]"),
     ('{"instruction": "a", "output": "b"}', "is a string that holds text", "pass its path"),

@@ -10,6 +10,7 @@ Sequences start with BOS, as nbtune's training rows do; longer ones keep their l
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -117,7 +118,7 @@ class SessionLM(LM):
                 until = [until] if isinstance(until, str) else list(until)
                 budget = int(options.get("max_gen_toks", 256))
                 temperature = float(options.get("temperature", 0.0)) if options.get("do_sample") else 0.0
-                ids = with_bos(self.tok, self.tok.encode(context))[-(self.max_length - budget):]
+                ids = with_bos(self.tok, self.tok.encode(context))[-max(1, self.max_length - budget):]
                 written: list[int] = []
 
                 def watch(so_far: list[int]) -> None:
@@ -170,9 +171,40 @@ def run(model, tokenizer, tasks, *, limit=None, num_fewshot: int | None = None,
                          f"{' in ' + str(include_path) + ' or' if include_path else ''} in its registry: "
                          "check the name (lm-eval ls tasks lists them), or give the folder of your task "
                          "YAML as include_path=.")
-    results = lm_eval.simple_evaluate(
-        model=SessionLM(model, tokenizer, batch_size=batch_size, max_length=max_length), tasks=tasks,
-        num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=False,
-        bootstrap_iters=0, verbosity="ERROR")
+    with _own_generators():  # lm-eval seeds random, numpy and torch: the caller's go on as they were
+        results = lm_eval.simple_evaluate(
+            model=SessionLM(model, tokenizer, batch_size=batch_size, max_length=max_length), tasks=tasks,
+            num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=False,
+            bootstrap_iters=0, verbosity="ERROR")
     return {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "alias"}
             for task, metrics in results["results"].items()}
+
+
+def flat(results: dict) -> dict[str, float]:
+    """lm-eval's results as tracker names: ``benchmark/TASK/METRIC`` (its filter kept where it
+    has one: gsm8k's ``exact_match/strict-match`` and ``exact_match/flexible-extract``)."""
+    out = {}
+    for task, metrics in results.items():
+        for name, value in metrics.items():
+            metric, _, kept = name.partition(",")
+            out[f"benchmark/{task}/{metric}" + (f"/{kept}" if kept and kept != "none" else "")] = float(value)
+    return out
+
+
+@contextlib.contextmanager
+def _own_generators():
+    """Put Python's, numpy's and torch's random generators back as they were."""
+    import random
+
+    import numpy
+
+    states = (random.getstate(), numpy.random.get_state(), torch.random.get_rng_state(),
+              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        numpy.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+        if states[3] is not None:
+            torch.cuda.set_rng_state_all(states[3])

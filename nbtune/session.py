@@ -714,6 +714,7 @@ class Session:
             self.trackers.log({"eval/score": score}, len(self.history))
         return score
 
+    @_command()
     def benchmark(self, tasks, *, limit: int | float | None = None, num_fewshot: int | None = None,
                   include_path: str | os.PathLike | None = None, batch_size: int = 8) -> dict:
         """Score the model as trained so far on lm-evaluation-harness tasks, through lm-eval's own
@@ -731,14 +732,12 @@ class Session:
         Returns:
             ``{task: {metric: value}}``, e.g. ``{"mmlu": {"acc,none": 0.46, ...}}``.
         """
-        from .benchmark import run
+        from .benchmark import flat, run
 
         results = run(self.model, self.tokenizer, tasks, limit=limit, num_fewshot=num_fewshot,
                       include_path=include_path, batch_size=batch_size)
         if self.trackers is not None:
-            self.trackers.log({f"benchmark/{task}/{metric.split(',')[0]}": float(value)
-                               for task, metrics in results.items() for metric, value in metrics.items()},
-                              len(self.history))
+            self.trackers.log(flat(results), len(self.history))
         return results
 
     def log_to(self, *trackers: str, folder: str | os.PathLike = "nbtune-logs",
@@ -770,7 +769,8 @@ class Session:
             return None
         name = name or time.strftime("run-%Y%m%d-%H%M%S")
         self.trackers = Trackers(trackers, folder, project=project, name=name,
-                                 config=self.techniques.as_dict(), say=self.runner.say)
+                                 config=self.techniques.as_dict(), say=self.runner.say,
+                                 resumed_at=len(self.history))
         self.trackers.follow(self.subscribe, estimate=lambda: self.estimate().peak)
         with self._voice():
             self.runner.say(f"logging to {'; '.join(self.trackers.where) or 'no tracker'}")

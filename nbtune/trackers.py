@@ -14,8 +14,11 @@ The libraries are extras (``pip install 'nbtune[trackers]'``): none is needed un
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -89,7 +92,8 @@ class _TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
 
         self.where = run.tensorboard
-        self.writer = SummaryWriter(str(self.where))
+        # resumed: the steps after the checkpoint are done again, so their old events go
+        self.writer = SummaryWriter(str(self.where), purge_step=run.resumed_at + 1 if run.resumed_at else None)
         self.writer.add_text("techniques", f"```\n{json.dumps(_flat(config), indent=1)}\n```", 0)
 
     def log(self, metrics: dict, step: int) -> None:
@@ -162,13 +166,14 @@ class _MLflow:
         from mlflow.tracking import MlflowClient
 
         uri = os.environ.get("MLFLOW_TRACKING_URI")
-        if uri is None:  # a local store in the run's folder; MLflow 3 asks to opt in to files
+        local = uri is None
+        if local:  # a local store in the run's folder
             uri = (folder / "mlruns").resolve().as_uri()
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.client = MlflowClient(tracking_uri=uri)
-        experiment = self.client.get_experiment_by_name(project)
-        experiment_id = (experiment.experiment_id if experiment is not None else
-                         self.client.create_experiment(project))
+        with _opted_in_to_files(local):  # MLflow 3 asks to opt in to a file store as it is made
+            self.client = MlflowClient(tracking_uri=uri)
+            experiment = self.client.get_experiment_by_name(project)
+            experiment_id = (experiment.experiment_id if experiment is not None else
+                             self.client.create_experiment(project))
         self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
         self.client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in _flat(config).items()])
         self.where = f"MLflow ({uri}, experiment {project!r})"
@@ -177,14 +182,33 @@ class _MLflow:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k.replace("/", "."), v, now, step)
+        # MLflow takes letters, digits and _-. /: a reward named <lambda> would be refused
+        self.client.log_batch(self.run_id, metrics=[Metric(re.sub(r"[^\w./\- ]", "_", k), v, now, step)
                                                     for k, v in metrics.items()])
 
     def note(self, text: str, step: int) -> None:
         self.client.set_tag(self.run_id, f"changed at step {step}", text[:5000])
 
+    def fail(self) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED")
+
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+@contextlib.contextmanager
+def _opted_in_to_files(local: bool):
+    """MLFLOW_ALLOW_FILE_STORE while MLflow makes a store in the run's folder, then as it was."""
+    before = os.environ.get("MLFLOW_ALLOW_FILE_STORE")
+    if local:
+        os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    try:
+        yield
+    finally:
+        if local and before is None:
+            os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+        elif local:
+            os.environ["MLFLOW_ALLOW_FILE_STORE"] = before
 
 
 _KINDS = {"tensorboard": _TensorBoard, "trackio": _Trackio, "wandb": _WandB, "mlflow": _MLflow}
@@ -193,17 +217,23 @@ _KINDS = {"tensorboard": _TensorBoard, "trackio": _Trackio, "wandb": _WandB, "ml
 class Trackers:
     """The trackers of one run: started with the techniques as its configuration, fed every
     step's figures, a changed toggle and held-out results; a tracker that fails is said once
-    (``say``) and dropped."""
+    (``say``) and dropped. Events may come from a background run's thread: one lock, and
+    nothing is written once closed."""
 
     def __init__(self, names, folder, *, project: str = "nbtune", name: str | None = None,
-                 config: dict | None = None, say: Callable[[str], None] = print) -> None:
+                 config: dict | None = None, say: Callable[[str], None] = print,
+                 resumed_at: int = 0) -> None:
         """``folder``: where the local stores go (TensorBoard's under ``tensorboard/<name>``,
-        or ``tensorboard/`` itself for a run that has its own folder: ``name=None``)."""
+        or ``tensorboard/`` itself for a run that has its own folder: ``name=None``);
+        ``resumed_at``: the step a resumed run starts after (TensorBoard drops its later events)."""
         self.names, self.folder, self.say = check_trackers(names), Path(folder), say
         self.project, self.name = project, name or self.folder.resolve().name
         self.tensorboard = self.folder / "tensorboard" / (name or "")
+        self.resumed_at, self.last_step = resumed_at, resumed_at
         self.open: dict[str, object] = {}
         self.config = _flat(dict(config or {}))
+        self.subscription, self._estimate, self._estimate_due = None, None, False
+        self._lock = threading.Lock()
         for tracker in self.names:
             self._guard(tracker, "start", lambda t=tracker: self.open.__setitem__(t, _KINDS[t](self)))
 
@@ -221,13 +251,24 @@ class Trackers:
         return [str(getattr(tracker, "where", name)) for name, tracker in self.open.items()]
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        for name, tracker in list(self.open.items()):
-            self._guard(name, "log", lambda: tracker.log(metrics, step))
+        with self._lock:
+            for name, tracker in list(self.open.items()):
+                self._guard(name, "log", lambda: tracker.log(metrics, step))
 
-    def step(self, report, estimate: int | None = None) -> None:
-        metrics = step_metrics(report)
-        if estimate is not None:
-            metrics["memory/estimate_bytes"] = float(estimate)
+    def step(self, report, estimate=None) -> None:
+        """A step's figures; ``estimate`` (bytes, or a function giving them) beside its peak.
+        Neither a figure nor the estimate failing stops the run: it is said and left out."""
+        try:
+            metrics = step_metrics(report)
+            if callable(estimate):
+                estimate = estimate()
+            if estimate is not None:
+                metrics["memory/estimate_bytes"] = float(estimate)
+        except Exception as err:  # noqa: BLE001 - the trackers are never the reason a run stops
+            self.say(f"the trackers' figures for step {report.step} failed ({type(err).__name__}: "
+                     f"{str(err)[:120]}); the measured loss and memory go on.")
+            metrics = {"train/loss": float(report.loss), "memory/peak_bytes": float(report.memory.peak)}
+        self.last_step = report.step
         self.log(metrics, report.step)
 
     def changed(self, before: dict, after: dict, step: int) -> None:
@@ -236,46 +277,40 @@ class Trackers:
         if not diff:
             return
         self.config.update(diff)
-        numbers = {f"techniques/{k}": float(v) for k, v in diff.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        numbers.update({f"techniques/{k}": float(v) for k, v in diff.items() if isinstance(v, bool)})
+        numbers = {f"techniques/{k}": float(v) for k, v in diff.items() if isinstance(v, (int, float))}
         if numbers:
             self.log(numbers, step)
         text = ", ".join(f"{k}: {before.get(k)!r} -> {v!r}" for k, v in diff.items())
-        for name, tracker in list(self.open.items()):
-            self._guard(name, "log", lambda: tracker.note(text, step))
+        with self._lock:
+            for name, tracker in list(self.open.items()):
+                self._guard(name, "log", lambda: tracker.note(text, step))
 
     def follow(self, subscribe, estimate: Callable[[], int] | None = None) -> "Trackers":
         """Log each step and each applied change a runner announces (``subscribe``: its
         ``subscribe``); ``estimate()``, the predicted peak, is logged beside the measured one
         at the first step and after each change."""
-        self._estimate, self._estimate_due, self.last_step = estimate, estimate is not None, 0
+        self._estimate, self._estimate_due = estimate, estimate is not None
         self.subscription = subscribe(self._on_event)
         return self
 
     def _on_event(self, event) -> None:
+        if not self.open:
+            return
         if event.kind == "step":
-            estimate = None
-            if self._estimate_due:
-                self._estimate_due = False
-                try:
-                    estimate = self._estimate()
-                except Exception as err:  # noqa: BLE001 - the figures go on without it
-                    self._estimate = None
-                    self.say(f"the estimate for the trackers failed ({type(err).__name__}: "
-                             f"{str(err)[:120]}); they get the measured figures only.")
-            self.last_step = event.report.step
+            estimate = self._estimate if self._estimate_due else None
+            self._estimate_due = False
             self.step(event.report, estimate)
         elif event.kind == "techniques":
             self.changed(self.config, _flat(event.techniques.as_dict()), self.last_step + 1)
             self._estimate_due = self._estimate is not None
 
-    def close(self) -> None:
-        """Stop following the run and close every tracker (their files complete)."""
-        subscription = getattr(self, "subscription", None)
-        if subscription is not None:
-            subscription.close()
+    def close(self, failed: bool = False) -> None:
+        """Stop following the run and close every tracker (their files complete); ``failed``:
+        the run ended in an error (MLflow marks its run FAILED)."""
+        if self.subscription is not None:
+            self.subscription.close()
             self.subscription = None
-        for name, tracker in list(self.open.items()):
-            self._guard(name, "close", tracker.close)
-        self.open.clear()
+        with self._lock:
+            for name, tracker in list(self.open.items()):
+                self._guard(name, "close", tracker.fail if failed and hasattr(tracker, "fail") else tracker.close)
+            self.open.clear()

@@ -59,6 +59,20 @@ def test_loglikelihoods_equal_nbtunes_own_scoring_with_the_adapters_on():
     assert rolling == pytest.approx(nbtune_logp(session, "", text), abs=1e-5)
 
 
+def test_benchmark_waits_for_no_run_and_names_each_metric_with_its_filter():
+    from nbtune.benchmark import flat
+
+    results = {"gsm8k": {"exact_match,strict-match": 0.25, "exact_match,flexible-extract": 0.5},
+               "mmlu": {"acc,none": 0.4}}
+    assert flat(results) == {"benchmark/gsm8k/exact_match/strict-match": 0.25,
+                             "benchmark/gsm8k/exact_match/flexible-extract": 0.5, "benchmark/mmlu/acc": 0.4}
+    session = nt.Session.demo()
+    run = session.start(30)
+    with pytest.raises(nt.BusyError):
+        session.benchmark(["mmlu"])
+    run.stop()
+
+
 def write_task(folder, session, rows) -> None:
     """A multiple-choice lm-eval task over a local JSONL file: the demo's capital-letter
     question (the answer or another letter of the word), its prompt as the model's training
@@ -92,7 +106,12 @@ def test_a_local_task_is_scored_before_and_after_a_demo_run(tmp_path, monkeypatc
     session = nt.Session.demo()
     rows = [ex for ex in session.heldout_examples if ex.instruction[0].startswith("Which letter is a capital")]
     write_task(tmp_path, session, rows)
+    import random
+
+    generators = random.getstate(), torch.random.get_rng_state()
     before = session.benchmark(["nbtune_capital"], include_path=tmp_path)["nbtune_capital"]["acc,none"]
+    assert random.getstate() == generators[0]  # lm-eval seeds them; the caller's come back
+    assert torch.equal(torch.random.get_rng_state(), generators[1])
     session.run(60, progress=False)
     after = session.benchmark(["nbtune_capital"], include_path=tmp_path)["nbtune_capital"]["acc,none"]
     # independently: the share of rows whose answer the model ranks above the other letter

@@ -234,3 +234,30 @@ def test_run_file_reads_a_mapped_parquet_and_save_config_writes_the_mapping_back
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(config))
     with pytest.raises(RunFileError, match=r"line \d+.*maps 'answer', which is not one of nbtune's fields"):
         nt.Session.from_config(tmp_path / "bad.yaml")
+
+
+def test_tables_bound_nested_rows_read_csv_line_ends_as_csv_does_and_name_a_wrong_split(tmp_path, monkeypatch):
+    chat = [{"messages": [{"role": "user", "content": "hi " * 1000}, {"role": "assistant", "content": "yo"}]}]
+    pd.DataFrame(chat).to_parquet(tmp_path / "chat.parquet")
+    monkeypatch.setitem(files.LIMITS, "row_bytes", (2000, "test"))
+    with pytest.raises(DataError, match=r"chat\.parquet: row 1 holds 3,015 characters"):
+        examples_from(str(tmp_path / "chat.parquet"))  # the text inside the messages counts
+    with pytest.raises(DataError, match=r"row 1 holds 3,015 characters"):
+        examples_from(datasets.Dataset.from_list(chat))
+    monkeypatch.setitem(files.LIMITS, "row_bytes", (1 << 20, "test"))
+    monkeypatch.setitem(files.LIMITS, "data_bytes", (1000, "test"))
+    with pytest.raises(DataError, match="holds 0.0 GiB of data, more than nbtune reads"):
+        examples_from(datasets.Dataset.from_list(chat))
+    monkeypatch.setitem(files.LIMITS, "data_bytes", (1 << 30, "test"))
+    # a form feed inside a value is text to csv, not a new line
+    (tmp_path / "ff.csv").write_text("text\nfirst page\x0csecond page\n")
+    assert examples_from(str(tmp_path / "ff.csv")) == [TextRow("first page\x0csecond page")]
+    # a table's empty optional cell (None, NaN) is no input
+    frame = pd.DataFrame([{"instruction": "a", "input": None, "output": "b"},
+                          {"instruction": "c", "input": "d", "output": "e"}])
+    frame.to_parquet(tmp_path / "gaps.parquet")
+    assert examples_from(str(tmp_path / "gaps.parquet")) == examples_from(
+        [{"instruction": "a", "output": "b"}, {"instruction": "c", "input": "d", "output": "e"}])
+    test_split = datasets.Dataset.from_list(renamed(demo_rows()[:2]), split="test")
+    with pytest.raises(DataError, match="is the 'test' split, but split='train' was asked for"):
+        examples_from(Data(test_split, split="train", columns=MAPPING))

@@ -118,13 +118,13 @@ def test_every_tracker_holds_every_step_the_config_a_change_and_the_estimate(off
 
     client = MlflowClient(tracking_uri=(offline / "logs" / "mlruns").resolve().as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
-    history = client.get_metric_history(run.info.run_id, "train.loss")
+    history = client.get_metric_history(run.info.run_id, "train/loss")
     assert sorted((m.step, m.value) for m in history) == list(zip([1, 2, 3], losses))
-    assert sorted(m.value for m in client.get_metric_history(run.info.run_id, "memory.peak_bytes")) == \
+    assert sorted(m.value for m in client.get_metric_history(run.info.run_id, "memory/peak_bytes")) == \
         sorted(float(p) for p in peaks)
     assert float(run.data.params["lr"]) == session.history[0].lr
     assert "lr" in run.data.tags["changed at step 3"]
-    assert math.isclose(client.get_metric_history(run.info.run_id, "eval.score")[0].value, score)
+    assert math.isclose(client.get_metric_history(run.info.run_id, "eval/score")[0].value, score)
 
 
 def test_a_failing_tracker_is_said_once_and_the_run_goes_on_bit_for_bit(offline, monkeypatch):
@@ -148,7 +148,7 @@ def test_a_failing_tracker_is_said_once_and_the_run_goes_on_bit_for_bit(offline,
 
     client = MlflowClient(tracking_uri=(offline / "logs" / "mlruns").resolve().as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("nbtune").experiment_id])
-    assert len(client.get_metric_history(run.info.run_id, "train.loss")) == 3
+    assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 3
     session.close()
 
 
@@ -166,7 +166,7 @@ def test_unknown_or_missing_trackers_are_refused_before_anything_changes(monkeyp
     assert session.trackers is None
 
 
-def test_run_file_logs_to_trackers(offline):
+def test_run_file_logs_to_trackers(offline, monkeypatch):
     import yaml
 
     from nbtune.cli import main as cli
@@ -182,6 +182,33 @@ def test_run_file_logs_to_trackers(offline):
     events.Reload()
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
     assert [e.step for e in events.Scalars("memory/estimate_bytes")] == [1]
+    # an estimate that fails is said and left out: the run and the other figures go on
+    import nbtune.predict
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no estimate for this model")
+    monkeypatch.setattr(nbtune.predict.Predictor, "of", broken)
+    assert cli.main(["train", str(offline / "run.yaml"), "--out", str(offline / "o3")]) == 0
+    events = EventAccumulator(str(offline / "o3" / "tensorboard"))
+    events.Reload()
+    assert len(events.Scalars("train/loss")) == 2 and "memory/estimate_bytes" not in events.Tags()["scalars"]
     text["run"]["log"] = ["comet"]
     (offline / "bad.yaml").write_text(yaml.safe_dump(text))
     assert cli.main(["train", str(offline / "bad.yaml"), "--out", str(offline / "o2")]) == 2
+
+
+def test_logging_starts_and_stops_during_a_background_run(offline):
+    session = nt.Session.demo(eval_every=0)
+    run = session.start(40)
+    session.log_to("tensorboard", folder=offline / "logs", name="mid")
+    while len(session.history) < 5:
+        run.wait(0.05)
+    session.log_to()  # closed while the run's thread keeps stepping: nothing written after
+    run.wait()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(offline / "logs" / "tensorboard" / "mid"))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("train/loss")]
+    assert steps and steps == sorted(set(steps)) and steps[-1] < 40
+    assert len(session.history) == 40

@@ -105,7 +105,8 @@ class _Loggers:
         if settings.log and rank == 0:
             from ..trackers import Trackers
 
-            self.trackers = Trackers(settings.log, out, config=config, say=say)  # name: the folder's
+            self.trackers = Trackers(settings.log, out, config=config, say=say,  # name: the folder's
+                                     resumed_at=resumed_at)
 
     def write(self, report) -> None:
         row = metrics_row(report, self.rank)
@@ -113,7 +114,7 @@ class _Loggers:
         self.file.flush()
         if self.trackers is not None:
             estimate, self.estimate = self.estimate, None  # beside the first step logged
-            self.trackers.step(report, estimate() if estimate is not None else None)
+            self.trackers.step(report, estimate)
 
     def log(self, metrics: dict, step: int) -> None:
         if self.trackers is not None:
@@ -123,9 +124,10 @@ class _Loggers:
         """The metrics file; the trackers stay open for the held-out results after the run."""
         self.file.close()
 
-    def close_trackers(self) -> None:
+    def close_trackers(self, failed: bool = False) -> None:
         if self.trackers is not None:
-            self.trackers.close()
+            self.trackers.close(failed)
+            self.trackers = None
 
 
 def _estimate(parts, parallel):
@@ -259,11 +261,14 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
             write_file_atomically(out_dir / "run.yaml", runfile.dump(effective))
         if parallel is not None:
             parallel.barrier()
+        job = TrainJob(path, out, out_dir, settings, resume, parallel, rank, say, started, progress,
+                       config.benchmark_absolute())
         with stop_signals() as stopped:
             try:
-                code = _run(parts, TrainJob(path, out, out_dir, settings, resume, parallel, rank,
-                                            say, started, progress, config.benchmark_absolute()))
+                code = _run(parts, job)
             except Exception as err:  # a rank or its machine gone: named, not a traceback
+                if job.loggers is not None:  # the trackers' runs end marked as failed
+                    job.loggers.close_trackers(failed=True)
                 lost = parallel.lost(err) if parallel is not None else None
                 if lost is None:
                     raise
@@ -296,6 +301,7 @@ class TrainJob:
     started: float
     progress: bool
     benchmark: object = None  # the run file's benchmark: (lm-eval tasks), include_path resolved
+    loggers: object = None  # the run's _Loggers, once made (closed as failed if the run raises)
 
 
 def _scores(parts, job: TrainJob, loggers, when: str) -> dict:
@@ -304,22 +310,26 @@ def _scores(parts, job: TrainJob, loggers, when: str) -> dict:
     out, step = {}, len(parts.history)
     if job.parallel is not None:
         return out
+    if when == "before" and step:  # resumed: "before" was the first run's, in its summary
+        if job.settings.evaluate or (job.benchmark is not None and job.benchmark.tasks):
+            job.say(f"nbtune: resumed at step {step}: the scores before training are the first run's, "
+                    "not taken again.")
+        return out
     if job.settings.evaluate and parts.data.heldout:
         out[f"heldout_accuracy_{when}"] = score = parts.evaluate()
         job.say(f"held-out accuracy {when}: {score:.0%}")
         loggers.log({"eval/score": score}, step)
     bench = job.benchmark
     if bench is not None and bench.tasks:
-        from ..benchmark import run
+        from ..benchmark import flat, run
 
         results = run(parts.model, parts.tokenizer, bench.tasks, limit=bench.limit,
                       num_fewshot=bench.num_fewshot, include_path=bench.include_path,
                       batch_size=bench.batch_size)
         out[f"benchmark_{when}"] = results
-        flat = {f"benchmark/{task}/{name.split(',')[0]}": float(value)
-                for task, metrics in results.items() for name, value in metrics.items()}
-        job.say(f"benchmark {when}: " + ", ".join(f"{k[10:]} {v:.3f}" for k, v in flat.items()))
-        loggers.log(flat, step)
+        named = flat(results)
+        job.say(f"benchmark {when}: " + ", ".join(f"{k[10:]} {v:.3f}" for k, v in named.items()))
+        loggers.log(named, step)
     return out
 
 
@@ -348,6 +358,7 @@ def _run(parts, job: TrainJob) -> int:
     loggers = _Loggers(out_dir, settings, rank=job.rank, resumed_at=len(parts.history),
                        config=parts.techniques.as_dict(), estimate=_estimate(parts, parallel),
                        say=lambda text: say(f"nbtune: {text}"))
+    job.loggers = loggers
     summary.update(_scores(parts, job, loggers, "before"))
     logged = [len(parts.history)]  # the last step written to metrics.jsonl
     interrupted, others = False, Contention()

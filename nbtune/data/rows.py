@@ -336,6 +336,8 @@ def _row_to_example(row, where: str) -> Example | Pair | PromptRow | TextRow:
             raise DataError(f"{where}: 'text' must be a non-empty string (raw text to train on).")
         _check_text([row["text"]], where)
         return TextRow(row["text"], where)
+    if row.get("input", "") is None or (isinstance(row.get("input"), float) and row["input"] != row["input"]):
+        row = {k: v for k, v in row.items() if k != "input"}  # a table's empty cell: no input
     if "conversations" in row and "messages" not in row:
         row = {**row, "messages": _sharegpt(row["conversations"], where)}
     if "chosen" in row or "rejected" in row:
@@ -442,9 +444,9 @@ def _missing_file_hint(name: str) -> str:
             f" Check the path (a relative path starts from the current folder, {Path.cwd()}).")
     parts = name.split("/")
     if len(parts) == 2 and all(parts) and not Path(name).suffix and not name.startswith((".", "~")):
-        hint += (f" If {name!r} is a Hub dataset id: nbtune reads files, so pass "
-                 f"'hf://datasets/{name}/<file>.jsonl', or load it with "
-                 f"datasets.load_dataset({name!r}) and pass one split, e.g. ds['train'].")
+        hint += (f" If {name!r} is a Hub dataset id, pass 'hf://datasets/{name}' (its train split; "
+                 f"nt.Data('hf://datasets/{name}', split='test') for another) or "
+                 f"'hf://datasets/{name}/<file>.jsonl' for one file.")
     return hint
 
 
@@ -597,10 +599,19 @@ def _converted(rows, columns, source: str, from_file: bool = False) -> list:
 
 
 def _from_rows(data, columns, source: str) -> list:
-    """Rows from a list or a Dataset (its columns checked first)."""
-    if hasattr(data, "column_names"):
+    """Rows from a list or a Dataset (its columns and size checked first, each row's too)."""
+    table = hasattr(data, "column_names")
+    if table:
         _dataset_columns(data.column_names, columns, source)
-    return _converted(((f"{source}: row {i + 1}", row) for i, row in enumerate(data)), columns, source)
+        sources.check_table(data, source)
+
+    def rows():
+        for i, row in enumerate(data):
+            where = f"{source}: row {i + 1}"
+            if table and isinstance(row, Mapping):
+                sources.row_size(row, where)
+            yield where, row
+    return _converted(rows(), columns, source)
 
 
 def examples_from(data, source: str = "the data") -> list:
@@ -632,6 +643,8 @@ def examples_from(data, source: str = "the data") -> list:
         return load_examples(resolve_data_file(data), columns, split)
     if isinstance(data, Mapping) and data and all(hasattr(v, "column_names") for v in data.values()):
         data = sources.pick_split(data, split, source)  # a DatasetDict
+    elif hasattr(data, "column_names"):
+        data = sources.pick_split(data, split, source)  # a Dataset: the split asked for, if it knows its own
     if isinstance(data, (Mapping, bytes, bytearray, Example)) or data is None \
             or not isinstance(data, Iterable) or hasattr(data, "iloc"):
         raise _refuse(data, source)

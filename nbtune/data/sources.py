@@ -10,6 +10,7 @@ folder that holds one is refused before ``datasets`` sees it)."""
 from __future__ import annotations
 
 import csv
+import io
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -125,7 +126,7 @@ def _datasets(what: str):
 def pick_split(data, split: str | None, source: str):
     """One split of a DatasetDict (``split``, default train), or the Dataset itself."""
     if not isinstance(data, Mapping):
-        if split not in (None, "train") and getattr(data, "split", None) not in (None, split):
+        if split is not None and getattr(data, "split", None) not in (None, split):
             raise DataError(f"{source} is the {data.split!r} split, but split={split!r} was asked "
                             "for: pass that split's Dataset, or leave split out.")
         return data
@@ -152,7 +153,12 @@ def load_disk(folder: Path, split: str | None, source: str):
         if (folder / marker).exists():
             files.read_json(folder / marker, "dataset description")
     datasets = _datasets(f"{folder} (a save_to_disk folder)")
-    return pick_split(datasets.load_from_disk(str(folder)), split, source)
+    try:
+        loaded = datasets.load_from_disk(str(folder))
+    except (OSError, ValueError, KeyError, TypeError) as err:  # a damaged or partial folder
+        raise DataError(f"{folder}: not a readable save_to_disk folder ({type(err).__name__}: "
+                        f"{str(err)[:200]}). Save it again with ds.save_to_disk(folder).") from None
+    return pick_split(loaded, split, source)
 
 
 def load_hub(repo_id: str, revision: str | None, split: str | None, source: str):
@@ -170,14 +176,34 @@ def load_hub(repo_id: str, revision: str | None, split: str | None, source: str)
     return loaded
 
 
-def _row_size(row: dict, where: str) -> int:
+def _text_size(value) -> int:
+    """The characters of the text in ``value``, nested lists and dicts (messages) included."""
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(_text_size(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_size(v) for v in value)
+    return 0
+
+
+def row_size(row: Mapping, where: str) -> int:
     """The characters of ``row``'s text, refused past what any training row can use."""
-    size = sum(len(v) for v in row.values() if isinstance(v, (str, bytes)))
+    size = _text_size(row)
     cap = files.limit("row_bytes")
     if size > cap:
         raise DataError(f"{where} holds {size:,} characters, more than any training row can use "
                         f"(limit {cap:,}: {files.LIMITS['row_bytes'][1]}). Split or shorten it.")
     return size
+
+
+def check_table(data, source: str) -> None:
+    """A Dataset read from files (a folder, the Hub) bounded as a data file is: its Arrow data."""
+    size = getattr(getattr(data, "data", None), "nbytes", None)
+    cap, why = files.LIMITS["data_bytes"]
+    if isinstance(size, int) and size > cap:
+        raise DataError(f"{source} holds {size / files.GiB:.1f} GiB of data, more than nbtune reads as "
+                        f"data (limit {cap / files.GiB:.0f} GiB: {why}).")
 
 
 def parquet_rows(path: Path) -> tuple[list[str], Iterator[tuple[str, dict]]]:
@@ -205,11 +231,11 @@ def parquet_rows(path: Path) -> tuple[list[str], Iterator[tuple[str, dict]]]:
     def rows():
         number = read = 0
         try:
-            for batch in table.iter_batches(batch_size=1024):
+            for batch in table.iter_batches(batch_size=64):  # decoded, then measured: a few rows
                 for row in batch.to_pylist():
                     number += 1
                     where = f"{path}: row {number}"
-                    read += _row_size(row, where)
+                    read += row_size(row, where)
                     if read > cap:  # a dictionary-encoded page can repeat one value without end
                         raise DataError(f"{path}: the rows up to row {number} hold more text than "
                                         f"nbtune reads as data (limit {cap / files.GiB:.0f} GiB: {why}).")
@@ -222,10 +248,9 @@ def parquet_rows(path: Path) -> tuple[list[str], Iterator[tuple[str, dict]]]:
 def csv_rows(path: Path, text: str) -> tuple[list[str], Iterator[tuple[str, dict]]]:
     """A CSV (or, by its suffix, TSV) file's header and rows: every value a string."""
     delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
-    lines = text.splitlines(keepends=True)
     old = csv.field_size_limit(files.limit("row_bytes"))
-    try:
-        reader = csv.DictReader(lines, delimiter=delimiter)
+    try:  # csv's own line ends (str.splitlines would also cut at form feeds and U+2028)
+        reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
         try:
             header = list(reader.fieldnames or [])
             parsed = [(f"{path}: line {reader.line_num}", row) for row in reader]

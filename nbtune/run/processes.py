@@ -135,6 +135,7 @@ class Processes:
         order = sorted(range(processes), key=lambda i: (hosts[i][1] != parent, hosts[i][0] != mine,
                                                         hosts[i][0], i))
         self._engines = [engines[i] for i in order]
+        self._here = [hosts[i][1] == parent for i in order]  # started by this kernel: its pid is ours to see
         machines = list(dict.fromkeys(hosts[i][0] for i in order))
         places = [{"machine": machines.index(hosts[i][0]),
                    "local_rank": [j for j in order if hosts[j][0] == hosts[i][0]].index(i),
@@ -225,7 +226,10 @@ class Processes:
                 poll()
             failed = next((rank for rank, p in enumerate(pending) if p in done and not p.successful()), None)
             if failed is not None:
-                self._fail(failed, _reason(pending[failed]))
+                why = _reason(pending[failed])
+                dead = self._dead_peer(why)
+                self._fail(*(dead, "its process ended (killed, or out of host memory)") if dead is not None
+                           else (failed, why))
             if not waiting:
                 break
             if time.monotonic() > deadline:
@@ -238,6 +242,28 @@ class Processes:
         for engine in self._engines:
             engine.history.clear()
         return answers
+
+    def _dead_peer(self, why: str, grace: float = 3.0) -> int | None:
+        """The rank started here whose process ended, when a rank's collective failed on its
+        peer (``why``): that rank's error comes the moment the peer dies, often before its
+        death is seen, so the death is waited for (``grace`` seconds) and named instead."""
+        if not any(word in why.lower() for word in ("gloo", "nccl", "connection", "peer", "socket")):
+            return None
+        import psutil
+
+        def ended(pid: int) -> bool:
+            try:
+                return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+        deadline = time.monotonic() + grace
+        while True:
+            for rank, (pid, here) in enumerate(zip(getattr(self, "pids", []), getattr(self, "_here", []))):
+                if here and ended(pid):
+                    return rank
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def call(self, method: str, *args, **kwargs):
         """``run.<method>(*args, **kwargs)`` on every rank (a collective: each takes part);

@@ -145,8 +145,11 @@ def test_bad_row_in_a_list_names_the_row_and_source():
         examples_from([ROW, {"instruction": "x"}], source="the held-out data")
     with pytest.raises(DataError, match="The data: row 1 has type str.*must be a dict"):
         examples_from(["Add 2 and 3."])
-    with pytest.raises(DataError, match="row 1: 'input' must be a string, got NoneType.*for no input"):
-        examples_from(FakeDataset([{**ROW, "input": None}]))
+    with pytest.raises(DataError, match="row 1: 'input' must be a string, got int.*for no input"):
+        examples_from(FakeDataset([{**ROW, "input": 5}]))
+    # a table's empty cell (None, or pandas' NaN) is no input, as a row without the key is
+    assert examples_from(FakeDataset([{**ROW, "input": None}, {**ROW, "input": float("nan")}])) == \
+        examples_from([{k: v for k, v in ROW.items() if k != "input"}] * 2)
 
 
 @pytest.mark.parametrize("data, named, fix", [

@@ -386,3 +386,28 @@ def test_a_rank_started_on_another_machine_joins_the_kernels_ranks(tmp_path, cap
     finally:
         ranks.close()
         joined[0].wait(timeout=60)
+
+
+def test_a_collective_failing_on_a_dead_peer_names_the_peer_not_the_rank_that_saw_it():
+    """Rank 0's gloo error comes the moment rank 1 is killed, often before rank 1's death is
+    seen: the rank named is the dead one (on a busy machine the live one was named)."""
+    import subprocess
+    import sys
+
+    from nbtune.run.processes import Processes
+
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ranks = Processes.__new__(Processes)
+        ranks.pids, ranks._here = [alive.pid, killed.pid], [True, True]
+        gloo = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+        assert ranks._dead_peer(gloo, grace=0.2) is None  # both alive: the error is rank 0's own
+        killed.kill()  # not reaped yet: a zombie, as a killed engine is until its launcher polls
+        assert ranks._dead_peer(gloo, grace=2.0) == 1
+        assert ranks._dead_peer("ValueError: a bad row", grace=0.2) is None  # not a peer's loss
+        ranks._here = [True, False]  # a rank on another machine: its pid is not ours to read
+        assert ranks._dead_peer(gloo, grace=0.2) is None
+    finally:
+        alive.kill()
+        killed.wait(), alive.wait()

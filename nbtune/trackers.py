@@ -107,14 +107,10 @@ class _TensorBoard:
         self.writer.close()
 
 
-class _Trackio:
-    def __init__(self, run: "Trackers") -> None:
-        project, name, config = run.project, run.name, run.config
-        import trackio
+class _RunLog:
+    """A tracker whose run object logs a dict at a step and finishes (trackio's and W&B's)."""
 
-        self.run = trackio.init(project=project, name=name, config=_flat(config), embed=False,
-                                auto_log_gpu=False, auto_log_cpu=False)
-        self.where = f"trackio's local store (trackio show --project {project})"
+    run: object
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(metrics, step=step)
@@ -124,6 +120,16 @@ class _Trackio:
 
     def close(self) -> None:
         self.run.finish()
+
+
+class _Trackio(_RunLog):
+    def __init__(self, run: "Trackers") -> None:
+        project, name, config = run.project, run.name, run.config
+        import trackio
+
+        self.run = trackio.init(project=project, name=name, config=_flat(config), embed=False,
+                                auto_log_gpu=False, auto_log_cpu=False)
+        self.where = f"trackio's local store (trackio show --project {project})"
 
 
 def _wandb_login() -> bool:
@@ -137,7 +143,7 @@ def _wandb_login() -> bool:
         return False
 
 
-class _WandB:
+class _WandB(_RunLog):
     def __init__(self, run: "Trackers") -> None:
         folder, project, name, config = run.folder, run.project, run.name, run.config
         import wandb
@@ -148,15 +154,6 @@ class _WandB:
                               settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
         self.where = (f"W&B ({self.run.url})" if mode == "online" else
                       f"W&B offline in {folder / 'wandb'} (wandb sync uploads it)")
-
-    def log(self, metrics: dict, step: int) -> None:
-        self.run.log(metrics, step=step)
-
-    def note(self, text: str, step: int) -> None:
-        self.run.log({"changes": text}, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
 
 
 class _MLflow:

@@ -379,8 +379,11 @@ def common_fields(state: dict, path) -> dict:
     """The fields single-process and sharded checkpoints share, checked and parsed."""
     techniques = _techniques(state_field(state, "techniques", "an object", path), path)
     data = state_field(state, "data", "an object", path)
-    for name in ("seed", "epoch", "position", "samples"):
+    streamed = "streamed" in data  # a streamed file's position: what decides its order, not a count
+    for name in ("seed", "epoch", "position") + (() if streamed else ("samples",)):
         state_field(data, name, "an integer", path, "data.")
+    if streamed:
+        state_field(data, "streamed", "a list", path, "data.")
     if "source" in state:
         state_field(state, "source", "a string or null", path)
     return {"techniques": techniques, "data": data,

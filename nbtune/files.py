@@ -90,8 +90,9 @@ def _size(size: int) -> str:
     return f"{size} bytes"
 
 
-def regular_file(path, what: str, limit_name: str) -> int:
-    """The size of ``path`` if it is a regular file (links followed) within its limit."""
+def regular_file(path, what: str, limit_name: str | None) -> int:
+    """The size of ``path`` if it is a regular file (links followed) within its limit (None: a
+    file read as a stream, whatever its size)."""
     path = Path(path)
     try:
         info = os.stat(path)
@@ -105,7 +106,7 @@ def regular_file(path, what: str, limit_name: str) -> int:
                 else "a socket" if stat.S_ISSOCK(info.st_mode) else "not a regular file")
         raise FileRefused(f"{path} is {kind}, not a {what} file: nbtune reads regular files "
                           "only. Give the path of the file itself.")
-    cap, why = LIMITS[limit_name]
+    cap, why = LIMITS[limit_name] if limit_name is not None else (float("inf"), "")
     if info.st_size > cap:
         raise FileRefused(f"{path} is {_size(info.st_size)}, more than nbtune reads as a {what} "
                           f"file (limit {_size(cap)}: {why}).")

@@ -102,6 +102,8 @@ class DataSource(_Strict):
     split: str | None = None  # of a DatasetDict folder or Hub dataset (default train)
     revision: str | None = None  # of a Hub dataset
     columns: dict[str, str] | None = None  # nbtune's field: your column, e.g. {instruction: question}
+    streaming: bool = False  # a .parquet or .jsonl file read as training goes, never whole
+    buffer: int = Field(default=1000, ge=1)  # the samples a streamed file is shuffled through
 
     @field_validator("columns")
     @classmethod
@@ -185,7 +187,8 @@ class RunConfig(_Strict):
             return self.path(value)
         from .data import Data
 
-        return Data(self.path(value.path), value.split, value.revision, value.columns)
+        return Data(self.path(value.path), value.split, value.revision, value.columns, value.streaming,
+                    value.buffer)
 
     def path(self, value: str | None) -> str | None:
         """``value`` (a path in the file) from the file's folder; ids and URLs unchanged."""
@@ -461,6 +464,11 @@ def load(source: str | Path, overrides: dict | None = None) -> RunConfig:
     if config.run.steps is not None and config.run.epochs is not None:
         raise RunFileError(f"{path}, line {_line(tree, ('run', 'epochs'))}, run: set steps or epochs, "
                            "not both.")
+    train = config.data.train
+    if isinstance(train, DataSource) and train.streaming and config.run.steps is None:
+        raise RunFileError(f"{path}, line {_line(tree, ('data', 'train', 'streaming'))}, data.train.streaming: "
+                           "a streamed file's epoch has no length known up front: give run.steps "
+                           "(the optimizer steps in all).")
     config.base = str(path.resolve().parent)
     return config
 

@@ -49,7 +49,9 @@ def save_checkpoint(trainer, folder, source: str | None = None, parallel=None) -
     """Everything a run needs to continue exactly, in ``folder``: the trainer's whole
     ``state_dict`` (under torchrun, each rank its own shards: see ``save_sharded_checkpoint``;
     else ``checkpoint.save_checkpoint``). ``source``: where the base model came from,
-    recorded for the reader."""
+    recorded for the reader. A damaged state (an update half-written) is refused: a
+    checkpoint of it would resume a run that never was."""
+    trainer.check_usable()
     if parallel is not None:
         return save_sharded_checkpoint(trainer, folder, parallel, source)
     return checkpoint.save_checkpoint(trainer, folder, source)

@@ -63,14 +63,17 @@ class StepOptions:
 @dataclass(frozen=True)
 class StepContext:
     """What the caller lends a step besides the maths: ``phase`` (a one-item list kept at the
-    phase running, for errors to name it), ``critical()`` (a context manager around the
-    in-place update), ``undo`` (an ``undo.UndoCopy`` that copies what the update writes just
+    phase running, for errors to name it), ``writing()`` (called as the update is about
+    to be written where it can no longer be undone, perhaps again later) and ``stop_point()``
+    (called where the step may end, rolled back: it raises KeyboardInterrupt if Ctrl-C came;
+    an ``interrupts.StepHold``'s), ``undo`` (an ``undo.UndoCopy`` that copies what the update writes just
     before it is written), ``parallel`` (a ``distributed.Parallel``: the micro-batches are
     this rank's rows, counts and loss are summed over ranks) and ``guard(loss, grad_norm)``,
     which may refuse the update before anything is written."""
 
     phase: list = field(default_factory=lambda: [None])
-    critical: Callable | None = None
+    writing: Callable = lambda: None
+    stop_point: Callable = lambda: None
     undo: object = None
     parallel: object = None
     guard: Callable | None = None
@@ -284,7 +287,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     lr = optimizer.param_groups[0]["lr"]
     tracker = track_step(model, optimizer, *inputs, copy=context.copy) if track else _Untracked()
     meter = UsageMeter(next(model.parameters()).device) if usage else None
-    with meter or contextlib.nullcontext(), _Phases(tracker, context.phase) as memory:
+    with meter or contextlib.nullcontext(), _Phases(tracker, context.phase, context.stop_point) as memory:
         total, balance, rewards = update(model, optimizer, micro_batches,
                                          int(counts[2]) if pairs else trained, memory, options,
                                          replace(context, guard=finite_guard(step, lr)))
@@ -310,10 +313,11 @@ def _every_rank(rewards: list[torch.Tensor], parallel) -> list[torch.Tensor]:
 
 
 class _Phases:
-    """Forwards the step's phase calls to the tracker and notes the phase running."""
+    """Forwards the step's phase calls to the tracker and notes the phase running; a phase's
+    start is a stop point (``StepContext.stop_point``)."""
 
-    def __init__(self, tracker, phase: list) -> None:
-        self.tracker, self.phase = tracker, phase
+    def __init__(self, tracker, phase: list, stop_point: Callable[[], None] = lambda: None) -> None:
+        self.tracker, self.phase, self.stop_point = tracker, phase, stop_point
 
     def __enter__(self) -> "_Phases":
         self.phase[0] = "forward"
@@ -324,17 +328,20 @@ class _Phases:
         self.tracker.__exit__(*exc)
 
     def before_forward(self) -> None:
+        self.stop_point()
         self.phase[0] = "forward"
         self.tracker.before_forward()
 
     def after_forward(self) -> None:
         self.phase[0] = "backward"
         self.tracker.after_forward()
+        self.stop_point()
 
     def after_backward(self) -> None:
         self.tracker.after_backward()
 
     def before_optimizer(self) -> None:
+        self.stop_point()
         self.phase[0] = "optimizer"
         self.tracker.before_optimizer()
 
@@ -372,10 +379,12 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
     backward; with the optimizer stepped in backward, on the loss alone before backward); it
     may raise to refuse the update. Without it the function reads no Python number back from
     a tensor, so the estimator runs it on fake ones (with ``options.offload_to="meta"``). The
-    update is what ``context.critical()`` wraps (backward itself, when the optimizer steps in
-    it) and what ``context.undo`` copies, weight by weight, first.
+    update is what ``context.undo`` copies, weight by weight, first; ``context.writing()`` is
+    called before the optimizer's step, or (when the optimizer steps in backward) before the
+    first backward without an undo copy, after the last one with it; ``context.stop_point()``
+    at each phase's start (``_Phases``).
     """
-    guard, critical, parallel, undo = context.guard, context.critical, context.parallel, context.undo
+    guard, parallel, undo, writing = context.guard, context.parallel, context.undo, context.writing
     in_backward = isinstance(optimizer, OptimizerInBackward)
     total = torch.zeros((), dtype=torch.float32)
     balances = []  # each micro-batch's load-balancing loss (mixture of experts)
@@ -420,7 +429,9 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
             guard(seen if parallel is None else parallel.sum_(seen), None)
         checked = _finite_gradients(model, guard, parallel, total + loss.detach().float().cpu()) \
             if in_backward and guard is not None else None
-        with _writing(optimizer, critical, undo, checked) if in_backward else contextlib.nullcontext():
+        if in_backward and undo is None:  # backward writes, uncopied
+            writing()
+        with _writing(optimizer, undo, checked) if in_backward else contextlib.nullcontext():
             # FSDP averages gradients over ranks; scaled by N, the average is the ranks' sum.
             (loss if parallel is None else loss * parallel.world).backward()
         memory.after_backward()
@@ -439,8 +450,8 @@ def update(model: nn.Module, optimizer: torch.optim.Optimizer,
     memory.before_optimizer()
     if undo is not None and not in_backward:
         undo.before_update()
-    with critical() if critical is not None and not in_backward else contextlib.nullcontext():
-        optimizer.step()
+    writing()  # (again, with the optimizer in backward: the update is written)
+    optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     # this rank's pairs (gathered by the caller: fake tensors, as the estimator's, do not travel)
     pair_rewards = [torch.cat(side) for side in zip(*rewards)] if options.paired else \
@@ -474,17 +485,15 @@ def _token_loss(model: nn.Module, batch: dict[str, torch.Tensor], options: StepO
 
 
 @contextlib.contextmanager
-def _writing(optimizer: OptimizerInBackward, critical, undo, checked):
+def _writing(optimizer: OptimizerInBackward, undo, checked):
     """Backward while the optimizer steps in it: each weight's gradient is checked first
-    (``checked``), then its update copied by ``undo``, or (without one) Ctrl-C waits until
-    backward is over."""
+    (``checked``), then its update copied by ``undo``."""
     before = [f for f in (checked, undo.before_update if undo is not None else None) if f]
     if before:
         optimizer.before_step = before[0] if len(before) == 1 else (
             lambda param: [f(param) for f in before])
     try:
-        with critical() if undo is None and critical is not None else contextlib.nullcontext():
-            yield
+        yield
     finally:
         optimizer.before_step = None
 

@@ -73,6 +73,8 @@ def total_steps(settings, parts) -> int:
     if settings.steps is not None:
         return settings.steps
     t = parts.techniques
+    if parts.trainer.stream.samples is None:  # (the run file refuses it first)
+        raise ValueError("A streamed file's epoch has no length known up front: give run.steps.")
     per_epoch = math.ceil(len(parts.trainer.stream.samples) / (t.batch_size * t.grad_accum))
     return max(1, math.ceil((settings.epochs or 1) * per_epoch))
 

@@ -9,12 +9,13 @@ from ..models.tokenizer import Tokenizer
 from .batches import (NO_TRAINING_DATA, BatchStream, PromptSample, Sample, collate, collate_pairs,
                       collate_prompts, pack, tokenize, tokenize_all, tokenize_pairs, tokenize_prompts,
                       tokenize_text)
+from .streaming import StreamedBatches, StreamedRows, read_rows
 from .rows import (ACCEPTED, IGNORE, PROMPT, PROMPT_WITH_INPUT, ROLES, Data, DataError, Example, Pair,
                    PromptRow, TextRow, as_prompt, check_renderable, examples_from, format_prompt, load_examples,
                    prompt_and_reference, prompt_ids, prompt_text)
 
 __all__ = ["ACCEPTED", "IGNORE", "NO_TRAINING_DATA", "PROMPT", "PROMPT_WITH_INPUT", "ROLES", "BatchStream",
-           "Data", "DataError", "Example", "Pair", "PromptRow", "PromptSample", "Sample", "TextRow",
+           "Data", "DataError", "Example", "Pair", "PromptRow", "PromptSample", "Sample", "StreamedBatches", "StreamedRows", "TextRow", "read_rows",
            "TrainingData", "as_prompt",
            "check_renderable", "collate", "collate_pairs", "collate_prompts", "examples_from", "format_prompt",
            "load_examples", "pack", "prompt_and_reference", "prompt_ids", "prompt_text", "tokenize",
@@ -27,7 +28,8 @@ class TrainingData:
     batches of a batch shape; what it has to say (rows skipped) comes back with the stream."""
 
     def __init__(self, train, tokenizer: Tokenizer, heldout=None) -> None:
-        self.train = examples_from(train) if train is not None else []  # None: chat, save only
+        # None: chat, save only; nt.Data(..., streaming=True): read as training goes
+        self.train = read_rows(train) if train is not None else []
         self.heldout = examples_from(heldout, "the held-out data") if heldout is not None else []
         self.tokenizer = tokenizer
         self.rewards: tuple = ()  # GRPO's reward functions (``objectives.grpo.Reward``), set by the user
@@ -41,6 +43,11 @@ class TrainingData:
     def text(self) -> bool:
         """Whether the rows are raw text (continued pretraining: every token trained)."""
         return bool(self.train) and isinstance(self.train[0], TextRow)
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the training rows are read as training goes (``nt.Data(streaming=True)``)."""
+        return isinstance(self.train, StreamedRows)
 
     @property
     def pairs(self) -> bool:
@@ -67,7 +74,10 @@ class TrainingData:
                        "held-out rows are instruction or chat rows: give held-out pairs (prompt, "
                        "chosen, rejected), or set eval_every=0.")
         prompts = bool(self.train) and isinstance(self.train[0], PromptRow)
-        if self.text and t.objective != "sft":
+        if self.streamed and t.objective != "sft":
+            out.append(f"Streamed rows train with objective='sft'; objective={t.objective!r} needs "
+                       "every row at hand: read the data whole (leave streaming out).")
+        elif self.text and t.objective != "sft":
             out.append(f"These rows are raw text ('text'), which trains every token (objective='sft'); "
                        f"objective={t.objective!r} needs {'prompts' if t.objective == 'grpo' else 'pairs'}: "
                        "set objective='sft', or give rows of that form.")
@@ -98,6 +108,9 @@ class TrainingData:
             notes = [f"{dropped} of {len(self.train)} pairs have a completion with no token within "
                      f"seq_len={t.seq_len} and are skipped; raise seq_len to keep them."] if dropped else []
             return BatchStream(pairs, t.batch_size, self.pad_id, seed=t.seed, collate=collate_pairs), notes
+        if self.streamed:  # (rows too long for seq_len are passed over as they come)
+            return StreamedBatches(self.train, self.tokenizer, t.seq_len, t.packing, t.batch_size,
+                                   self.pad_id, seed=t.seed), []
         rows = [pair.chosen for pair in self.train] if self.pairs else self.train
         samples, dropped = tokenize_all(rows, self.tokenizer, t.seq_len, source="the training data",
                                         last_only=self.pairs)  # a pair's completion, not its prompt's turns

@@ -145,26 +145,27 @@ def pack(samples: list[Sample], seq_len: int) -> list[Sample]:
     example, so attention can be limited to the example and rotary positions restart:
     the loss is the same as unpacked, with no compute spent on padding.
     """
-    rows: list[Sample] = []
+    return list(packed(samples, seq_len))
+
+
+def packed(samples, seq_len: int):
+    """``pack`` as it goes: each row once it is full (a stream's samples, ``streaming.py``)."""
     group: list[Sample] = []
-
-    def close() -> None:
-        rows.append(Sample(
-            torch.cat([s.input_ids for s in group]), torch.cat([s.labels for s in group]),
-            document_ids=torch.cat([torch.full_like(s.input_ids, i) for i, s in enumerate(group)]),
-            positions=torch.cat([torch.arange(len(s.input_ids)) for s in group])))
-        group.clear()
-
     used = 0
     for sample in samples:
         if group and used + len(sample.input_ids) > seq_len:
-            close()
-            used = 0
+            yield _packed_row(group)
+            group, used = [], 0
         group.append(sample)
         used += len(sample.input_ids)
     if group:
-        close()
-    return rows
+        yield _packed_row(group)
+
+
+def _packed_row(group: list[Sample]) -> Sample:
+    return Sample(torch.cat([s.input_ids for s in group]), torch.cat([s.labels for s in group]),
+                  document_ids=torch.cat([torch.full_like(s.input_ids, i) for i, s in enumerate(group)]),
+                  positions=torch.cat([torch.arange(len(s.input_ids)) for s in group]))
 
 
 def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
@@ -218,6 +219,10 @@ class BatchStream:
 
     def check_state(self, state: dict) -> None:
         """Refuse a position taken on other data or another seed, before anything changes."""
+        if "streamed" in state:
+            raise DataError(f"The saved data position is in a streamed file ({state['streamed'][0]}); "
+                            "this session reads its rows whole: resume with the same data, "
+                            "nt.Data(path, streaming=True).")
         if (state.get("seed"), state.get("samples")) != (self.seed, len(self.samples)):
             raise DataError(
                 f"The saved data position is for {state.get('samples')} samples with seed "

@@ -585,10 +585,7 @@ def _converted(rows, columns, source: str, from_file: bool = False) -> list:
         elif from_file and not isinstance(row, Mapping):
             examples.append(_row_to_example(row, where))  # "expected a JSON object"
         elif isinstance(row, Mapping):
-            row = dict(row)
-            if columns:  # a row may leave its optional input out, as unmapped rows may
-                sources.missing_columns({f: c for f, c in columns.items() if f != "input"}, row, where)
-            examples.append(_row_to_example(sources.mapped(row, columns), where))
+            examples.append(converted_row(row, columns, where))
         else:
             raise DataError(f"{_cap(where)} has type {type(row).__name__} ({row!r:.60}); each row "
                             "must be a dict ('instruction' and 'output', or 'messages') or an "
@@ -596,6 +593,16 @@ def _converted(rows, columns, source: str, from_file: bool = False) -> list:
     if not from_file and not examples:
         raise DataError(f"{_cap(source)} holds no rows: give at least one.")
     return _one_kind(examples, source) if examples else examples
+
+
+def converted_row(row: Mapping, columns, where: str):
+    """One row dict as nbtune's row, its columns mapped first."""
+    if not isinstance(row, Mapping):
+        return _row_to_example(row, where)  # "expected a JSON object"
+    row = dict(row)
+    if columns:  # a row may leave its optional input out, as unmapped rows may
+        sources.missing_columns({f: c for f, c in columns.items() if f != "input"}, row, where)
+    return _row_to_example(sources.mapped(row, columns), where)
 
 
 def _from_rows(data, columns, source: str) -> list:
@@ -622,6 +629,9 @@ def examples_from(data, source: str = "the data") -> list:
     rows at all, raise ``DataError`` saying what to pass instead.
     """
     spec = data if isinstance(data, Data) else Data(data)
+    if spec.streaming:
+        raise DataError(f"{_cap(source)}: streaming=True is for the training rows (read as training "
+                        "goes); these are read whole: leave streaming out.")
     data, columns, split = spec.path, spec.columns, spec.split
     if isinstance(data, str):
         text = data.strip()

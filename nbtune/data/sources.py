@@ -43,20 +43,30 @@ class Data:
         revision: The Hub revision (branch, tag or commit) of a Hub dataset.
         columns: nbtune's field -> the data's column, e.g. ``{"instruction": "question",
             "output": "answer"}``; columns not named keep their names.
+        streaming: Read a .parquet or .jsonl file as training goes, never whole (a file
+            larger than memory; ``data/streaming.py``): instruction, chat and raw-text rows.
+        buffer: The samples a streamed file is shuffled through (default 1000).
     """
 
     path: object
     split: str | None = None
     revision: str | None = None
     columns: Mapping[str, str] | None = None
+    streaming: bool = False
+    buffer: int = 1000
 
     def __post_init__(self) -> None:
         check_columns(self.columns)
+        if not isinstance(self.streaming, bool):
+            raise DataError(f"streaming={self.streaming!r}: True or False.")
+        if isinstance(self.buffer, bool) or not isinstance(self.buffer, int) or self.buffer < 1:
+            raise DataError(f"buffer={self.buffer!r}: the shuffle buffer holds a positive number of "
+                            "samples, e.g. 1000.")
         if self.split is not None and (not isinstance(self.split, str) or not self.split):
             raise DataError(f"split={self.split!r}: a split is a name such as 'train' or 'test'.")
 
     def __hash__(self) -> int:
-        return hash((str(self.path), self.split, self.revision))
+        return hash((str(self.path), self.split, self.revision, self.streaming))
 
 
 def check_columns(columns) -> None:
@@ -206,11 +216,12 @@ def check_table(data, source: str) -> None:
                         f"data (limit {cap / files.GiB:.0f} GiB: {why}).")
 
 
-def parquet_rows(path: Path) -> tuple[list[str], Iterator[tuple[str, dict]]]:
+def parquet_rows(path: Path, whole: bool = True) -> tuple[list[str], Iterator[tuple[str, dict]]]:
     """A Parquet file's column names and its rows, read a batch at a time; refused before any
-    row is read when its data uncompressed is more than a data file may be."""
+    row is read when its data uncompressed is more than a data file may be. ``whole=False``:
+    the rows are streamed (``streaming.py``), never all held: each row is bounded, not the file."""
     try:
-        files.regular_file(path, "data", "data_bytes")
+        files.regular_file(path, "data", "data_bytes" if whole else None)
     except files.FileRefused as err:
         raise DataError(str(err)) from None
     try:
@@ -224,6 +235,7 @@ def parquet_rows(path: Path) -> tuple[list[str], Iterator[tuple[str, dict]]]:
     meta = table.metadata
     unpacked = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
     cap, why = files.LIMITS["data_bytes"]
+    cap = cap if whole else float("inf")
     if unpacked > cap:
         raise DataError(f"{path} holds {unpacked / files.GiB:.1f} GiB once uncompressed, more "
                         f"than nbtune reads as data (limit {cap / files.GiB:.0f} GiB: {why}).")

@@ -28,7 +28,8 @@ import contextlib
 import hashlib
 import math
 import numbers
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -330,3 +331,58 @@ class RolloutMetrics:
         return cls(reward=total.mean().item(), reward_std=total.view(-1, group).std(1).mean().item(),
                    rewards={name: values[:, j].mean().item() for j, name in enumerate(names)},
                    completion_length=lengths.mean().item(), clipped=(~ended).float().mean().item())
+
+
+def rollouts(model: nn.Module, optimizer, data, batches: list[dict], t, options, number: int, parallel,
+             track: bool, stop_point: Callable[[], None]):
+    """Each micro-batch of prompts written and rewarded, as the update's micro-batches: (their
+    batches, (seconds taken, ``RolloutMetrics``), the writing's peak where ``track``). Each
+    prompt's completion draws from ``seed``, the step, its prompt's place in the step's batch
+    and its own place in the group, so a resumed or retried step writes what the run that
+    never stopped wrote, however the batch is accumulated or the group written.
+    ``stop_point()`` at each token and reward: where a Ctrl-C may end the step."""
+    from ..memory import track_step
+
+    rewards = data.rewards
+    if not rewards:
+        raise ValueError("objective='grpo' needs reward functions to score its completions: "
+                         "session.rewards = [my_reward, ...] (each def my_reward(prompts, "
+                         "completions, **columns) -> a number per completion).")
+    started, tokenizer, out, peak = time.perf_counter(), data.tokenizer, [], 0
+    world, rank = (1, 0) if parallel is None else (parallel.world, parallel.rank)
+
+    def more(going: bool) -> bool:  # under FSDP2 every rank runs each token's forward (its
+        stop_point()               # gathers are collectives) until all have ended
+        return going if parallel is None else bool(parallel.sum_(torch.tensor([int(going)])).item())
+    written = []
+    for i, prompts in enumerate(batches):  # (each rank its share of the global batch: its place in it)
+        first = (i * world + rank) * len(prompts["rows"])
+        generators = [[torch.Generator().manual_seed(completion_seed(t.seed, number, first + k, j))
+                       for j in range(t.generations)] for k in range(len(prompts["rows"]))]
+        tracker = track_step(model, optimizer) if track else contextlib.nullcontext()
+        with tracker:
+            written.append(write(model, prompts, options, stop_ids=tokenizer.stop_ids,
+                                 generators=generators, more=more))
+        if track:
+            peak = max(peak, tracker.result().peak)
+    failure = None  # on ranks: a reward's failure said on every rank (none waits for it)
+    for prompts, made in zip(batches, written):
+        stop_point()
+        try:
+            out.append(rollout(made, [data.prompt_row(r) for r in prompts["rows"].tolist()],
+                               tokenizer.decode, rewards, options, stop_ids=tokenizer.stop_ids,
+                               pad_id=data.pad_id))
+        except Exception as err:  # noqa: BLE001 - the user's code, on one rank
+            if parallel is None:
+                raise
+            failure = str(err) if isinstance(err, RewardError) else f"{type(err).__name__}: {err}"
+            break
+    every = out
+    if parallel is not None:  # every rank's, micro-batch by micro-batch (the global order)
+        gathered = parallel.gather((failure, [replace(r, batch={}) for r in out]))
+        failed = [(r, text) for r, (text, _) in enumerate(gathered) if text is not None]
+        if failed:
+            raise RewardError(f"Rank {failed[0][0]}: {failed[0][1]}")
+        every = [ranks[1][m] for m in range(len(out)) for ranks in gathered]
+    metrics = RolloutMetrics.of(every, rewards, t.generations)
+    return [r.batch for r in out], (time.perf_counter() - started, metrics), peak

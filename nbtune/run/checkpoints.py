@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ..interrupts import held
+
 SIGNALS = ("SIGTERM", "SIGHUP")  # what stops a run's process from outside
 CHECKPOINTS = "checkpoints"  # nbtune train's checkpoint folders, under its out folder
 
@@ -65,7 +67,10 @@ def stop_signals():
         stopped.append(signum)
         sys.stderr.write(f"\nnbtune: {signal.Signals(signum).name}: ending the step, then saving a "
                          "checkpoint\n")
-        raise KeyboardInterrupt
+        came = held()
+        if came is None:
+            raise KeyboardInterrupt
+        came()  # a step's update is being written: it ends as a Ctrl-C then would
 
     previous = install(handler)
     try:

@@ -19,7 +19,8 @@ import torch
 
 from ..adapters import (TECHNIQUES_NOTE, AdapterError, adapter_techniques, base_of, is_adapter_folder,
                         load_adapter_weights, read_adapter, trained_record)
-from ..data import (Data, DataError, Example, TextRow, TrainingData, check_renderable, examples_from,
+from ..data import (Data, DataError, Example, StreamedRows, TextRow, TrainingData, check_renderable, examples_from,
+                   read_rows,
                    prompt_and_reference, prompt_ids, prompt_text)
 from ..generate import Reply, TextStream, generate_ids
 from ..hub import resolve_model_folder
@@ -310,7 +311,7 @@ def pretrained_spec(path_or_id: str | os.PathLike, data=None, *, heldout=None,
         path_or_id = base_of(adapter, base)
     elif base is not None:
         raise ValueError(f"base={base!r} is for an adapter folder; {path_or_id} is a whole model.")
-    train = examples_from(data) if data is not None else None
+    train = read_rows(data) if data is not None else None
     held = examples_from(heldout, "the held-out data") if heldout is not None else None
     if techniques is None and train and isinstance(train[0], TextRow):
         techniques = given = {"packing": True}  # raw text: pieces of all lengths, packed into full rows
@@ -327,7 +328,8 @@ def _data_file(value) -> str | dict:
     if not isinstance(value, Data):
         return str(value)
     entry = {"path": str(value.path), "split": value.split, "revision": value.revision,
-             "columns": dict(value.columns) if value.columns else None}
+             "columns": dict(value.columns) if value.columns else None,
+             "streaming": value.streaming or None, "buffer": value.buffer if value.streaming else None}
     return {key: v for key, v in entry.items() if v is not None}
 
 
@@ -433,7 +435,8 @@ def build(spec: RunSpec) -> Run:
     else:
         base = resolve_model_folder(spec.model, spec.revision)
         tokenizer = Tokenizer.from_folder(base)
-    check_renderable((spec.train or []) + (spec.heldout or []), tokenizer)
+    train = [spec.train.first] if isinstance(spec.train, StreamedRows) else spec.train  # (the rest as read)
+    check_renderable((train or []) + (spec.heldout or []), tokenizer)
     if parallel is not None:  # each rank reads its rows of every weight, nothing whole
         config = read_config(base)
         fitted, _ = _fit_context(spec.given, config.max_position_embeddings)

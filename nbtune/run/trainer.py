@@ -23,7 +23,6 @@ either complete or leave the state exactly as it was.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 import traceback
@@ -35,7 +34,7 @@ import torch
 from torch import nn
 
 from ..data import BatchStream
-from ..interrupts import ctrl_c_held
+from ..interrupts import StepHold, ctrl_c_held
 from ..memory import MemoryBreakdown
 from ..units import format_bytes
 from ..oom import OutOfMemory, explain, held_now
@@ -267,130 +266,85 @@ class Trainer:
             self.optimizer.stepped = 0
         phase: list = [None]
         number, shape = len(self.history) + 1, None
-        try:
-            batches = [self.stream.next() for _ in range(t.grad_accum)]
-            if self.parallel is not None:  # the global batch: this rank keeps its rows
-                batches = [self.parallel.rows(b, pairs=t.paired) for b in batches]
-            if t.objective == "grpo":  # prompts: their completions written and rewarded first
-                phase[0] = "generation"
-                batches, rollouts = self._rollouts(batches, t, options, number, track)
-            batches = [{k: v.to(self.device) for k, v in b.items()} for b in batches]
-            shape = max((tuple(b["input_ids"].shape) for b in batches), key=lambda s: s[0] * s[1])
-            for group in self.optimizer.param_groups:
-                group["lr"] = t.lr_at(number)
-            context = StepContext(phase=phase, critical=self._critical if undo is None else None,
-                                  undo=undo, parallel=self.parallel, copy=self._copy)
-            report = train_step(self.model, self.optimizer, batches, options, context,
-                                pad_id=self.data.pad_id, step=number, track=track, usage=usage)
-            if t.objective == "grpo":
-                report = replace(report, rollouts=rollouts[1], seconds=report.seconds + rollouts[0],
-                                 memory=report.memory and replace(report.memory,
-                                                                  generation_peak=self._generation_peak))
-        except BaseException as err:
-            oom = isinstance(err, torch.OutOfMemoryError) and not isinstance(err, OutOfMemory)
-            held = held_now(self.model, self.optimizer, self.device) if oom else None
-            written = getattr(self.optimizer, "stepped", 0)  # weights the update had written
-            self._roll_back(mark, undo, phase[0], t)
-            _drop_frames(err)
-            damaged = self.damaged  # None when the step started: set if this one was half-written
-            if isinstance(err, NonFiniteError) and damaged:  # the error must not say "unchanged"
-                raise DamagedStateError(
-                    f"Step {number} could not be refused whole: the gradient of {err.tensor} is not "
-                    f"finite, found after the optimizer in backward had written {written} weights. "
-                    + damaged) from None
-            if not oom:
-                raise
-            try:  # memory is back: now the estimator can say what would fit
-                if shape is not None and t.paired:  # rows are pairs: batch_size of them
-                    shape = (shape[0] // 2, shape[1])
-                elif shape is not None and t.objective == "grpo":  # prompts, and room for their completions
-                    shape = (shape[0] // t.generations, t.seq_len)
-                explained = explain(err, phase[0], number, held, self.model.config, t,
-                                    self.device, shape, self.parallel, damaged=damaged)
-            except Exception:  # noqa: BLE001 - never hide the out-of-memory error itself
-                raise err from None
-            raise explained from err
-        if undo is not None:
-            undo.done()
-        self._new_optimizer = False
-        if report.memory is not None:
-            self.last_memory = report.memory
-        else:
-            last = self.last_memory or MemoryBreakdown(device=str(self.device))
-            report = replace(report, memory=last.carried())
-        if t.eval_every and self._eval_peak:  # what must fit includes the evaluations to come
-            report = replace(report, memory=replace(report.memory, eval_peak=self._eval_peak))
-        self.base_changed |= t.method == "full"
-        self.history.append(report)
-        self._keep(report)
-        if t.eval_every and number % t.eval_every == 0 and not self._interrupted:
+        # Ctrl-C (or SIGTERM in nbtune train) counts at the step's stop points, or once the
+        # step is recorded: the step is undone whole, or completes
+        with StepHold() as held:
+            try:
+                batches = [self.stream.next() for _ in range(t.grad_accum)]
+                if self.parallel is not None:  # the global batch: this rank keeps its rows
+                    batches = [self.parallel.rows(b, pairs=t.paired) for b in batches]
+                if t.objective == "grpo":  # prompts: their completions written and rewarded first
+                    phase[0] = "generation"
+                    batches, rollouts = self._rollouts(batches, t, options, number, track, held.stop_point)
+                batches = [{k: v.to(self.device) for k, v in b.items()} for b in batches]
+                shape = max((tuple(b["input_ids"].shape) for b in batches), key=lambda s: s[0] * s[1])
+                for group in self.optimizer.param_groups:
+                    group["lr"] = t.lr_at(number)
+                context = StepContext(phase=phase, writing=held.writing, stop_point=held.stop_point, undo=undo,
+                                      parallel=self.parallel, copy=self._copy)
+                report = train_step(self.model, self.optimizer, batches, options, context,
+                                    pad_id=self.data.pad_id, step=number, track=track, usage=usage)
+                if t.objective == "grpo":
+                    report = replace(report, rollouts=rollouts[1], seconds=report.seconds + rollouts[0],
+                                     memory=report.memory and replace(report.memory,
+                                                                      generation_peak=self._generation_peak))
+            except BaseException as err:
+                oom = isinstance(err, torch.OutOfMemoryError) and not isinstance(err, OutOfMemory)
+                held = held_now(self.model, self.optimizer, self.device) if oom else None
+                written = getattr(self.optimizer, "stepped", 0)  # weights the update had written
+                self._roll_back(mark, undo, phase[0], t)
+                _drop_frames(err)
+                damaged = self.damaged  # None when the step started: set if this one was half-written
+                if isinstance(err, NonFiniteError) and damaged:  # the error must not say "unchanged"
+                    raise DamagedStateError(
+                        f"Step {number} could not be refused whole: the gradient of {err.tensor} is not "
+                        f"finite, found after the optimizer in backward had written {written} weights. "
+                        + damaged) from None
+                if not oom:
+                    raise
+                try:  # memory is back: now the estimator can say what would fit
+                    if shape is not None and t.paired:  # rows are pairs: batch_size of them
+                        shape = (shape[0] // 2, shape[1])
+                    elif shape is not None and t.objective == "grpo":  # prompts, and room for their completions
+                        shape = (shape[0] // t.generations, t.seq_len)
+                    explained = explain(err, phase[0], number, held, self.model.config, t,
+                                        self.device, shape, self.parallel, damaged=damaged)
+                except Exception:  # noqa: BLE001 - never hide the out-of-memory error itself
+                    raise err from None
+                raise explained from err
+            if undo is not None:
+                undo.done()
+            self._new_optimizer = False
+            if report.memory is not None:
+                self.last_memory = report.memory
+            else:
+                last = self.last_memory or MemoryBreakdown(device=str(self.device))
+                report = replace(report, memory=last.carried())
+            if t.eval_every and self._eval_peak:  # what must fit includes the evaluations to come
+                report = replace(report, memory=replace(report.memory, eval_peak=self._eval_peak))
+            self.base_changed |= t.method == "full"
+            self.history.append(report)
+            self._keep(report)
+        if t.eval_every and number % t.eval_every == 0 and not held.came:
             report = self._evaluate(report, track, t)
-        if self._interrupted:  # Ctrl-C arrived while the update was being written: now it counts
-            self._interrupted = False
+        if held.came:  # Ctrl-C arrived while the update was being written: now it counts
             raise KeyboardInterrupt
         return report
 
     def _rollouts(self, batches: list[dict], t: Techniques, options: StepOptions, number: int,
-                  track: bool):
-        """GRPO: each micro-batch of prompts written and rewarded (``objectives/grpo.py``), as
-        the update's micro-batches; and (seconds taken, ``RolloutMetrics``). Each prompt's
-        completion draws from ``seed``, the step, its prompt's place in the step's batch and
-        its own place in the group, so a resumed or retried step writes what the run that
-        never stopped wrote, however the batch is accumulated or the group written.
-        ``track``: the writing's peak is measured (``generation_peak``), once a configuration
-        (and its optimizer's state): watching every operator of a token-by-token loop costs
-        ten times the writing itself."""
-        from ..memory import track_step
-        from ..objectives.grpo import RewardError, RolloutMetrics, completion_seed, rollout, write
+                  track: bool, stop_point: Callable[[], None]):
+        """GRPO's completions written and rewarded (``objectives.grpo.rollouts``); the writing's
+        peak measured once a configuration (and its optimizer's state): watching every
+        operator of a token-by-token loop costs ten times the writing itself."""
+        from ..objectives.grpo import rollouts
 
-        rewards = self.data.rewards
-        if not rewards:
-            raise ValueError("objective='grpo' needs reward functions to score its completions: "
-                             "session.rewards = [my_reward, ...] (each def my_reward(prompts, "
-                             "completions, **columns) -> a number per completion).")
-        started, tokenizer, out, peak = time.perf_counter(), self.data.tokenizer, [], 0
         key = (t, self._new_optimizer)  # (before the first update the optimizer holds no state)
         track = track and self._generation_measured != key
-        world, rank = (1, 0) if self.parallel is None else (self.parallel.world, self.parallel.rank)
-        more = None if self.parallel is None else self._all_writing
-        written = []
-        for i, prompts in enumerate(batches):  # (each rank its share of the global batch: its place in it)
-            first = (i * world + rank) * len(prompts["rows"])
-            generators = [[torch.Generator().manual_seed(completion_seed(t.seed, number, first + k, j))
-                           for j in range(t.generations)] for k in range(len(prompts["rows"]))]
-            tracker = track_step(self.model, self.optimizer) if track else contextlib.nullcontext()
-            with tracker:
-                written.append(write(self.model, prompts, options, stop_ids=tokenizer.stop_ids,
-                                     generators=generators, more=more))
-            if track:
-                peak = max(peak, tracker.result().peak)
-        failure = None  # on ranks: a reward's failure said on every rank (none waits for it)
-        for prompts, made in zip(batches, written):
-            try:
-                out.append(rollout(made, [self.data.prompt_row(r) for r in prompts["rows"].tolist()],
-                                   tokenizer.decode, rewards, options, stop_ids=tokenizer.stop_ids,
-                                   pad_id=self.data.pad_id))
-            except Exception as err:  # noqa: BLE001 - the user's code, on one rank
-                if self.parallel is None:
-                    raise
-                failure = str(err) if isinstance(err, RewardError) else f"{type(err).__name__}: {err}"
-                break
+        batches, made, peak = rollouts(self.model, self.optimizer, self.data, batches, t, options, number,
+                                       self.parallel, track, stop_point)
         if track:
             self._generation_peak, self._generation_measured = peak, key
-        every = out
-        if self.parallel is not None:  # every rank's, micro-batch by micro-batch (the global order)
-            gathered = self.parallel.gather((failure, [replace(r, batch={}) for r in out]))
-            failed = [(r, text) for r, (text, _) in enumerate(gathered) if text is not None]
-            if failed:
-                raise RewardError(f"Rank {failed[0][0]}: {failed[0][1]}")
-            every = [ranks[1][m] for m in range(len(out)) for ranks in gathered]
-        metrics = RolloutMetrics.of(every, rewards, t.generations)
-        return [r.batch for r in out], (time.perf_counter() - started, metrics)
-
-    def _all_writing(self, going: bool) -> bool:
-        """Whether any rank is still writing a completion: under FSDP2 every rank runs each
-        token's forward (its gathers are collectives) until all have ended."""
-        return bool(self.parallel.sum_(torch.tensor([int(going)])).item())
+        return batches, made
 
     def steps(self, track: bool, track_rest: bool, most: int, until=None) -> list[StepReport]:
         """One step: each step here is its own command (``TrainerProtocol.steps``)."""
@@ -771,9 +725,11 @@ class Trainer:
 
     def _critical(self):
         """Defer Ctrl-C while weights are written in place with no copy."""
-        def later() -> None:
-            self._interrupted = True
-        return ctrl_c_held(later)
+        return ctrl_c_held(self._came)
+
+    def _came(self) -> None:
+        """Ctrl-C while it was held: it counts once the state is whole."""
+        self._interrupted = True
 
     def _roll_back(self, mark: dict, undo: UndoCopy | None, phase: str | None,
                    t: Techniques) -> None:

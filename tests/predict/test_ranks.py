@@ -271,3 +271,46 @@ def test_fit_on_two_cards_searches_fsdps_settings_and_says_which_it_chose():
     with pytest.raises(ValueError, match="sharding settings need ranks=2"):
         nt.fit(config, "24GiB", t, device="cpu", sharding={"shard_embeddings": True})
     assert "sharding" not in AXES  # (a name of its own: ``toggles`` takes it beside the axes)
+
+
+@pytest.mark.slow  # (6 s: two fits)
+def test_each_host_term_over_two_ranks_is_every_ranks_share_and_fit_counts_them_all():
+    """Both ranks of a machine park their shares on the one host. Each term held while
+    training over 2 ranks is twice one process's at the per-rank batch: the offloaded
+    activations (at least every checkpointed layer's input, B/2 x T x hidden in bf16), the
+    runtime, and on a CPU the step itself; and a two-card ``fit`` with a host budget
+    refuses activation offloading when the host holds one rank's share only."""
+    from nbtune.predict.budgets import required
+
+    config = ModelConfig(**TINY)
+    t = nt.Techniques(batch_size=4, seq_len=96, dtype="bf16", activation_checkpointing=True,
+                      activation_offloading=True)
+    two = nt.estimate(config, t, device="cuda", ranks=2)
+    one = nt.estimate(config, t.replace(batch_size=2), device="cuda")
+    per_rank = one.host.offloaded
+    assert per_rank > config.num_layers * 2 * 96 * config.hidden_size * 2  # (each layer's input, and more)
+    assert two.host.offloaded == 2 * per_rank
+    assert two.host.runtime == 2 * one.host.runtime
+    on_cpu = nt.estimate(config, t.replace(dtype="fp32", activation_offloading=False), ranks=2)
+    alone = nt.estimate(config, t.replace(dtype="fp32", activation_offloading=False, batch_size=2))
+    assert on_cpu.host.step == 2 * on_cpu.highest and on_cpu.highest < alone.highest  # (sharded state)
+    # fit: offloading is what fits the card; the host holds both ranks' shares, or one's only
+    start = t.replace(activation_offloading=False)
+    assert required(nt.estimate(config, start, device="cuda", ranks=2)) > required(two)
+    budget, both = f"2x {required(two)}B", two.host.without_undo
+    only = dict(toggles=("activation_offloading",), reserve=0, margin=0.0)
+    fits = nt.fit(config, budget, start, device="cuda", host=_host_with_usable(both), **only)
+    assert fits.fits and fits.changes == {"activation_offloading": True}
+    short = nt.fit(config, budget, start, device="cuda", host=_host_with_usable(both - per_rank), **only)
+    assert not short.fits and "host memory" in short.message
+
+
+def _host_with_usable(need: int) -> int:
+    """A host whose usable part (less the margin ``nbtune.host`` keeps) is ``need``, or a
+    few bytes more."""
+    from nbtune.predict.budgets import host_usable
+
+    host = need
+    while host_usable(host) < need:
+        host += need - host_usable(host)
+    return host

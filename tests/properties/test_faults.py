@@ -471,7 +471,7 @@ def test_rollback_copy_restores_half_written_update(twins, number):
 
 
 @pytest.mark.parametrize("number", [1, 3], ids=["step1", "step3"])
-def test_rollback_none_marks_damage_and_a_saved_state_recovers(twins, number):
+def test_rollback_none_marks_damage_and_a_saved_state_recovers(twins, number, tmp_path):
     twin = twins.get(number - 1)
     session = prepared(number - 1)
     session.rollback = "none"
@@ -486,6 +486,9 @@ def test_rollback_none_marks_damage_and_a_saved_state_recovers(twins, number):
         session.step()
     with pytest.raises(DamagedStateError):
         session.set(lr=1e-4)
+    with pytest.raises(DamagedStateError):  # a checkpoint of it would resume a run that never was
+        session.save_checkpoint(tmp_path / "damaged")
+    assert not (tmp_path / "damaged").exists()
     assert len(session.history) == number - 1
     session.load_state_dict(saved)
     assert session.trainer.damaged is None
@@ -1038,6 +1041,74 @@ def test_sigint_ends_run_cleanly_after_rolling_back(twins):
         signal.signal(signal.SIGINT, previous)
     assert [r.loss for r in reports] == twin.before["losses"]
     assert_like_twin(session, twin, None, "run interrupted in step 3")
+
+
+def _traced_lines(step, on_line) -> None:
+    """``step()`` with ``on_line(n)`` called at each Python line it runs in nbtune's code or
+    torch's optimizers (n counts them from 0)."""
+    import sys
+
+    seen = [0]
+
+    def lines(frame, event, arg):
+        if event == "line":
+            on_line(seen[0])
+            seen[0] += 1
+        return lines
+
+    def trace(frame, event, arg):  # (other code's lines untraced: 4x quicker)
+        name = frame.f_code.co_filename
+        return lines if "/nbtune/" in name or "/torch/optim/" in name else None
+
+    sys.settrace(trace)
+    try:
+        step()
+    finally:
+        sys.settrace(None)
+
+
+@pytest.mark.parametrize("changes", [{}, pytest.param(dict(method="lora", lora_dropout=0.1),
+                                                      marks=pytest.mark.slow)], ids=["full", "lora"])
+def test_sigterm_at_any_line_of_a_step_ends_it_whole(twins, changes):
+    """``nbtune train`` turns SIGTERM into Ctrl-C (``stop_signals``). Sent at lines spread over
+    a step, over the optimizer's update and over the step's last lines (the update written,
+    not yet recorded): the step is either undone (the next step equals the twin's) or
+    completed (the state equals the twin's after it), the run ends, nothing is damaged.
+    (The signal once landed mid-update: a resume from the checkpoint it wrote diverged.)"""
+    from nbtune.run.checkpoints import stop_signals
+
+    twin = twins.get(2, **changes)
+    lines, optimizer_lines = [], []
+    probe = prepared(2, **changes)
+
+    def note(n):
+        lines.append(n)
+        if "/torch/optim/" in __import__("sys")._getframe(2).f_code.co_filename:
+            optimizer_lines.append(n)
+    torch.manual_seed(NEXT_SEED)
+    _traced_lines(probe.step, note)
+    total = len(lines)
+    points = sorted({*range(0, total, total // 6), *optimizer_lines[::max(1, len(optimizer_lines) // 6)],
+                     *range(total - 6, total)})
+    outcomes = []
+    for point in points:
+        session = prepared(2, **changes)
+
+        def maybe_stop(n, point=point):
+            if n == point:
+                os.kill(os.getpid(), signal.SIGTERM)
+        torch.manual_seed(NEXT_SEED)
+        with stop_signals() as stopped, pytest.raises(KeyboardInterrupt):
+            _traced_lines(session.step, maybe_stop)
+        assert stopped == [signal.SIGTERM]
+        assert_clean(session)
+        done = len(session.history) == 3
+        outcomes.append(done)
+        if done:
+            assert_same(snapshot(session), twin.after, f"SIGTERM at line {point} of {total}: completed")
+        else:
+            assert_same(next_step(session), twin.after, f"SIGTERM at line {point} of {total}: undone")
+    assert not outcomes[0] and outcomes[-1]  # (the first line's undone, the last's completed)
 
 
 # ---- 10. state_dict round trips ---------------------------------------------------------------

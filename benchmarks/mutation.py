@@ -395,10 +395,11 @@ MUTANTS: list[Mutant] = [
            "SHARDS = 1  # FSDP2 splits",
            (T + "cli/test_distributed.py::test_sharding_refusals_name_the_setting_and_the_fix",)),
     Mutant("processes", "a rank no longer notices that the kernel which started it is gone",
-           "nbtune/run/processes.py",
-           "    while os.getppid() == parent:",
-           "    while True:",
-           (T + "run/test_processes.py::test_a_killed_kernel_leaves_no_rank_and_no_controller_behind",)),
+           "nbtune/distributed.py",
+           "        while os.getppid() == parent:",
+           "        while True:",
+           (T + "run/test_processes.py::test_a_killed_kernel_leaves_no_rank_and_no_controller_behind",
+            T + "cli/test_distributed.py::test_no_rank_outlives_a_killed_torchrun_agent_and_each_says_why")),
     Mutant("processes", "a change one rank refused is still made by the ranks that could",
            "nbtune/run/ranked.py",
            "        commit = refused is None\n",
@@ -1109,6 +1110,10 @@ MUTANTS: list[Mutant] = [
            "nbtune/predict/estimator.py", "        return replace(one, runtime=one.runtime * world,",
            "        return replace(one, runtime=one.runtime,",
            (T + "predict/test_ranks.py::test_each_host_term_over_two_ranks_is_every_ranks_share_and_fit_counts_them_all",)),
+    Mutant("missing step", "a rank stopped when torchrun's agent dies is not woken to end (no parent-death signal)",
+           "nbtune/distributed.py", "            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGCONT))",
+           "            pass",
+           (T + "cli/test_distributed.py::test_no_rank_outlives_a_killed_torchrun_agent_and_each_says_why",)),
 ]
 
 

@@ -219,7 +219,7 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
     by SIGTERM, 129 by SIGHUP: each saves a checkpoint first)."""
     from tqdm.auto import tqdm
 
-    from ..distributed import Parallel
+    from ..distributed import Parallel, end_with_parent
     from ..run.runner import Message
 
     config = runfile.load(path, overrides)
@@ -238,6 +238,8 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
             f"train {path}")
     parallel = Parallel.from_env(config.to_sharding())  # under torchrun: FSDP2 over its ranks
     rank = parallel.rank if parallel is not None else 0
+    if parallel is not None:  # torchrun's agent killed: no rank lives on, waiting in a collective
+        end_with_parent(f"nbtune train, rank {rank}", what="torchrun's agent")
     lead = rank == 0  # rank 0 prints and writes the shared files
 
     def say(text: str) -> None:

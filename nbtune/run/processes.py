@@ -367,14 +367,13 @@ def _join(rank: int, world: int, port: int, path: str, overrides: dict, parent: 
     whether the kernel started it (then it watches the kernel)."""
     from .. import runfile
     from . import factory
-    from ..distributed import Parallel
+    from ..distributed import Parallel, end_with_parent
 
     os.environ.update(MASTER_ADDR=place["master"], MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(place["local_rank"]),
                       LOCAL_WORLD_SIZE=str(place["local_world"]), GROUP_RANK=str(place["machine"]))
-    if place["watch"]:
-        threading.Thread(target=_watch, args=(parent, controller), daemon=True,
-                         name="nbtune-parent-watch").start()
+    if place["watch"]:  # the kernel gone: this rank and the controller end
+        end_with_parent(f"rank {rank}", parent, lambda: _end(controller), what="the kernel that started it")
     import torch
 
     if not torch.cuda.is_available():  # the cores shared out, as torchrun does (OMP_NUM_THREADS)
@@ -448,19 +447,15 @@ def rank_steps(track: bool, track_rest: bool, most: int, flag: str) -> list[tupl
     return taken
 
 
-def _watch(parent: int, controller: int | None) -> None:
-    """End this rank (and the controller) once the kernel that started it is gone."""
+def _end(controller: int | None) -> None:
+    """End the controller (the kernel that started it is gone)."""
     import signal
-    import time
 
-    while os.getppid() == parent:
-        time.sleep(1.0)
     if controller is not None:
         try:
             os.kill(controller, signal.SIGTERM)
         except OSError:
             pass
-    os._exit(1)
 
 
 def _leave() -> None:

@@ -356,3 +356,47 @@ def test_a_machine_that_drops_out_is_named_and_the_job_ends(tmp_path):
     said = [line for line in err.splitlines() if line.startswith("nbtune train: Rank 0 lost")]
     assert said and "rank 1 (machine 1, " in said[0] and "--resume" in said[0], err[-3000:]
     assert "[rank0]: Traceback" not in err
+
+
+@pytest.mark.slow
+def test_no_rank_outlives_a_killed_torchrun_agent_and_each_says_why(tmp_path):
+    """torchrun's agent SIGKILLed (the OOM killer, a scheduler) while rank 1 is stopped
+    (SIGSTOP: a hung rank) and rank 0 waits for it in a collective: both end within seconds,
+    each saying why, and the checkpoint written before stays whole for --resume."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    from nbtune.run.checkpoints import checkpoints
+
+    path = run_file(tmp_path, LORA, steps=100000)
+    out = tmp_path / "out"
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc_per_node", "2", "-m", "nbtune", "train", str(path), "--out", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not checkpoints(out):  # (a complete one)
+            assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
+            time.sleep(0.2)
+        ranks = [child for child in psutil.Process(agent.pid).children(recursive=True)
+                 if "nbtune" in " ".join(child.cmdline())]
+        assert len(ranks) == 2
+        ranks[1].send_signal(signal.SIGSTOP)
+        time.sleep(1.0)  # rank 0 now waits in the step's collective
+        os.kill(agent.pid, signal.SIGKILL)
+        gone, alive = psutil.wait_procs(ranks, timeout=20)
+    finally:
+        for process in psutil.Process().children(recursive=True):
+            try:
+                if process.pid != agent.pid and "nbtune" in " ".join(process.cmdline()):
+                    process.kill()
+            except psutil.Error:  # (gone, or a zombie)
+                pass
+        _, err = agent.communicate(timeout=60)  # (the ranks wrote to the agent's stderr too)
+    assert not alive, [p.pid for p in alive]
+    for rank in (0, 1):
+        assert f"nbtune train, rank {rank}: torchrun's agent (process {agent.pid}) is gone" in err, err[-2000:]
+    assert checkpoints(out)  # the newest complete checkpoint, left whole

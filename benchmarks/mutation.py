@@ -395,7 +395,7 @@ MUTANTS: list[Mutant] = [
            "SHARDS = 1  # FSDP2 splits",
            (T + "cli/test_distributed.py::test_sharding_refusals_name_the_setting_and_the_fix",)),
     Mutant("processes", "a rank no longer notices that the kernel which started it is gone",
-           "nbtune/distributed.py",
+           "nbtune/liveness.py",
            "        while os.getppid() == parent:",
            "        while True:",
            (T + "run/test_processes.py::test_a_killed_kernel_leaves_no_rank_and_no_controller_behind",
@@ -1111,9 +1111,12 @@ MUTANTS: list[Mutant] = [
            "        return replace(one, runtime=one.runtime,",
            (T + "predict/test_ranks.py::test_each_host_term_over_two_ranks_is_every_ranks_share_and_fit_counts_them_all",)),
     Mutant("missing step", "a rank stopped when torchrun's agent dies is not woken to end (no parent-death signal)",
-           "nbtune/distributed.py", "            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGCONT))",
+           "nbtune/liveness.py", "            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGCONT))",
            "            pass",
            (T + "cli/test_distributed.py::test_no_rank_outlives_a_killed_torchrun_agent_and_each_says_why",)),
+    Mutant("missing check", "a rank whose heartbeat stopped is never named (the job waits in its collective)",
+           "nbtune/liveness.py", "            elif now - seen[rank][2] > self.hang:", "            elif False:",
+           (T + "cli/test_distributed.py::test_a_stopped_rank_is_named_with_its_phase_within_hang_seconds_and_nothing_is_left",)),
 ]
 
 

@@ -15,15 +15,10 @@ only the bookkeeping that keeps N ranks equal to one process on the same run fil
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import socket
-import sys
-import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -286,35 +281,3 @@ def _nf4_splits(model: nn.Module, targets, world: int) -> list[str]:
             f"over {world} ranks (FSDP2 gives each rank whole rows and equal parts of its 4-bit "
             "codes and scales): use 2, 4 or 8 processes, or method 'lora'."]
 
-
-PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
-
-
-def end_with_parent(who: str, parent: int | None = None, before: Callable[[], None] | None = None,
-                    what: str = "its parent") -> None:
-    """End this process once ``parent`` (default: its parent now, as torchrun's agent is a
-    rank's) is gone, however it died (SIGKILL, the OOM killer, a scheduler), saying so on
-    stderr: no rank is left waiting in a collective, holding its memory (on a GPU, the card).
-    A thread watches the parent's pid; on Linux the parent's death also sends SIGCONT, so a
-    rank stopped meanwhile (SIGSTOP) wakes and its watch ends it. ``before()``: run first
-    (an engine ends its controller)."""
-    parent = os.getppid() if parent is None else parent
-    if sys.platform.startswith("linux") and parent == os.getppid():
-        try:  # (the kernel's own signal: it also reaches a process that is stopped)
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGCONT))
-        except (OSError, AttributeError):
-            pass
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        try:
-            sys.stderr.write(f"\nnbtune: {who}: {what} (process {parent}) is gone (killed?): ending "
-                             "this process, as nothing is left to run it.\n")
-            sys.stderr.flush()
-        except (OSError, ValueError):  # the parent held the other end of stderr
-            pass
-        if before is not None:
-            before()
-        os._exit(1)
-    threading.Thread(target=watch, daemon=True, name="nbtune-parent-watch").start()

@@ -25,7 +25,7 @@ LAYERS = [
      "memory.sampling", "memory.snapshot", "memory.usage", "memory", "peft", "peft_experts", "adapters", "optim", "activations", "plan",
      "step", "loss", "objectives", "undo", "datasets", "quiet", "interrupts", "trackers", "benchmark"],
     # 1. the model across ranks, and the state's forms on disk and across ranks (a frozen copy of it too)
-    ["distributed", "shards", "state", "checkpoint", "sharded_checkpoint", "objectives.reference"],
+    ["distributed", "liveness", "shards", "state", "checkpoint", "sharded_checkpoint", "objectives.reference"],
     # 2. prediction (one package), and the out-of-memory explanation built on it
     ["predict", "oom"],
     # 3. the training state

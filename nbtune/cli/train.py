@@ -219,7 +219,8 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
     by SIGTERM, 129 by SIGHUP: each saves a checkpoint first)."""
     from tqdm.auto import tqdm
 
-    from ..distributed import Parallel, end_with_parent
+    from ..distributed import Parallel
+    from ..liveness import end_with_parent
     from ..run.runner import Message
 
     config = runfile.load(path, overrides)
@@ -238,8 +239,12 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
             f"train {path}")
     parallel = Parallel.from_env(config.to_sharding())  # under torchrun: FSDP2 over its ranks
     rank = parallel.rank if parallel is not None else 0
+    built: list = [None]  # the run, once built (what the heartbeat says this rank is doing)
+    beat = None
     if parallel is not None:  # torchrun's agent killed: no rank lives on, waiting in a collective
         end_with_parent(f"nbtune train, rank {rank}", what="torchrun's agent")
+        beat = _heartbeat(parallel, settings, built, f"nbtune train {path} --resume"
+                          + (f" --out {out}" if out else ""))
     lead = rank == 0  # rank 0 prints and writes the shared files
 
     def say(text: str) -> None:
@@ -248,7 +253,7 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
 
     try:
         started = time.perf_counter()
-        parts = factory.from_config(config, device=device, parallel=parallel)
+        parts = built[0] = factory.from_config(config, device=device, parallel=parallel)
         parts.runner.subscribe(lambda event: say(f"nbtune: {event.text}")
                                if isinstance(event, Message) else None)
         parts.runner.relay()  # what building the run had to say (rows skipped)
@@ -282,9 +287,31 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
             parallel.barrier()  # every rank done with the group before any tears it down
         return 128 + stopped[0] if code == 130 and stopped else code
     finally:
-        parts = None  # (the sharded model holds the group: dropped, so close() frees it)
+        parts = built[0] = None  # (the sharded model holds the group: dropped, so close() frees it)
+        if beat is not None:
+            beat.close()
         if parallel is not None:
             parallel.close()
+
+
+def _heartbeat(parallel, settings, built: list, resume_with: str):
+    """This rank's ``liveness.Heartbeat``: where it is (loading, a step's phase, between
+    steps), a silent rank named after ``run.hang_seconds``."""
+    from ..liveness import Heartbeat
+
+    def where() -> str:
+        if built[0] is None:
+            return "while loading the model"
+        trainer = built[0].trainer
+        phase, done = trainer.phase[0], len(trainer.history)
+        return (f"between steps (after step {done})" if phase == "done" else
+                f"during the {phase or 'data'} phase of step {done + 1}")
+
+    def say(text: str) -> None:
+        sys.stderr.write(f"\nnbtune train: {text}\n")
+        sys.stderr.flush()
+    return Heartbeat(parallel.rank, parallel.world, where, settings.hang_seconds, say,
+                     f"Start it again with {resume_with} to go on from the last checkpoint.")
 
 
 @dataclass

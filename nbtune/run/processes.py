@@ -367,7 +367,8 @@ def _join(rank: int, world: int, port: int, path: str, overrides: dict, parent: 
     whether the kernel started it (then it watches the kernel)."""
     from .. import runfile
     from . import factory
-    from ..distributed import Parallel, end_with_parent
+    from ..distributed import Parallel
+    from ..liveness import end_with_parent
 
     os.environ.update(MASTER_ADDR=place["master"], MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(place["local_rank"]),

@@ -152,6 +152,7 @@ class Trainer:
         self._new_optimizer = True  # no update made by this optimizer yet
         self._interrupted = False
         self._start_rng = rng_state()  # step 0's, for ``reset``
+        self.phase: list = ["done"]  # the step under way's phase ("done" between steps): for a heartbeat
 
     @property
     def restore_point(self) -> RestorePoint | None:
@@ -264,7 +265,7 @@ class Trainer:
         undo = self._undo_for(t)
         if isinstance(self.optimizer, OptimizerInBackward):
             self.optimizer.stepped = 0
-        phase: list = [None]
+        phase = self.phase = [None]
         number, shape = len(self.history) + 1, None
         # Ctrl-C (or SIGTERM in nbtune train) counts at the step's stop points, or once the
         # step is recorded: the step is undone whole, or completes
@@ -325,6 +326,7 @@ class Trainer:
             self.base_changed |= t.method == "full"
             self.history.append(report)
             self._keep(report)
+        phase[0] = "done"
         if t.eval_every and number % t.eval_every == 0 and not held.came:
             report = self._evaluate(report, track, t)
         if held.came:  # Ctrl-C arrived while the update was being written: now it counts

@@ -400,3 +400,46 @@ def test_no_rank_outlives_a_killed_torchrun_agent_and_each_says_why(tmp_path):
     for rank in (0, 1):
         assert f"nbtune train, rank {rank}: torchrun's agent (process {agent.pid}) is gone" in err, err[-2000:]
     assert checkpoints(out)  # the newest complete checkpoint, left whole
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_with_its_phase_within_hang_seconds_and_nothing_is_left(tmp_path):
+    """Rank 1 stopped (SIGSTOP: it neither dies nor answers) mid-run under torchrun: within
+    run.hang_seconds rank 0 names it and the phase it was in, the job ends, no rank is left,
+    and --resume then goes on from the last checkpoint."""
+    import signal
+    import time
+
+    import psutil
+
+    from nbtune.run.checkpoints import checkpoints
+
+    path = run_file(tmp_path, LORA, steps=100000)
+    path.write_text(path.read_text().replace("run: {", "run: {hang_seconds: 4, "))
+    out = tmp_path / "out"
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc_per_node", "2", "-m", "nbtune", "train", str(path), "--out", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not checkpoints(out):
+            assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
+            time.sleep(0.2)
+        ranks = [child for child in psutil.Process(agent.pid).children(recursive=True)
+                 if "nbtune" in " ".join(child.cmdline())]
+        ranks[1].send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = agent.communicate(timeout=120)
+        took = time.monotonic() - stopped
+    finally:
+        for process in psutil.Process().children(recursive=True):
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+    said = [line for line in err.splitlines() if "rank 1 stopped answering" in line]
+    assert len(said) == 1, err[-3000:]
+    assert ("last heard during the " in said[0] and " phase of step " in said[0]) or "between steps" in said[0]
+    assert "no heartbeat for 4 s" in said[0] and "--resume" in said[0]
+    assert agent.returncode != 0 and took < 20, took  # (a stopped rank here is killed, not left to torchrun)
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -1088,8 +1088,8 @@ def test_sigterm_at_any_line_of_a_step_ends_it_whole(twins, changes):
     torch.manual_seed(NEXT_SEED)
     _traced_lines(probe.step, note)
     total = len(lines)
-    points = sorted({*range(0, total, total // 6), *optimizer_lines[::max(1, len(optimizer_lines) // 6)],
-                     *range(total - 6, total)})
+    points = sorted({*range(0, total, total // 4), *optimizer_lines[::max(1, len(optimizer_lines) // 4)],
+                     *range(total - 5, total)})
     outcomes = []
     for point in points:
         session = prepared(2, **changes)

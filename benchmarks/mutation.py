@@ -1117,6 +1117,10 @@ MUTANTS: list[Mutant] = [
     Mutant("missing check", "a rank whose heartbeat stopped is never named (the job waits in its collective)",
            "nbtune/liveness.py", "            elif now - seen[rank][2] > self.hang:", "            elif False:",
            (T + "cli/test_distributed.py::test_a_stopped_rank_is_named_with_its_phase_within_hang_seconds_and_nothing_is_left",)),
+    Mutant("missing check", "a rank that finished is counted as beating: when it is the lowest, nobody names the hung one",
+           "nbtune/liveness.py", '                   seen[r][0] != "done" and time.monotonic() - seen[r][2] <= self.hang]',
+           "                   time.monotonic() - seen[r][2] <= self.hang]",
+           (T + "run/test_liveness.py",)),
 ]
 
 

@@ -41,7 +41,6 @@ def held() -> Callable[[], None] | None:
     return _holds[-1] if _holds else None
 
 
-
 class StepHold:
     """Ctrl-C (and a stop signal) held for a whole training step, so that it never lands in
     the middle of a hook's registration or a half-entered context: it counts at the step's

@@ -119,13 +119,13 @@ class Heartbeat:
 
     def _end(self, rank: int, where: str, seen: dict) -> None:
         beating = [r for r in range(self.world) if r == self.rank or r not in seen or
-                   time.monotonic() - seen[r][2] <= self.hang]
+                   seen[r][0] != "done" and time.monotonic() - seen[r][2] <= self.hang]
         if self.rank == min(beating):
             self.say(f"rank {rank} stopped answering (no heartbeat for {self.hang:.0f} s; last heard "
                      f"{where}): the job ends here on every rank. {self.resume}")
-            for other, (_, _, _, pid) in seen.items():  # a stopped rank here would wait for torchrun's
-                if other not in beating and pid:        # SIGKILL, holding its memory meanwhile
-                    try:
+            for other, (count, _, _, pid) in seen.items():  # (a stopped rank here would wait for
+                if other not in beating and count != "done" and pid not in (None, 0, os.getpid()):
+                    try:  # torchrun's SIGKILL, holding its memory meanwhile)
                         os.kill(pid, signal.SIGKILL)
                     except OSError:
                         pass

@@ -27,7 +27,7 @@ from .rows import DataError, Example, TextRow, converted_row, examples_from
 from .sources import Data
 
 STREAMED = (".parquet", ".jsonl")
-_KEPT = 4096  # samples kept to take back when a step is undone (a step's batch, several times)
+_KEPT = 256  # samples kept to take back when a step is undone (a step's batches; more: replayed)
 
 
 class StreamedRows:

@@ -358,11 +358,23 @@ def test_a_machine_that_drops_out_is_named_and_the_job_ends(tmp_path):
     assert "[rank0]: Traceback" not in err
 
 
+def _resumes_as_its_twin(path, out, tmp_path):
+    """``--resume`` from the newest complete checkpoint, two steps on, equals a run never
+    stopped (the same file and step count): every loss and the saved adapters, bit for bit."""
+    from nbtune.run.checkpoints import checkpoints
+
+    steps = str(int(checkpoints(out)[-1].name.split("-")[1]) + 2)
+    torchrun(path, out, "--resume", "--steps", steps)
+    torchrun(path, tmp_path / "twin", "--steps", steps)
+    assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(tmp_path / "twin")]
+    close(weights(out), weights(tmp_path / "twin"), tol=0.0)
+
+
 @pytest.mark.slow
 def test_no_rank_outlives_a_killed_torchrun_agent_and_each_says_why(tmp_path):
     """torchrun's agent SIGKILLed (the OOM killer, a scheduler) while rank 1 is stopped
     (SIGSTOP: a hung rank) and rank 0 waits for it in a collective: both end within seconds,
-    each saying why, and the checkpoint written before stays whole for --resume."""
+    each saying why, and --resume from the checkpoint written before equals a run never stopped."""
     import os
     import signal
     import time
@@ -399,14 +411,14 @@ def test_no_rank_outlives_a_killed_torchrun_agent_and_each_says_why(tmp_path):
     assert not alive, [p.pid for p in alive]
     for rank in (0, 1):
         assert f"nbtune train, rank {rank}: torchrun's agent (process {agent.pid}) is gone" in err, err[-2000:]
-    assert checkpoints(out)  # the newest complete checkpoint, left whole
+    _resumes_as_its_twin(path, out, tmp_path)  # the newest complete checkpoint, left whole
 
 
 @pytest.mark.slow
 def test_a_stopped_rank_is_named_with_its_phase_within_hang_seconds_and_nothing_is_left(tmp_path):
     """Rank 1 stopped (SIGSTOP: it neither dies nor answers) mid-run under torchrun: within
     run.hang_seconds rank 0 names it and the phase it was in, the job ends, no rank is left,
-    and --resume then goes on from the last checkpoint."""
+    and --resume from the last checkpoint equals a run never stopped."""
     import signal
     import time
 
@@ -443,3 +455,4 @@ def test_a_stopped_rank_is_named_with_its_phase_within_hang_seconds_and_nothing_
     assert "no heartbeat for 4 s" in said[0] and "--resume" in said[0]
     assert agent.returncode != 0 and took < 20, took  # (a stopped rank here is killed, not left to torchrun)
     assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    _resumes_as_its_twin(path, out, tmp_path)

@@ -33,8 +33,8 @@ _KEPT = 256  # samples kept to take back when a step is undone (a step's batches
 class StreamedRows:
     """A data file's rows, read from its start on each pass (``iter``), one at a time."""
 
-    def __init__(self, path: Path, columns=None, source: str = "the data", buffer: int = 1000) -> None:
-        self.path, self.columns, self.source, self.buffer = Path(path), columns, source, buffer
+    def __init__(self, path: Path, columns=None, buffer: int = 1000) -> None:
+        self.path, self.columns, self.buffer = Path(path), columns, buffer
         if self.path.suffix.lower() not in STREAMED:
             raise DataError(f"{self.path}: streaming reads .parquet and .jsonl files; read this one "
                             "whole (streaming=False), or convert it (pandas: df.to_parquet(...)).")
@@ -240,7 +240,7 @@ def streamed_rows(spec: Data, source: str) -> StreamedRows:
         raise DataError(f"{source}: streaming=True reads a .parquet or .jsonl file as training goes; "
                         f"{type(path).__name__ if not isinstance(path, str) else repr(path)} is not one "
                         "(a Dataset or a whole Hub dataset is read whole: leave streaming out).")
-    return StreamedRows(resolve_data_file(path, spec.revision), spec.columns, source, spec.buffer)
+    return StreamedRows(resolve_data_file(path, spec.revision), spec.columns, spec.buffer)
 
 
 def read_rows(data, source: str = "the data"):

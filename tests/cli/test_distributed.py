@@ -1,5 +1,6 @@
 """FSDP2 under torchrun, proven on CPU with two gloo ranks against one process on the same run file."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -370,6 +371,40 @@ def _resumes_as_its_twin(path, out, tmp_path):
     close(weights(out), weights(tmp_path / "twin"), tol=0.0)
 
 
+@contextlib.contextmanager
+def _a_job_with_a_checkpoint(path, out):
+    """``nbtune train`` on 2 gloo ranks under torchrun, yielded as (the agent, its two ranks,
+    a dict that gets the agent's stderr) once a checkpoint is complete; whatever of the job
+    is still there after the block is killed (never left to the next test)."""
+    import time
+
+    import psutil
+
+    from nbtune.run.checkpoints import checkpoints
+
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc_per_node", "2", "-m", "nbtune", "train", str(path), "--out", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said: dict = {}
+    try:
+        deadline = time.monotonic() + 240
+        while not checkpoints(out):  # (a complete one)
+            assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
+            time.sleep(0.2)
+        ranks = [child for child in psutil.Process(agent.pid).children(recursive=True)
+                 if "nbtune" in " ".join(child.cmdline())]
+        assert len(ranks) == 2
+        yield agent, ranks, said
+    finally:
+        for process in psutil.Process().children(recursive=True):
+            try:
+                if process.pid != agent.pid and "nbtune" in " ".join(process.cmdline()):
+                    process.kill()
+            except psutil.Error:  # (gone, or a zombie)
+                pass
+        said["err"] = agent.communicate(timeout=60)[1]  # (the ranks wrote to the agent's stderr too)
+
+
 @pytest.mark.slow
 def test_no_rank_outlives_a_killed_torchrun_agent_and_each_says_why(tmp_path):
     """torchrun's agent SIGKILLed (the OOM killer, a scheduler) while rank 1 is stopped
@@ -381,36 +416,17 @@ def test_no_rank_outlives_a_killed_torchrun_agent_and_each_says_why(tmp_path):
 
     import psutil
 
-    from nbtune.run.checkpoints import checkpoints
-
     path = run_file(tmp_path, LORA, steps=100000)
     out = tmp_path / "out"
-    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              "--nproc_per_node", "2", "-m", "nbtune", "train", str(path), "--out", str(out)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not checkpoints(out):  # (a complete one)
-            assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
-            time.sleep(0.2)
-        ranks = [child for child in psutil.Process(agent.pid).children(recursive=True)
-                 if "nbtune" in " ".join(child.cmdline())]
-        assert len(ranks) == 2
+    with _a_job_with_a_checkpoint(path, out) as (agent, ranks, said):
         ranks[1].send_signal(signal.SIGSTOP)
         time.sleep(1.0)  # rank 0 now waits in the step's collective
         os.kill(agent.pid, signal.SIGKILL)
         gone, alive = psutil.wait_procs(ranks, timeout=20)
-    finally:
-        for process in psutil.Process().children(recursive=True):
-            try:
-                if process.pid != agent.pid and "nbtune" in " ".join(process.cmdline()):
-                    process.kill()
-            except psutil.Error:  # (gone, or a zombie)
-                pass
-        _, err = agent.communicate(timeout=60)  # (the ranks wrote to the agent's stderr too)
     assert not alive, [p.pid for p in alive]
     for rank in (0, 1):
-        assert f"nbtune train, rank {rank}: torchrun's agent (process {agent.pid}) is gone" in err, err[-2000:]
+        assert f"nbtune train, rank {rank}: torchrun's agent (process {agent.pid}) is gone" in said["err"], \
+            said["err"][-2000:]
     _resumes_as_its_twin(path, out, tmp_path)  # the newest complete checkpoint, left whole
 
 
@@ -424,35 +440,20 @@ def test_a_stopped_rank_is_named_with_its_phase_within_hang_seconds_and_nothing_
 
     import psutil
 
-    from nbtune.run.checkpoints import checkpoints
-
     path = run_file(tmp_path, LORA, steps=100000)
     path.write_text(path.read_text().replace("run: {", "run: {hang_seconds: 4, "))
     out = tmp_path / "out"
-    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              "--nproc_per_node", "2", "-m", "nbtune", "train", str(path), "--out", str(out)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not checkpoints(out):
-            assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
-            time.sleep(0.2)
-        ranks = [child for child in psutil.Process(agent.pid).children(recursive=True)
-                 if "nbtune" in " ".join(child.cmdline())]
+    with _a_job_with_a_checkpoint(path, out) as (agent, ranks, said):
         ranks[1].send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
-        _, err = agent.communicate(timeout=120)
+        agent.wait(timeout=120)
         took = time.monotonic() - stopped
-    finally:
-        for process in psutil.Process().children(recursive=True):
-            try:
-                process.kill()
-            except psutil.Error:
-                pass
+        _, alive = psutil.wait_procs(ranks, timeout=5)  # (before the block's end kills what is left)
+    err = said["err"]
     said = [line for line in err.splitlines() if "rank 1 stopped answering" in line]
     assert len(said) == 1, err[-3000:]
     assert ("last heard during the " in said[0] and " phase of step " in said[0]) or "between steps" in said[0]
     assert "no heartbeat for 4 s" in said[0] and "--resume" in said[0]
     assert agent.returncode != 0 and took < 20, took  # (a stopped rank here is killed, not left to torchrun)
-    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [p.pid for p in alive]
     _resumes_as_its_twin(path, out, tmp_path)

@@ -106,32 +106,40 @@ class Parallel:
         text = str(err)
         if not any(sign in text for sign in _GONE):
             return None
-        absent = self._roll_call()
+        said = None
+        try:
+            absent, heard = self._roll_call()
+        except KeyboardInterrupt:  # stopped meanwhile: torchrun ends every rank once one has died
+            absent, heard = [], {}
+            said = ("a connection to another rank broke, and torchrun stopped this rank (it stops "
+                    "every rank once one has ended)")
         where = lambda ranks: ", ".join(  # noqa: E731
             f"rank {r}" + (f" (machine {self.places[r][0]}, {self.places[r][1]})" if self.places else "")
-            for r in ranks)
-        if absent is None:
-            said = f"the job's store on rank 0's machine cannot be reached: {where([0])} is gone"
-        elif absent:
-            said = f"{where(absent)} stopped answering"
-        else:
-            said = "a connection between ranks broke, though every rank still answers"
+            + (f" (last heard {heard[r]})" if heard.get(r) else "") for r in ranks)
+        if said is None:
+            said = (f"the job's store on rank 0's machine cannot be reached: {where([0])} is gone"
+                    if absent is None else f"{where(absent)} stopped answering" if absent else
+                    "a connection between ranks broke, though every rank still answers")
         return RankLost(f"Rank {self.rank} lost a rank during the run: {said}. The job ends here "
                         "on every rank. Start every machine's torchrun again with --resume to go on "
                         f"from the last checkpoint. (The error: {text.splitlines()[0][:200]})")
 
-    def _roll_call(self) -> list[int] | None:
-        """The ranks that did not answer within ``ROLL_CALL_SECONDS``; None without a store."""
+    def _roll_call(self) -> tuple[list[int] | None, dict[int, str]]:
+        """The ranks that did not answer within ``ROLL_CALL_SECONDS`` (None without a store),
+        and where each was last heard (its heartbeat: ``liveness.last_heard``)."""
         import datetime
+
+        from .liveness import last_heard
 
         try:
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                   is_master=False, timeout=datetime.timedelta(seconds=ROLL_CALL_SECONDS))
             store.set(f"nbtune/present/{self.rank}", "1")
             time.sleep(ROLL_CALL_SECONDS)
-            return [r for r in range(self.world) if not store.check([f"nbtune/present/{r}"])]
+            absent = [r for r in range(self.world) if not store.check([f"nbtune/present/{r}"])]
+            return absent, {r: last_heard(store, r) for r in absent}
         except (RuntimeError, KeyError, ValueError):  # (torch's store errors are RuntimeErrors)
-            return None
+            return None, {}
 
     @property
     def device(self) -> torch.device:

@@ -53,21 +53,116 @@ def end_with_parent(who: str, parent: int | None = None, before: Callable[[], No
 BEAT_SECONDS = 1.0  # how often a rank says it is there
 HOST = socket.gethostname()  # (a silent rank on this machine is ended from here)
 _PREFIX = "nbtune/beat/"
+_TOLD = "nbtune/told"  # how many ranks tried to say a rank was lost (the first one does)
+
+
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` on this machine has ended: gone, or a zombie not yet reaped
+    (a rank SIGKILLed stays one until torchrun's agent reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):  # no /proc (not Linux): whether it can still be signalled
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        return False
+
+
+def last_heard(store, rank: int) -> str | None:
+    """Where ``rank`` was when it last beat in ``store`` ("during the backward phase of step
+    3"), None if it never beat or finished."""
+    key = f"{_PREFIX}{rank}"
+    if not store.check([key]):
+        return None
+    pulse = json.loads(store.get(key))
+    return None if pulse[0] == "done" else pulse[1]
+
+
+class Pulses:
+    """The ranks' pulses in a job's store as one watcher sees them (a rank, ``me``, or the
+    notebook's kernel): which ranks on this machine ended (their process gone without
+    finishing) and which stopped answering (a count that has not moved for ``hang`` seconds
+    by the watcher's clock: machines' clocks need not agree)."""
+
+    def __init__(self, store, world: int, hang: float, me: int | None = None) -> None:
+        self.store, self.world, self.hang, self.me = store, world, hang, me
+        self._seen: dict[int, tuple] = {}  # rank -> (its count, when it last moved)
+
+    def read(self) -> dict[int, list]:
+        """Every other rank's last pulse: [count or "done", where, host, pid, machine]."""
+        pulses = {}
+        for rank in range(self.world):
+            key = f"{_PREFIX}{rank}"
+            if rank != self.me:
+                pulses[rank] = json.loads(self.store.get(key)) if self.store.check([key]) else \
+                    [0, "while starting", "", 0, "0"]
+        return pulses
+
+    def lost(self) -> tuple[dict[int, list], list[int], list[int]]:
+        """(every pulse, the ranks that ended, the ranks silent for ``hang``)."""
+        heard, now = self.read(), time.monotonic()
+        for rank, pulse in heard.items():
+            if rank not in self._seen or self._seen[rank][0] != pulse[0]:
+                self._seen[rank] = (pulse[0], now)
+        gone = [rank for rank, pulse in heard.items()
+                if pulse[0] != "done" and pulse[2] == HOST and pulse[3] and ended(pulse[3])]
+        silent = [rank for rank, pulse in heard.items() if pulse[0] != "done" and rank not in gone
+                  and now - self._seen[rank][1] > self.hang]
+        return heard, gone, silent
+
+    def words(self, heard: dict[int, list], gone: list[int], silent: list[int]) -> str:
+        """The ranks ``gone`` and ``silent`` named (with their machine, where the job has
+        several) and where each was last heard, in a line."""
+        machines = len({_machine()} | {str(pulse[4]) for pulse in heard.values() if len(pulse) > 4}) > 1
+        name = lambda r: f"rank {r}" + (f" (machine {heard[r][4]}, {heard[r][2]})"  # noqa: E731
+                                        if machines and len(heard[r]) > 4 else "")
+        return "; ".join(
+            f"{name(r)} ended (its process is gone: killed or crashed; last heard {heard[r][1]})"
+            if r in gone else
+            f"{name(r)} stopped answering (no heartbeat for {self.hang:.0f} s; last heard {heard[r][1]})"
+            for r in sorted(set(gone) | set(silent)))
+
+    def kill_silent(self, heard: dict[int, list], silent: list[int]) -> None:
+        """SIGKILL the silent ranks on this machine: a stopped process would otherwise wait
+        for a SIGKILL, holding its memory (on a GPU, the card) meanwhile."""
+        for rank in silent:
+            if heard[rank][2] == HOST and heard[rank][3] not in (0, os.getpid()):
+                try:
+                    os.kill(heard[rank][3], signal.SIGKILL)
+                except OSError:
+                    pass
+
+
+def _machine() -> str:
+    """This machine's number in the job (torchrun's GROUP_RANK; the engines set it too)."""
+    return os.environ.get("GROUP_RANK", "0")
+
+
+def beat(store, rank: int, where: str, count: int) -> None:
+    """One pulse of ``rank`` in ``store``."""
+    store.set(f"{_PREFIX}{rank}", json.dumps([count, where, HOST, os.getpid(), _machine()]))
 
 
 class Heartbeat:
     """This rank's pulse in the job's store (torchrun's, at ``MASTER_ADDR:MASTER_PORT``), from a
-    thread of its own: a count and ``where()`` (its phase and step) every ``BEAT_SECONDS``; and
-    the other ranks' pulses read. A rank whose count has not moved for ``hang_seconds`` (by
-    this rank's clock: machines' clocks need not agree) stopped answering. The lowest rank
-    still beating names it and where it was last heard, a beat before at most ("rank 1
-    stopped answering ...; last heard during the backward phase of step 41"); a silent rank
-    on this machine is killed, every rank still beating ends, and torchrun ends the rest.
-    ``close()`` marks this rank done (a rank that finished is not waited for)."""
+    thread of its own: a count and ``where()`` (its phase and step) every ``BEAT_SECONDS``.
+    Under torchrun (``watch``) it also reads the other ranks' (``Pulses``): the first rank to
+    see one ended or silent names it and where it was last heard, a beat before at most
+    ("rank 1 stopped answering ...; last heard during the backward phase of step 41"); a
+    silent rank on this machine is killed, every rank still beating ends, and torchrun ends
+    the rest. ``close()`` names a rank that ended meanwhile (this rank may be ending because
+    of it), then marks this rank done (a rank that finished is not waited for). From the
+    notebook (not ``watch``), the kernel reads the pulses instead (``run.processes``)."""
 
     def __init__(self, rank: int, world: int, where: Callable[[], str], hang_seconds: float,
-                 say: Callable[[str], None], resume: str, store=None) -> None:
-        self.rank, self.world, self.where, self.hang = rank, world, where, hang_seconds
+                 say: Callable[[str], None], resume: str, store=None, watch: bool = True) -> None:
+        self.rank, self.where, self.hang, self.watch = rank, where, hang_seconds, watch
         self.say, self.resume = say, resume
         if store is None:
             import torch.distributed as dist
@@ -75,58 +170,44 @@ class Heartbeat:
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                   timeout=timedelta(seconds=max(10.0, hang_seconds)))
         self.store, self._stop = store, threading.Event()
+        self.pulses = Pulses(store, world, hang_seconds, me=rank)
         self._thread = threading.Thread(target=self._run, daemon=True, name="nbtune-heartbeat")
         self._thread.start()
 
     def close(self) -> None:
-        """Stop beating, marked done, so that no rank names this one as hung."""
+        """Stop beating; name a rank that ended meanwhile; marked done, so that no rank names
+        this one as hung."""
         self._stop.set()
         self._thread.join()
         try:
+            if self.watch:
+                heard, gone, _ = self.pulses.lost()
+                if gone:
+                    self._tell(heard, gone, [])
             self.store.set(f"{_PREFIX}{self.rank}", json.dumps(["done", ""]))
         except Exception:  # noqa: BLE001 - the store's host already gone: nothing waits on us
             pass
 
     def _run(self) -> None:
-        count, seen = 0, {}  # rank -> (its count, its where, when it last moved by our clock)
+        count = 0
         try:
             while not self._stop.is_set():
                 count += 1
-                self.store.set(f"{_PREFIX}{self.rank}", json.dumps([count, self.where(), HOST, os.getpid()]))
-                silent = self._silent(seen)
-                if silent is not None:
-                    self._end(*silent, seen)
+                beat(self.store, self.rank, self.where(), count)
+                if self.watch:
+                    heard, gone, silent = self.pulses.lost()
+                    if gone or silent:
+                        if self._tell(heard, gone, silent):
+                            self.pulses.kill_silent(heard, silent)
+                        os._exit(1)
                 self._stop.wait(BEAT_SECONDS)
         except Exception:  # noqa: BLE001 - the store is gone (the agent ended): end_with_parent's
             return
 
-    def _silent(self, seen: dict) -> tuple[int, str] | None:
-        """The first rank silent for ``hang_seconds``, with its last words; else None."""
-        now = time.monotonic()
-        for rank in range(self.world):
-            if rank == self.rank:
-                continue
-            key = f"{_PREFIX}{rank}"
-            pulse = json.loads(self.store.get(key)) if self.store.check([key]) else [0, "while starting", "", 0]
-            if pulse[0] == "done":
-                seen[rank] = (pulse[0], "", now, None)
-                continue
-            if rank not in seen or seen[rank][0] != pulse[0]:
-                seen[rank] = (pulse[0], pulse[1], now, pulse[3] if pulse[2] == HOST else None)
-            elif now - seen[rank][2] > self.hang:
-                return rank, seen[rank][1]
-        return None
-
-    def _end(self, rank: int, where: str, seen: dict) -> None:
-        beating = [r for r in range(self.world) if r == self.rank or r not in seen or
-                   seen[r][0] != "done" and time.monotonic() - seen[r][2] <= self.hang]
-        if self.rank == min(beating):
-            self.say(f"rank {rank} stopped answering (no heartbeat for {self.hang:.0f} s; last heard "
-                     f"{where}): the job ends here on every rank. {self.resume}")
-            for other, (count, _, _, pid) in seen.items():  # (a stopped rank here would wait for
-                if other not in beating and count != "done" and pid not in (None, 0, os.getpid()):
-                    try:  # torchrun's SIGKILL, holding its memory meanwhile)
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-        os._exit(1)
+    def _tell(self, heard: dict[int, list], gone: list[int], silent: list[int]) -> bool:
+        """Name the ranks ``gone`` and ``silent`` in one line, unless another rank already
+        did (the first to see it says it: once); whether this rank did."""
+        if self.store.add(_TOLD, 1) != 1:
+            return False
+        self.say(f"{self.pulses.words(heard, gone, silent)}: the job ends here on every rank. {self.resume}")
+        return True

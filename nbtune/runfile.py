@@ -135,7 +135,8 @@ class RunSettings(_Strict):
     # trackers besides metrics.jsonl (always written): nbtune.trackers.TRACKERS
     log: list[Literal["tensorboard", "trackio", "wandb", "mlflow"]] = []
     evaluate: bool = False  # held-out accuracy (generation, scored by data.match) before and after
-    # under torchrun: a rank whose heartbeat is silent this long is named and the job ended
+    # several ranks (torchrun, processes=N): one whose heartbeat is silent this long is named
+    # and the job ended
     hang_seconds: float = Field(default=30.0, ge=2)
 
 

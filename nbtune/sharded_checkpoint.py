@@ -52,9 +52,10 @@ def save_checkpoint(trainer, folder, source: str | None = None, parallel=None) -
     recorded for the reader. A damaged state (an update half-written) is refused: a
     checkpoint of it would resume a run that never was."""
     trainer.check_usable()
-    if parallel is not None:
-        return save_sharded_checkpoint(trainer, folder, parallel, source)
-    return checkpoint.save_checkpoint(trainer, folder, source)
+    with trainer.saving():
+        if parallel is not None:
+            return save_sharded_checkpoint(trainer, folder, parallel, source)
+        return checkpoint.save_checkpoint(trainer, folder, source)
 
 
 def load_checkpoint(trainer, folder, parallel=None) -> None:
@@ -118,8 +119,12 @@ def _share_path(parallel, path: str | None) -> str:
     return os.fsdecode(bytes(buffer.cpu().tolist()))
 
 
-def _others_failed(folder, failed: list[int]) -> RuntimeError:
-    return RuntimeError(f"Rank {', '.join(map(str, failed))} could not write its part of {folder} "
+class NotWritten(RuntimeError):
+    """A sharded checkpoint another rank could not write its part of: nothing was changed."""
+
+
+def _others_failed(folder, failed: list[int]) -> NotWritten:
+    return NotWritten(f"Rank {', '.join(map(str, failed))} could not write its part of {folder} "
                         "(its error says why): nothing was changed, and a checkpoint already "
                         "there is whole.")
 
@@ -171,7 +176,7 @@ def write_sharded(folder, parallel, write: Callable[[Path], object]) -> Path:
 def _write_beside_rank0(folder: Path, parallel, write) -> Path:
     path = _share_path(parallel, None)
     if not path:
-        raise RuntimeError(f"Rank 0 could not start saving {folder} (its error says why): "
+        raise NotWritten(f"Rank 0 could not start saving {folder} (its error says why): "
                            "nothing was written.")
     tmp = Path(path)
 
@@ -193,7 +198,7 @@ def _write_beside_rank0(folder: Path, parallel, write) -> Path:
     if failed:
         raise _others_failed(folder, failed)
     if _failed_ranks(parallel, True):
-        raise RuntimeError(f"Rank 0 could not put {folder} in place (its error says why): a "
+        raise NotWritten(f"Rank 0 could not put {folder} in place (its error says why): a "
                            "checkpoint already there is whole.")
     return folder
 

@@ -175,13 +175,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _ended_the_run(err: BaseException) -> bool:
     """A training failure nbtune explains itself (a NaN refused, a half-written update, out of
-    memory with advice): said in one message, not a traceback."""
+    memory with advice, a rank lost, another rank's part of a checkpoint not written): said in
+    one message, not a traceback."""
     from ..distributed import RankLost
     from ..oom import OutOfMemory
     from ..step import NonFiniteError
     from ..run.trainer import DamagedStateError
+    from ..sharded_checkpoint import NotWritten
 
-    return isinstance(err, (NonFiniteError, DamagedStateError, OutOfMemory, RankLost))
+    return isinstance(err, (NonFiniteError, DamagedStateError, OutOfMemory, RankLost, NotWritten))
 
 
 # What bad input raises: nbtune's own errors (all ValueError) and the operating system's

@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -221,7 +222,6 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
 
     from ..distributed import Parallel
     from ..liveness import end_with_parent
-    from ..run.runner import Message
 
     config = runfile.load(path, overrides)
     settings = config.run
@@ -251,13 +251,43 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
         if lead:
             tqdm.write(text)
 
+    stopped: list = []
     try:
-        started = time.perf_counter()
+        with stop_signals(saves=parallel is None) as stopped:
+            try:
+                code = _build_and_run(path, out, out_dir, config, settings, resume, parallel, device,
+                                      progress, built, say)
+            except Exception as err:  # a rank or its machine gone: named, not a traceback
+                lost = parallel.lost(err) if parallel is not None else None
+                if lost is None:
+                    raise
+                built[0] = None
+                traceback.clear_frames(err.__traceback__)  # (they hold the sharded model)
+                raise lost from None
+        if parallel is not None and code == 0:
+            parallel.barrier()  # every rank done with the group before any tears it down
+        return 128 + stopped[0] if code == 130 and stopped else code
+    finally:
+        built[0] = None  # (the sharded model holds the group: dropped, so close() frees it)
+        if beat is not None:
+            beat.close()
+        if parallel is not None:
+            parallel.close()
+
+
+def _build_and_run(path, out, out_dir: Path, config, settings, resume: bool, parallel, device,
+                   progress: bool, built: list, say) -> int:
+    """Build the run (``built[0]``, what the heartbeat reads), write its folder's files on rank
+    0, and run it (``_run``); its exit code."""
+    from ..run.runner import Message
+
+    rank = parallel.rank if parallel is not None else 0
+    started = time.perf_counter()
+    try:
         parts = built[0] = factory.from_config(config, device=device, parallel=parallel)
-        parts.runner.subscribe(lambda event: say(f"nbtune: {event.text}")
-                               if isinstance(event, Message) else None)
+        parts.runner.subscribe(lambda event: say(f"nbtune: {event.text}") if isinstance(event, Message) else None)
         parts.runner.relay()  # what building the run had to say (rows skipped)
-        if lead:
+        if rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
             write_file_atomically(out_dir / OURS, json.dumps({"written_by": "nbtune train"}))
             effective = config.model_copy(update={
@@ -270,28 +300,17 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
             write_file_atomically(out_dir / "run.yaml", runfile.dump(effective))
         if parallel is not None:
             parallel.barrier()
-        job = TrainJob(path, out, out_dir, settings, resume, parallel, rank, say, started, progress,
-                       config.benchmark_absolute())
-        with stop_signals() as stopped:
-            try:
-                code = _run(parts, job)
-            except Exception as err:  # a rank or its machine gone: named, not a traceback
-                if job.loggers is not None:  # the trackers' runs end marked as failed
-                    job.loggers.close_trackers(failed=True)
-                lost = parallel.lost(err) if parallel is not None else None
-                if lost is None:
-                    raise
-                parts = None
-                raise lost from None
-        if parallel is not None and code == 0:
-            parallel.barrier()  # every rank done with the group before any tears it down
-        return 128 + stopped[0] if code == 130 and stopped else code
-    finally:
-        parts = built[0] = None  # (the sharded model holds the group: dropped, so close() frees it)
-        if beat is not None:
-            beat.close()
-        if parallel is not None:
-            parallel.close()
+    except KeyboardInterrupt:  # (SIGTERM too: stop_signals; torchrun's, when another rank died)
+        say("nbtune train: stopped while loading the model: nothing was trained.")
+        return 130
+    job = TrainJob(path, out, out_dir, settings, resume, parallel, rank, say, started, progress,
+                   config.benchmark_absolute())
+    try:
+        return _run(parts, job)
+    except Exception:
+        if job.loggers is not None:  # the trackers' runs end marked as failed
+            job.loggers.close_trackers(failed=True)
+        raise
 
 
 def _heartbeat(parallel, settings, built: list, resume_with: str):
@@ -302,10 +321,7 @@ def _heartbeat(parallel, settings, built: list, resume_with: str):
     def where() -> str:
         if built[0] is None:
             return "while loading the model"
-        trainer = built[0].trainer
-        phase, done = trainer.phase[0], len(trainer.history)
-        return (f"between steps (after step {done})" if phase == "done" else
-                f"during the {phase or 'data'} phase of step {done + 1}")
+        return built[0].trainer.where()
 
     def say(text: str) -> None:
         sys.stderr.write(f"\nnbtune train: {text}\n")

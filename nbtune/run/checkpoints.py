@@ -50,9 +50,10 @@ def install(handler) -> dict[int, object]:
 
 
 @contextlib.contextmanager
-def stop_signals():
+def stop_signals(saves: bool = True):
     """While training, SIGTERM and SIGHUP end the run as Ctrl-C does: the step in flight
-    finished or undone, a checkpoint saved, the exit code 128 + the signal's number. Yields
+    finished or undone, a checkpoint saved (unless not ``saves``: under torchrun, where the
+    ranks may stop at different steps), the exit code 128 + the signal's number. Yields
     the list the signal's number goes in. A second signal while saving is ignored: the save
     it would cut short is what the first one asked for. (Elsewhere than the main thread the
     signals keep their defaults.)"""
@@ -65,8 +66,8 @@ def stop_signals():
         if stopped:
             return
         stopped.append(signum)
-        sys.stderr.write(f"\nnbtune: {signal.Signals(signum).name}: ending the step, then saving a "
-                         "checkpoint\n")
+        sys.stderr.write(f"\nnbtune: {signal.Signals(signum).name}: ending the step" + (
+            ", then saving a checkpoint\n" if saves else " (the newest checkpoint is where --resume goes on)\n"))
         came = held()
         if came is None:
             raise KeyboardInterrupt

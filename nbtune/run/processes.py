@@ -23,7 +23,9 @@ answering, as ipyparallel's heartbeat has it). The cluster's files go to a tempo
 not the user's IPython profile.
 
 Faults: the kernel waits on every rank at once. A rank that dies (killed, out of memory, an
-exception) or does not answer within ``timeout`` raises ``RankFailed`` naming it and why; the
+exception) or does not answer within ``timeout`` raises ``RankFailed`` naming it and why; so
+does one whose heartbeat (``liveness.Heartbeat``, in a store the kernel holds) is silent for
+``run.hang_seconds``, named with where it was last heard, and the controller's death. The
 other ranks, which would wait for it in a collective, are ended with the cluster, and the
 kernel goes on. ``restart()`` starts the ranks again from the last checkpoint saved or
 loaded. Ctrl-C in the kernel lets the command under way (a step) finish on every rank first.
@@ -38,6 +40,7 @@ import tempfile
 import threading
 import time
 from concurrent import futures
+from datetime import timedelta
 from pathlib import Path
 
 from ..interrupts import ctrl_c_held
@@ -78,6 +81,7 @@ class Processes:
     """
 
     interrupted = False  # Ctrl-C came during the last held command (it finished first)
+    pulses = None  # the ranks' heartbeats, as the kernel reads them (liveness.Pulses)
     _holding = False  # inside holding_ctrl_c
 
     def __init__(self, run_file, processes: int = 2, *, overrides: dict | None = None,
@@ -145,9 +149,11 @@ class Processes:
         master = self.address if self.local < processes else "127.0.0.1"
         port = _free_port(master)
         resume = str(self.checkpoint) if self.checkpoint is not None else None
+        pulses = _watch(master, processes, self.config.run.hang_seconds)
         answers = self.each(_join, lambda rank: (rank, processes, port, str(path), overrides or {},
                                                  parent, controller, resume, self.build,
-                                                 {**places[rank], "master": master}))
+                                                 {**places[rank], "master": master, "beats": pulses.store.port}))
+        self.pulses = pulses  # watched from here on (loading may hold a rank's GIL for long)
         self.about = answers[0]  # rank 0's run: its model's shape, tokenizer, source, data files
         self.step_number, self.techniques = self.about["step"], self.about["techniques"]
         if self.checkpoint is None:  # the run file's, before any set(): what a resume starts from
@@ -217,13 +223,16 @@ class Processes:
         pending = [engine.apply_async(function, *args_of(rank))
                    for rank, engine in enumerate(self._engines)]
         deadline = time.monotonic() + self.timeout + extra
-        tick = 1.0 if poll is None else 0.05
+        tick, listened = (1.0 if poll is None else 0.05), time.monotonic()
         while True:
             left = min(tick, max(0.0, deadline - time.monotonic()))
             # (each AsyncResult is a Future: wait for them without polling the cores)
             done, waiting = futures.wait(pending, left, return_when=futures.FIRST_EXCEPTION)
             if poll is not None:
                 poll()
+            if self.pulses is not None and waiting and time.monotonic() - listened >= 1.0:
+                listened = time.monotonic()
+                self._listen()
             failed = next((rank for rank, p in enumerate(pending) if p in done and not p.successful()), None)
             if failed is not None:
                 why = _reason(pending[failed])
@@ -242,6 +251,27 @@ class Processes:
         for engine in self._engines:
             engine.history.clear()
         return answers
+
+    def _listen(self) -> None:
+        """The ranks' heartbeats (``liveness.Pulses``): a rank silent for ``run.hang_seconds``
+        is named with where it was last heard (not ipyparallel's "Engine died" 45 s on),
+        ended if it runs here (a stopped process would hold its memory), and the others with
+        it. And the controller: without it no answer comes back, though every rank beats."""
+        from ..liveness import ended
+
+        launched = getattr(self.cluster, "controller", None)
+        controller = getattr(getattr(launched, "process", None), "pid", None)
+        if controller is not None and ended(controller):
+            self._fail(None, f"ipyparallel's controller (process {controller}) ended (killed?), "
+                             "so no rank's answer can come back")
+        try:
+            heard, _, silent = self.pulses.lost()
+        except Exception:  # noqa: BLE001 - the store is the kernel's own: gone only as it ends
+            return
+        if silent:
+            self.pulses.kill_silent(heard, [rank for rank in silent if self._here[rank]])
+            self._fail(silent[0] if len(silent) == 1 else None, self.pulses.words(heard, [], silent),
+                       named=True)
 
     def _dead_peer(self, why: str, grace: float = 3.0) -> int | None:
         """The rank started here whose process ended, when a rank's collective failed on its
@@ -270,14 +300,16 @@ class Processes:
         rank 0's answer."""
         return self.each(_call, lambda rank: (method, args, kwargs))[0]
 
-    def _fail(self, rank: int | None, why: str):
-        """End every rank and the cluster, then raise ``RankFailed``."""
+    def _fail(self, rank: int | None, why: str, named: bool = False):
+        """End every rank and the cluster, then raise ``RankFailed`` (``named``: ``why``
+        names the rank itself)."""
         self._end()
         back = (f"recover() starts them again from {self.checkpoint}" if self.checkpoint is not None
                 else "no checkpoint was saved through save_checkpoint(), so recover() starts "
                      "from the beginning")
-        who = f"Rank {rank}" if rank is not None else "The ranks"
-        raise RankFailed(f"{who} failed: {why}. The other ranks were ended (they would have "
+        who = f"Rank {rank} failed: " if rank is not None else "The ranks failed: "
+        said = why[0].upper() + why[1:] if named else who + why
+        raise RankFailed(f"{said}. The other ranks were ended (they would have "
                          f"waited for it); the kernel goes on, and {back}.", rank)
 
     def save_checkpoint(self, folder) -> Path:
@@ -323,7 +355,7 @@ class Processes:
         """End the engines and the controller (idempotent)."""
         if getattr(self, "cluster", None) is None:
             return
-        self._engines = []
+        self._engines, self.pulses = [], None
         try:
             if self.client is not None:
                 if self.local < self.world:  # engines started on other machines: asked to end
@@ -335,6 +367,18 @@ class Processes:
         finally:
             self.client = self.cluster = None
             self._profile.cleanup()
+
+
+def _watch(address: str, world: int, hang: float):
+    """A store of the kernel's own for the ranks' heartbeats, at ``address`` (where the ranks
+    reach this machine), and the kernel's reading of it: held by the kernel, it answers
+    whichever rank stops (rank 0's own store would stop with rank 0)."""
+    from torch.distributed import TCPStore
+
+    from ..liveness import Pulses
+
+    store = TCPStore(address, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    return Pulses(store, world, hang)
 
 
 def _ask_to_end(client) -> None:
@@ -376,6 +420,13 @@ def _join(rank: int, world: int, port: int, path: str, overrides: dict, parent: 
     if place["watch"]:  # the kernel gone: this rank and the controller end
         end_with_parent(f"rank {rank}", parent, lambda: _end(controller), what="the kernel that started it")
     import torch
+    from torch.distributed import TCPStore
+
+    from ..liveness import Heartbeat
+
+    ENGINE_STATE["beat"] = Heartbeat(  # (the kernel reads it: _listen)
+        rank, world, _whereabouts, 0.0, say=lambda text: None, resume="", watch=False,
+        store=TCPStore(place["master"], place["beats"], is_master=False, timeout=timedelta(seconds=30)))
 
     if not torch.cuda.is_available():  # the cores shared out, as torchrun does (OMP_NUM_THREADS)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // place["local_world"]))
@@ -394,6 +445,12 @@ def _join(rank: int, world: int, port: int, path: str, overrides: dict, parent: 
             "demo_name": run.demo_name, "settings": run.settings,
             "trainable": sum(p.numel() for p in run.model.parameters() if p.requires_grad),
             "match": run.match if isinstance(run.match, str) else "exact"}
+
+
+def _whereabouts() -> str:
+    """What this rank's heartbeat says it is doing."""
+    run = ENGINE_STATE.get("run")
+    return run.trainer.where() if run is not None else "while loading the model or between commands"
 
 
 def _where() -> tuple:
@@ -460,7 +517,9 @@ def _end(controller: int | None) -> None:
 
 
 def _leave() -> None:
-    parallel = ENGINE_STATE.pop("parallel", None)
+    parallel, beat = ENGINE_STATE.pop("parallel", None), ENGINE_STATE.pop("beat", None)
     ENGINE_STATE.clear()
+    if beat is not None:
+        beat.close()
     if parallel is not None:
         parallel.close()

@@ -23,6 +23,7 @@ either complete or leave the state exactly as it was.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import traceback
@@ -610,6 +611,23 @@ class Trainer:
         """Refuse (DamagedStateError) while the state cannot be trusted, except to load one."""
         if self.damaged and not loading:
             raise DamagedStateError(self.damaged)
+
+    def where(self) -> str:
+        """Where this trainer is, in words (what a heartbeat says): "during the backward phase
+        of step 41", "between steps (after step 40)", "while saving the checkpoint of step 40"."""
+        phase, done = self.phase[0], len(self.history)
+        return (f"between steps (after step {done})" if phase == "done" else
+                f"while saving the checkpoint of step {done}" if phase == "saving" else
+                f"during the {phase or 'data'} phase of step {done + 1}")
+
+    @contextlib.contextmanager
+    def saving(self):
+        """While a checkpoint of this state is written: the phase a heartbeat reports."""
+        before, self.phase[0] = self.phase[0], "saving"
+        try:
+            yield
+        finally:
+            self.phase[0] = before
 
     # ---- one step's undo -----------------------------------------------------------------
 

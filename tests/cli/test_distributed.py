@@ -354,8 +354,10 @@ def test_a_machine_that_drops_out_is_named_and_the_job_ends(tmp_path):
     (first, second) = two_machines(path, tmp_path / "out", kill=True)
     out, err, code = first
     assert code != 0 and second[2] != 0
-    said = [line for line in err.splitlines() if line.startswith("nbtune train: Rank 0 lost")]
-    assert said and "rank 1 (machine 1, " in said[0] and "--resume" in said[0], err[-3000:]
+    # (both "machines" are this one: the heartbeat sees rank 1's process gone; across machines
+    # it is silent, or the roll call names it: Parallel.lost)
+    said = [line for line in err.splitlines() if line.startswith("nbtune train: ") and "rank 1 (machine 1, " in line]
+    assert len(said) == 1 and "--resume" in said[0], err[-3000:]
     assert "[rank0]: Traceback" not in err
 
 
@@ -452,8 +454,10 @@ def test_a_stopped_rank_is_named_with_its_phase_within_hang_seconds_and_nothing_
     err = said["err"]
     said = [line for line in err.splitlines() if "rank 1 stopped answering" in line]
     assert len(said) == 1, err[-3000:]
-    assert ("last heard during the " in said[0] and " phase of step " in said[0]) or "between steps" in said[0]
+    assert ("last heard during the " in said[0] and " phase of step " in said[0]) or "between steps" in said[0] \
+        or "while saving the checkpoint of step " in said[0]
     assert "no heartbeat for 4 s" in said[0] and "--resume" in said[0]
     assert agent.returncode != 0 and took < 20, took  # (a stopped rank here is killed, not left to torchrun)
     assert not alive, [p.pid for p in alive]
     _resumes_as_its_twin(path, out, tmp_path)
+

@@ -85,6 +85,10 @@ def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behin
             _a_killed_rank(ranks, tmp_path / "at-5")
         with pytest.raises(nt.RankFailed, match="recover()"):
             ranks.step()  # the ranks were ended: the session says so (notebook 07 recovers)
+        if techniques.startswith("method: lora"):
+            _a_stopped_rank_then_recover(ranks, sixth)
+        else:
+            _a_killed_controller_then_recover(ranks, sixth)
     finally:
         ranks.close()
     assert [r.step for r in reports] == [1, 2, 3, 4, 5] and ranks.history[:5] == reports
@@ -216,6 +220,58 @@ def _a_killed_rank(session, checkpoint) -> None:
     assert f"recover() starts them again from {checkpoint}" in str(failed.value)
     gone, still = psutil.wait_procs(started, timeout=30)  # rank 0 ended too: no process left
     assert not still, [p.cmdline() for p in still]
+
+
+def _a_stopped_rank_then_recover(session, sixth) -> None:
+    """recover() gives back the step after the checkpoint, as the session gave it before any
+    fault; then rank 1 stopped (SIGSTOP: neither dead nor answering) mid-run is named by its
+    heartbeat within hang_seconds with where it was last heard (not ipyparallel's "Engine 1
+    died" 45 s on), no rank is left, and recover() gives that step again."""
+    import os
+    import signal
+
+    session.parts.ranks.timeout = 600  # (the hung-rank check before set it to 2 s)
+    assert "at-5" in session.recover()
+    assert session.step().loss == sixth.loss
+    ranks = session.parts.ranks
+    ranks.pulses.hang = 3
+    engines = [psutil.Process(pid) for pid in ranks.pids]
+    threading.Timer(2.0, os.kill, (ranks.pids[1], signal.SIGSTOP)).start()
+    started = time.monotonic()
+    with pytest.raises(nt.RankFailed) as failed:
+        session.run(10_000, progress=False)
+    took = time.monotonic() - 2.0 - started
+    said = str(failed.value)
+    assert failed.value.rank == 1 and said.startswith("Rank 1 stopped answering (no heartbeat for 3 s; last heard ")
+    assert ("phase of step " in said or "between steps" in said) and "recover()" in said
+    assert took < 10, took
+    gone, still = psutil.wait_procs(engines, timeout=20)
+    assert not still, [p.pid for p in still]
+    session.recover()
+    assert len(session.history) == 5 and session.step().loss == sixth.loss
+
+
+def _a_killed_controller_then_recover(session, sixth) -> None:
+    """recover() after a killed rank gives back the step after the checkpoint; then
+    ipyparallel's controller SIGKILLed mid-run (no answer can come back, though every rank
+    still beats): named within seconds, not after the command's timeout, no rank is left,
+    and recover() gives that step again."""
+    import os
+    import signal
+
+    session.recover()
+    assert len(session.history) == 5 and session.step().loss == sixth.loss
+    ranks = session.parts.ranks
+    engines = [psutil.Process(pid) for pid in ranks.pids]
+    threading.Timer(2.0, os.kill, (ranks.cluster.controller.process.pid, signal.SIGKILL)).start()
+    started = time.monotonic()
+    with pytest.raises(nt.RankFailed, match=r"controller \(process \d+\) ended \(killed\?\)") as failed:
+        session.run(10_000, progress=False)
+    assert time.monotonic() - 2.0 - started < 10 and "recover()" in str(failed.value)
+    gone, still = psutil.wait_procs(engines, timeout=20)
+    assert not still, [p.pid for p in still]
+    session.recover()
+    assert len(session.history) == 5 and session.step().loss == sixth.loss
 
 
 def _twins(**changes):

@@ -88,3 +88,32 @@ def test_optimizer_in_backward_round_trip_removes_its_hooks():
     loss.backward()  # a backward outside any step: no hook may update a weight now
     assert all(torch.equal(before[n], p) for n, p in session.model.named_parameters())
     assert all(p.grad is not None for p in session.model.parameters())
+
+
+def test_where_a_trainer_is_names_its_phase_step_and_a_save(tmp_path, monkeypatch):
+    """What a heartbeat says of a rank: the phase of the step under way, between steps, or
+    the checkpoint being written (seen from inside the save), and "done" again after it."""
+    import nbtune.checkpoint
+    from nbtune.step import _Phases
+
+    session = small_session()
+    trainer = session.trainer
+    assert trainer.where() == "between steps (after step 0)"
+    heard = []
+    real_optimizer = _Phases.before_optimizer
+
+    def before_optimizer(self):
+        real_optimizer(self)
+        heard.append(trainer.where())
+    monkeypatch.setattr(_Phases, "before_optimizer", before_optimizer)
+    session.step()
+    assert heard == ["during the optimizer phase of step 1"]
+    real_save = nbtune.checkpoint.save_file
+
+    def save_file(*args, **kwargs):
+        heard.append(trainer.where())
+        return real_save(*args, **kwargs)
+    monkeypatch.setattr(nbtune.checkpoint, "save_file", save_file)
+    session.save_checkpoint(tmp_path / "ckpt")
+    assert set(heard[1:]) == {"while saving the checkpoint of step 1"}
+    assert trainer.where() == "between steps (after step 1)"

@@ -1147,6 +1147,21 @@ MUTANTS: list[Mutant] = [
     Mutant("missing check", "the kernel never notices the controller died (the command waits out its timeout)",
            "nbtune/run/processes.py", "        if controller is not None and ended(controller):", "        if False:",
            (T + "run/test_processes.py::test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behind[qlora]",)),
+    Mutant("missing case", "a row out of memory on a rank ends compare and the ladder instead of being a row",
+           "nbtune/run/ladder.py", "                if not failed.out_of_memory:", "                if True:",
+           (T + "run/test_ladder.py::test_a_row_out_of_memory_on_a_rank_is_a_row_naming_it_and_the_rows_go_on",)),
+    Mutant("missing case", "a rank's out-of-memory error is not told from its other failures",
+           "nbtune/run/processes.py",
+           '        return getattr(err, "ename", type(err).__name__) in ("OutOfMemory", "OutOfMemoryError")',
+           "        return False",
+           (T + "run/test_ladder.py::test_a_row_out_of_memory_on_a_rank_is_a_row_naming_it_and_the_rows_go_on",)),
+    Mutant("missing case", "a row out of memory in one process ends the ladder",
+           "nbtune/run/ladder.py", "        except torch.OutOfMemoryError:\n            if parallel is not None:",
+           "        except ZeroDivisionError:\n            if parallel is not None:",
+           (T + "run/test_ladder.py::test_a_row_out_of_memory_in_one_process_is_a_row_and_the_ladder_goes_on",)),
+    Mutant("missing step", "the row after one out of memory on a rank does not carry its changes on",
+           "nbtune/run/ladder.py", '                       "changes": {**carried, **changes}}', '                       "changes": carried}',
+           (T + "run/test_ladder.py::test_a_row_out_of_memory_on_a_rank_is_a_row_naming_it_and_the_rows_go_on",)),
 ]
 
 

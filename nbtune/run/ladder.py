@@ -307,8 +307,11 @@ def ladder(path: str, *, rows=FSDP_LADDER, steps: int = 2, out: str | None = Non
     every step measured, in this process or under torchrun on every rank; rank 0 prints the
     table (peak of the highest rank, change against the first row, and each row's peak per
     rank as ``estimate`` predicts it for full-length rows) and writes ladder.json.
-    A row the rules refuse (CPU offload without CUDA, ...) says why and is not carried on.
-    ``processes=N``: on N ranks started from here (a notebook cell), as under torchrun."""
+    A row the rules refuse (CPU offload without CUDA, ...) says why and is not carried on; a
+    row that runs out of memory says so and the ladder goes on (under torchrun it ends the
+    job: the other ranks wait for it in a collective).
+    ``processes=N``: on N ranks started from here (a notebook cell), as under torchrun; a
+    row out of memory there names the rank (``rows_on_ranks``)."""
     from ..distributed import Parallel
 
     if processes is not None:
@@ -340,16 +343,34 @@ def _ladder_on_ranks(path, rows, steps: int, out, overrides, processes: int) -> 
 
 def rows_on_ranks(path, rows, steps: int, overrides, processes: int, predict: bool = True) -> list[dict]:
     """``measure_rows`` on ``processes`` ranks of their own, started and ended here (beside
-    any session's ranks: each row's peak is its own processes'), each row predicted first."""
-    from ..run.processes import Processes
+    any session's ranks: each row's peak is its own processes'), each row predicted first and
+    sent as a command of its own. A row that runs out of memory on a rank is a row ("out of
+    memory on rank 1"), as in one process: its ranks, which the others would wait for in a
+    collective, are ended, and the next row starts on fresh ones (carrying its changes on,
+    as a row that ran would)."""
+    from ..run.processes import Processes, RankFailed
 
     predicted = _predicted_rows(path, rows, overrides, None, processes) if predict else {}
-    ranks = Processes(path, processes, overrides=overrides, build=False)
+    results, carried, ranks = [], dict(overrides or {}), None
     try:
-        return ranks.each(_measure_on_rank, lambda rank: (str(Path(path).resolve()), rows, steps,
-                                                           overrides, predicted))[0]
+        for label, changes in rows:
+            if ranks is None:
+                ranks = Processes(path, processes, overrides=overrides, build=False)
+            try:
+                row = ranks.each(_measure_on_rank, lambda rank: (str(Path(path).resolve()), [(label, changes)],
+                                                                 steps, carried, predicted))[0][0]
+            except RankFailed as failed:
+                if not failed.out_of_memory:
+                    raise
+                ranks = None  # (ended with the row)
+                row = {"label": label, "error": f"out of memory on rank {failed.rank}",
+                       "changes": {**carried, **changes}}
+            results.append(row)
+            carried = row.get("changes", carried)
     finally:
-        ranks.close()
+        if ranks is not None:
+            ranks.close()
+    return results
 
 
 def compare_on_ranks(ranks, techniques, configs, steps: int, estimate: bool = True):
@@ -370,8 +391,8 @@ def compare_on_ranks(ranks, techniques, configs, steps: int, estimate: bool = Tr
     measured = rows_on_ranks(path, dotted, steps, overrides, ranks.world, predict=estimate)
     out, previous = [], None
     for (label, t), row in zip(rows, measured):
-        if "refused" in row:
-            out.append(LadderRow(label, t, error=row["refused"]))
+        if "refused" in row or "error" in row:
+            out.append(LadderRow(label, t, error=row.get("refused") or row["error"]))
             previous = None  # the next row's change has nothing to go by, as in compare
             continue
         top = max(row["per_rank"], key=lambda rank: rank["peak"])
@@ -415,7 +436,15 @@ def measure_rows(path: str, rows, steps: int, parallel, device, overrides: dict 
             continue
         carried = trial
         parts.runner.sampler.mode = "every_step"
-        reports = parts.runner.run(steps)  # no subscriber: the rows say nothing
+        try:
+            reports = parts.runner.run(steps)  # no subscriber: the rows say nothing
+        except torch.OutOfMemoryError:
+            if parallel is not None:  # the other ranks wait in a collective: this row ends the job
+                raise
+            results.append({"label": label, "error": "out of memory", "changes": dict(trial)})
+            parts = None
+            gc.collect()
+            continue
         top = max(reports, key=lambda r: r.memory.peak)
         peak, categories = top.memory.peak, reports[-1].memory.categories
         seconds = sum(r.seconds for r in reports[1:]) or reports[0].seconds
@@ -438,6 +467,8 @@ def _ladder_table(path: str, results: list[dict], ranks: int, steps: int, out) -
     for r in results:
         if "refused" in r:
             lines.append(f"{r['label']:<28} refused: {r['refused']}")
+        elif "error" in r:
+            lines.append(f"{r['label']:<28} {r['error']}")
         else:
             change = f"{(r['peak'] / base - 1) * 100:+.0f} %" if base else ""
             guess = format_bytes(r["predicted_peak"]) if r["predicted_peak"] else "-"

@@ -54,11 +54,12 @@ class RankFailed(RuntimeError):
     Args:
         message: Which rank, how it ended and what it said last.
         rank: Which rank (None: several).
+        out_of_memory: The rank ran out of memory (a measured row says so and goes on).
     """
 
-    def __init__(self, message: str, rank: int | None) -> None:
+    def __init__(self, message: str, rank: int | None, out_of_memory: bool = False) -> None:
         super().__init__(message)
-        self.rank = rank
+        self.rank, self.out_of_memory = rank, out_of_memory
 
 
 def _free_port(address: str = "127.0.0.1") -> int:
@@ -237,8 +238,9 @@ class Processes:
             if failed is not None:
                 why = _reason(pending[failed])
                 dead = self._dead_peer(why)
-                self._fail(*(dead, "its process ended (killed, or out of host memory)") if dead is not None
-                           else (failed, why))
+                if dead is not None:
+                    self._fail(dead, "its process ended (killed, or out of host memory)")
+                self._fail(failed, why, out_of_memory=_out_of_memory(pending[failed]))
             if not waiting:
                 break
             if time.monotonic() > deadline:
@@ -300,7 +302,7 @@ class Processes:
         rank 0's answer."""
         return self.each(_call, lambda rank: (method, args, kwargs))[0]
 
-    def _fail(self, rank: int | None, why: str, named: bool = False):
+    def _fail(self, rank: int | None, why: str, named: bool = False, out_of_memory: bool = False):
         """End every rank and the cluster, then raise ``RankFailed`` (``named``: ``why``
         names the rank itself)."""
         self._end()
@@ -310,7 +312,7 @@ class Processes:
         who = f"Rank {rank} failed: " if rank is not None else "The ranks failed: "
         said = why[0].upper() + why[1:] if named else who + why
         raise RankFailed(f"{said}. The other ranks were ended (they would have "
-                         f"waited for it); the kernel goes on, and {back}.", rank)
+                         f"waited for it); the kernel goes on, and {back}.", rank, out_of_memory)
 
     def save_checkpoint(self, folder) -> Path:
         """A sharded checkpoint of every rank (as under torchrun); ``restart()`` comes back to it."""
@@ -394,6 +396,16 @@ def _reason(result) -> str:
         text = str(err).strip().splitlines()
         return f"{type(err).__name__}: {text[-1] if text else ''}"[:400].rstrip(".")
     return "unknown"
+
+
+def _out_of_memory(result) -> bool:
+    """Whether a rank's call failed by running out of memory (torch's error, or nbtune's
+    explained one), as ipyparallel names the exception it raised."""
+    try:
+        result.get(0)
+    except Exception as err:  # noqa: BLE001 - only its name is wanted
+        return getattr(err, "ename", type(err).__name__) in ("OutOfMemory", "OutOfMemoryError")
+    return False
 
 
 # ---- on each engine (ipyparallel pickles these by name: they run as nbtune code) ----------

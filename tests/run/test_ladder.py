@@ -187,3 +187,86 @@ def test_a_row_timed_while_the_machine_is_busy_says_so_instead_of_a_speed():
     assert "(busy*)" in repr(ladder) and "not the technique's" in repr(ladder)
     assert "not the technique" in ladder._repr_html_()
     assert ladder.as_dicts()[0]["busy_cores"] == row.busy
+
+
+LADDER_RUN = "demo: tiny\ntechniques: {batch_size: 4, seq_len: 96, lr: 1e-3}\nrun: {steps: 1}\n"
+OOM_ROWS = [("as the file", {}), ("batch 8", {"techniques.batch_size": 8}),
+            ("+ checkpointing", {"techniques.activation_checkpointing": True})]
+
+
+def _oom_at_batch_8(path, rows, steps, overrides, predicted):
+    """``ladder._measure_on_rank`` as sent to each engine, but rank 1 runs out of memory in
+    the optimizer phase of a row with batch 8 and no checkpointing (a card's limit, planted
+    on CPU)."""
+    import torch
+
+    import nbtune.step
+    from nbtune.run import ladder
+    from nbtune.run.processes import ENGINE_STATE
+
+    row = {**overrides, **rows[0][1]}
+    if ENGINE_STATE["rank"] == 1 and row.get("techniques.batch_size") == 8 \
+            and not row.get("techniques.activation_checkpointing"):
+        def out_of_memory(self):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (planted)")
+        nbtune.step._Phases.before_optimizer = out_of_memory
+    return ladder.measure_rows(path, rows, steps, ENGINE_STATE["parallel"], None, overrides, predicted)
+
+
+_oom_at_batch_8.__module__ = "__main__"  # (ipyparallel sends its code; the engine cannot import tests)
+
+
+def _rows_after_an_oom(rows, capsys):
+    assert [r["label"] for r in rows] == [label for label, _ in OOM_ROWS]
+    assert rows[0]["peak"] > 0 and "error" not in rows[0]
+    assert rows[2]["peak"] > 0  # it ran, carrying the row before it on, as a row that ran would
+    assert rows[2]["changes"] == {"techniques.batch_size": 8, "techniques.activation_checkpointing": True}
+    table = capsys.readouterr().out
+    assert f"batch 8{' ' * 22}{rows[1]['error']}" in table
+
+
+def test_a_row_out_of_memory_in_one_process_is_a_row_and_the_ladder_goes_on(tmp_path, monkeypatch, capsys):
+    import nbtune.step
+    from nbtune.run import factory
+    from nbtune.run.ladder import ladder
+
+    path = tmp_path / "run.yaml"
+    path.write_text(LADDER_RUN)
+    batch, real_build, real_optimizer = [0], factory.from_config, nbtune.step._Phases.before_optimizer
+
+    def build(config, *args, **kwargs):  # (the row being built: batch 8 without checkpointing fails)
+        batch[0] = config.techniques.batch_size * (not config.techniques.activation_checkpointing)
+        return real_build(config, *args, **kwargs)
+
+    def before_optimizer(self):
+        if batch[0] == 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (planted)")
+        real_optimizer(self)
+    monkeypatch.setattr(factory, "from_config", build)
+    monkeypatch.setattr(nbtune.step._Phases, "before_optimizer", before_optimizer)
+    rows = ladder(str(path), rows=OOM_ROWS, steps=1)
+    assert rows[1]["error"] == "out of memory" and "peak" not in rows[1]
+    _rows_after_an_oom(rows, capsys)
+
+
+@pytest.mark.slow
+def test_a_row_out_of_memory_on_a_rank_is_a_row_naming_it_and_the_rows_go_on(tmp_path, monkeypatch, capsys):
+    """From the notebook (ranks of the ladder's own): rank 1 out of memory in the batch-8 row
+    leaves rank 0 waiting in a collective. The row says so and names the rank, as one process
+    says it; its ranks are ended and the next row runs on fresh ones; nothing is left."""
+    import psutil
+
+    from nbtune.run import ladder as module
+    from nbtune.run.ladder import ladder
+
+    path = tmp_path / "run.yaml"
+    path.write_text(LADDER_RUN)
+    monkeypatch.setattr(module, "_measure_on_rank", _oom_at_batch_8)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    rows = ladder(str(path), rows=OOM_ROWS, steps=1, processes=2)
+    assert rows[1]["error"] == "out of memory on rank 1" and "peak" not in rows[1]
+    assert len(rows[0]["per_rank"]) == len(rows[2]["per_rank"]) == 2
+    _rows_after_an_oom(rows, capsys)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    _, still = psutil.wait_procs(left, timeout=20)
+    assert not still, [p.cmdline() for p in still]

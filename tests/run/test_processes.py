@@ -244,7 +244,7 @@ def _a_stopped_rank_then_recover(session, sixth) -> None:
     said = str(failed.value)
     assert failed.value.rank == 1 and said.startswith("Rank 1 stopped answering (no heartbeat for 3 s; last heard ")
     assert ("phase of step " in said or "between steps" in said) and "recover()" in said
-    assert took < 10, took
+    assert took < 30, took  # (3 s of silence, then the cluster ended: ipyparallel's own took 45 s)
     gone, still = psutil.wait_procs(engines, timeout=20)
     assert not still, [p.pid for p in still]
     session.recover()
@@ -267,7 +267,9 @@ def _a_killed_controller_then_recover(session, sixth) -> None:
     started = time.monotonic()
     with pytest.raises(nt.RankFailed, match=r"controller \(process \d+\) ended \(killed\?\)") as failed:
         session.run(10_000, progress=False)
-    assert time.monotonic() - 2.0 - started < 10 and "recover()" in str(failed.value)
+    # (named at the kernel's next look, a second; ending the cluster takes the rest: 15 s
+    # once on a loaded machine. Unnoticed, the command would wait out its 600 s timeout.)
+    assert time.monotonic() - 2.0 - started < 60 and "recover()" in str(failed.value)
     gone, still = psutil.wait_procs(engines, timeout=20)
     assert not still, [p.pid for p in still]
     session.recover()

@@ -58,8 +58,13 @@ def test_a_rank_fault_at_each_phase_is_named_and_the_resume_equals_a_run_never_s
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ranks = []
     while agent.poll() is None and len(ranks) < 2 and time.monotonic() - started < 60:
-        ranks = [p for p in psutil.Process(agent.pid).children() if "fault_worker" in " ".join(p.cmdline())]
+        time.sleep(0.1)
+        try:
+            ranks = [p for p in psutil.Process(agent.pid).children() if "fault_worker" in " ".join(p.cmdline())]
+        except psutil.Error:  # (one just ended)
+            pass
     err = agent.communicate(timeout=240)[1]
+    assert len(ranks) == 2, err[-3000:]  # (seen while they ran: the check below is of both)
     _, alive = psutil.wait_procs(ranks, timeout=5)
     assert agent.returncode != 0 and not alive, (agent.returncode, [p.pid for p in alive])
     if where is not None:

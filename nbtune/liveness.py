@@ -58,30 +58,27 @@ _TOLD = "nbtune/told"  # how many ranks tried to say a rank was lost (the first 
 
 def ended(pid: int) -> bool:
     """Whether process ``pid`` on this machine has ended: gone, or a zombie not yet reaped
-    (a rank SIGKILLed stays one until torchrun's agent reaps it)."""
+    (a rank SIGKILLed stays one until torchrun's agent or the kernel reaps it)."""
+    import psutil  # (ipyparallel's dependency, so nbtune's)
+
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-    except FileNotFoundError:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return True
-    except (OSError, IndexError):  # no /proc (not Linux): whether it can still be signalled
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            pass
-        return False
+
+
+def _pulse(store, rank: int) -> list | None:
+    """``rank``'s last pulse in ``store``: [count or "done", where, host, pid, machine]; None
+    before its first."""
+    key = f"{_PREFIX}{rank}"
+    return json.loads(store.get(key)) if store.check([key]) else None
 
 
 def last_heard(store, rank: int) -> str | None:
     """Where ``rank`` was when it last beat in ``store`` ("during the backward phase of step
     3"), None if it never beat or finished."""
-    key = f"{_PREFIX}{rank}"
-    if not store.check([key]):
-        return None
-    pulse = json.loads(store.get(key))
-    return None if pulse[0] == "done" else pulse[1]
+    pulse = _pulse(store, rank)
+    return None if pulse is None or pulse[0] == "done" else pulse[1]
 
 
 class Pulses:
@@ -96,13 +93,8 @@ class Pulses:
 
     def read(self) -> dict[int, list]:
         """Every other rank's last pulse: [count or "done", where, host, pid, machine]."""
-        pulses = {}
-        for rank in range(self.world):
-            key = f"{_PREFIX}{rank}"
-            if rank != self.me:
-                pulses[rank] = json.loads(self.store.get(key)) if self.store.check([key]) else \
-                    [0, "while starting", "", 0, "0"]
-        return pulses
+        return {rank: _pulse(self.store, rank) or [0, "while starting", "", 0, "0"]
+                for rank in range(self.world) if rank != self.me}
 
     def lost(self) -> tuple[dict[int, list], list[int], list[int]]:
         """(every pulse, the ranks that ended, the ranks silent for ``hang``)."""

@@ -251,7 +251,6 @@ def train(path: str, *, overrides: dict, out: str | None, resume: bool, device: 
         if lead:
             tqdm.write(text)
 
-    stopped: list = []
     try:
         with stop_signals(saves=parallel is None) as stopped:
             try:

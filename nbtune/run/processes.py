@@ -281,13 +281,8 @@ class Processes:
         death is seen, so the death is waited for (``grace`` seconds) and named instead."""
         if not any(word in why.lower() for word in ("gloo", "nccl", "connection", "peer", "socket")):
             return None
-        import psutil
+        from ..liveness import ended
 
-        def ended(pid: int) -> bool:
-            try:
-                return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                return True
         deadline = time.monotonic() + grace
         while True:
             for rank, (pid, here) in enumerate(zip(getattr(self, "pids", []), getattr(self, "_here", []))):

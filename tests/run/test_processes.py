@@ -154,9 +154,11 @@ def _set_then_stop_in_the_background(session) -> None:
     session.parts.trainer.SECONDS_PER_COMMAND = 1e9
     before = len(session.history)
     run = session.start(10_000)
-    time.sleep(1.5)
+    # a few steps each side of the change, scaled by the last step (a loaded machine is slower)
+    pause = max(1.5, 3 * session.history[-1].seconds)
+    time.sleep(pause)
     session.set(lr=1e-4)
-    time.sleep(1.5)
+    time.sleep(pause)
     run.stop(timeout=60)
     session.parts.trainer.SECONDS_PER_COMMAND = type(session.parts.trainer).SECONDS_PER_COMMAND
     assert not run.running and run.error is None and 2 < len(run.reports) < 10_000

@@ -1162,6 +1162,17 @@ MUTANTS: list[Mutant] = [
     Mutant("missing step", "the row after one out of memory on a rank does not carry its changes on",
            "nbtune/run/ladder.py", '                       "changes": {**carried, **changes}}', '                       "changes": carried}',
            (T + "run/test_ladder.py::test_a_row_out_of_memory_on_a_rank_is_a_row_naming_it_and_the_rows_go_on",)),
+    Mutant("stale cache", "a new seq_len streams the rows tokenized for the last one",
+           "nbtune/data/__init__.py", '        samples, dropped = self._made(("rows", t.seq_len, t.packing), rows)',
+           '        samples, dropped = self._made(("rows", t.packing), rows)',
+           (T + "test_data.py::test_a_new_stream_tokenizes_again_only_when_its_tokens_change",)),
+    Mutant("stale cache", "a chat template set on the tokenizer does not reach the next stream's tokens",
+           "nbtune/data/__init__.py", "        key = (key, self.tokenizer.chat_template, len(self.train))",
+           "        key = (key, len(self.train))",
+           (T + "test_data.py::test_a_new_stream_tokenizes_again_only_when_its_tokens_change",)),
+    Mutant("off by one", "a token starting where an assistant span ends is trained",
+           "nbtune/data/batches.py", "bisect_left(starts, hi)", "bisect_left(starts, hi + 1)",
+           (T + "test_data.py::test_a_token_is_trained_when_it_starts_inside_an_assistant_span",)),
 ]
 
 

@@ -4,9 +4,13 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import nbtune as nt
 from nbtune.data import (IGNORE, BatchStream, DataError, collate, load_examples, prompt_and_reference,
                          tokenize, tokenize_all)
+from nbtune.data.batches import _starts_within
 from nbtune.models.tiny import byte_tokenizer
 
 TOK = byte_tokenizer()
@@ -119,3 +123,57 @@ def test_batch_stream_is_seeded_and_covers_an_epoch(tmp_path):
     assert all(torch.equal(x, b.next()["input_ids"]) for x in first)
     seen = {tuple(row.tolist()) for batch in first for row in batch}
     assert len(seen) == 10  # one epoch visits every row once
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 60), max_size=30),
+       st.lists(st.tuples(st.integers(0, 70), st.integers(0, 20)), max_size=4))
+def test_a_token_is_trained_when_it_starts_inside_an_assistant_span(starts, spans):
+    """The bisection against the plain rule, token by token, over any spans (overlapping,
+    empty, out of order) and starts in either order."""
+    spans = [(lo, lo + width) for lo, width in spans]
+    want = [any(lo <= start < hi for lo, hi in spans) for start in starts]
+    assert _starts_within(sorted(starts), spans) == [any(lo <= s < hi for lo, hi in spans)
+                                                     for s in sorted(starts)]
+    assert _starts_within(starts, spans) == want
+
+
+def test_a_new_stream_tokenizes_again_only_when_its_tokens_change(tmp_path, monkeypatch):
+    """Batch size and seed reuse the rows' tokens; seq_len, packing, the chat template and
+    new rows tokenize again, and each stream's batches are a fresh TrainingData's."""
+    import nbtune.data as data_module
+    from nbtune.data import TrainingData
+
+    rows = load_examples(write(tmp_path, [json.dumps({"instruction": "q" * i, "output": "a" * (i % 5 + 1)})
+                                          for i in range(12)]))
+    calls = []
+    real = data_module.tokenize_all
+    monkeypatch.setattr(data_module, "tokenize_all", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    tok = byte_tokenizer()
+    data = TrainingData(rows, tok)
+
+    def batches(t, fresh=True):
+        stream, _ = (TrainingData(rows, tok) if fresh else data).stream(t)
+        return [stream.next() for _ in range(3)]
+
+    def same(t):
+        got, want = batches(t, fresh=False), batches(t)
+        assert all(torch.equal(g[k], w[k]) for g, w in zip(got, want) for k in w)
+
+    t = nt.Techniques(batch_size=2, seq_len=64)
+    data.stream(t)
+    for changes, tokenized in [({"batch_size": 3}, False), ({"seed": 7}, False),
+                               ({"seq_len": 48}, True), ({"packing": True}, True),
+                               ({"batch_size": 4}, False)]:
+        t, before = t.replace(**changes), len(calls)
+        same(t)  # (the fresh twin tokenizes once)
+        assert len(calls) - before == 1 + tokenized, changes
+    tok.chat_template = TEMPLATE  # the rows now read through the template
+    before = len(calls)
+    same(t)
+    assert len(calls) - before == 2
+    data.train = rows[:6]  # (as a test helper does)
+    got, _ = data.stream(t)
+    want, _ = TrainingData(rows[:6], tok).stream(t)
+    assert len(calls) - before == 4
+    assert [s.input_ids.tolist() for s in got.samples] == [s.input_ids.tolist() for s in want.samples]

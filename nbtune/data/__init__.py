@@ -34,6 +34,7 @@ class TrainingData:
         self.tokenizer = tokenizer
         self.rewards: tuple = ()  # GRPO's reward functions (``objectives.grpo.Reward``), set by the user
         self._eval: tuple | None = None  # (seq_len, batch_size), batches: the last made
+        self._samples: tuple | None = None  # (key, rows, tokenizer, samples, dropped): the last (``_made``)
 
     @property
     def pad_id(self) -> int:
@@ -97,30 +98,44 @@ class TrainingData:
         pairs a batch, chosen rows then rejected; under ``sft`` the chosen completions alone
         (supervised finetuning on the preferred answers, the usual start before DPO)."""
         if t.objective == "grpo":
-            prompts, dropped = tokenize_prompts([as_prompt(row) for row in self.train], self.tokenizer,
-                                                t.seq_len, t.max_completion, "the training data")
+            prompts, dropped = self._made(("prompts", t.seq_len, t.max_completion), lambda: tokenize_prompts(
+                [as_prompt(row) for row in self.train], self.tokenizer, t.seq_len, t.max_completion,
+                "the training data"))
             notes = [f"{dropped} of {len(self.train)} prompts leave less than max_completion="
                      f"{t.max_completion} tokens within seq_len={t.seq_len} and are skipped; raise "
                      "seq_len to keep them."] if dropped else []
             return BatchStream(prompts, t.batch_size, self.pad_id, seed=t.seed, collate=collate_prompts), notes
         if self.pairs and t.paired:
-            pairs, dropped = tokenize_pairs(self.train, self.tokenizer, t.seq_len, "the training data")
+            pairs, dropped = self._made(("pairs", t.seq_len), lambda: tokenize_pairs(
+                self.train, self.tokenizer, t.seq_len, "the training data"))
             notes = [f"{dropped} of {len(self.train)} pairs have a completion with no token within "
                      f"seq_len={t.seq_len} and are skipped; raise seq_len to keep them."] if dropped else []
             return BatchStream(pairs, t.batch_size, self.pad_id, seed=t.seed, collate=collate_pairs), notes
         if self.streamed:  # (rows too long for seq_len are passed over as they come)
             return StreamedBatches(self.train, self.tokenizer, t.seq_len, t.packing, t.batch_size,
                                    self.pad_id, seed=t.seed), []
-        rows = [pair.chosen for pair in self.train] if self.pairs else self.train
-        samples, dropped = tokenize_all(rows, self.tokenizer, t.seq_len, source="the training data",
-                                        last_only=self.pairs)  # a pair's completion, not its prompt's turns
+        def rows():
+            rows = [pair.chosen for pair in self.train] if self.pairs else self.train
+            samples, dropped = tokenize_all(rows, self.tokenizer, t.seq_len, source="the training data",
+                                            last_only=self.pairs)  # a pair's completion, not its prompt's turns
+            return (pack(samples, t.seq_len) if t.packing else samples), dropped
+
+        samples, dropped = self._made(("rows", t.seq_len, t.packing), rows)
         notes = []
         if dropped:
             notes.append(f"{dropped} of {len(self.train)} rows have no response within "
                          f"seq_len={t.seq_len} and are skipped; raise seq_len to keep them.")
-        if t.packing:
-            samples = pack(samples, t.seq_len)
         return BatchStream(samples, t.batch_size, self.pad_id, seed=t.seed), notes
+
+    def _made(self, key: tuple, make) -> tuple[list, int]:
+        """``make()``'s samples and dropped count, kept for the next stream of the same ``key``,
+        rows, tokenizer and chat template: a change of batch size, seed or learning rate does
+        not tokenize the rows again (the stream holds the same list: keeping it costs nothing)."""
+        key = (key, self.tokenizer.chat_template, len(self.train))  # (set or grown meanwhile)
+        last = self._samples
+        if last is None or last[0] != key or last[1] is not self.train or last[2] is not self.tokenizer:
+            self._samples = (key, self.train, self.tokenizer, *make())  # (a refusal raises here)
+        return self._samples[3], self._samples[4]
 
     def eval_batches(self, t) -> list[dict]:
         """Every held-out row as batches of ``t``'s shape (no packing), made once per shape;

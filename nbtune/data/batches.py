@@ -4,6 +4,7 @@ prompts as their ids alone, the completions made in the step)."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,7 @@ def tokenize(example: Example, tokenizer: Tokenizer, seq_len: int,
     # encoded whole: the tokenizer's memory grows with it and can abort the process.
     text = text[:(seq_len + 2) * tokenizer.longest_token + 4096]
     ids, offsets = tokenizer.encode_with_offsets(text)
-    trained = [any(lo <= start < hi for lo, hi in spans) for start, _ in offsets]
+    trained = _starts_within([start for start, _ in offsets], spans)
     trained += [True] * len(eos)
     ids = with_bos(tokenizer, ids + eos)
     trained = [False] * (len(ids) - len(trained)) + trained
@@ -50,6 +51,19 @@ def tokenize(example: Example, tokenizer: Tokenizer, seq_len: int,
     if all(label == IGNORE for label in labels):
         return None
     return Sample(torch.tensor(ids[:-1]), torch.tensor(labels))
+
+
+def _starts_within(starts: list[int], spans: list[tuple[int, int]]) -> list[bool]:
+    """Whether each token (by the character it starts at) starts inside one of ``spans``.
+    A tokenizer's starts never go back, so each span is a run of tokens found by bisection
+    (a per-token test of every span was a fifth of a dataset's tokenizing time)."""
+    if starts != sorted(starts):  # (never seen; the plain test then)
+        return [any(lo <= start < hi for lo, hi in spans) for start in starts]
+    trained = [False] * len(starts)
+    for lo, hi in spans:
+        first, end = bisect_left(starts, lo), bisect_left(starts, hi)
+        trained[first:end] = [True] * (end - first)
+    return trained
 
 
 def tokenize_text(row: TextRow, tokenizer: Tokenizer, seq_len: int) -> list[Sample]:

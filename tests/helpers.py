@@ -4,11 +4,20 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import nbtune as nt
 from nbtune.data import load_examples
 from nbtune.session import demo_data_file
+
+
+def slow_after(n: int, cases: list) -> list:
+    """Parametrized cases, the first ``n`` in the fast tier and the rest marked slow: the
+    developers' loop keeps each test's main cases, CI's whole suite runs every one."""
+    return [case if i < n else pytest.param(*(case if isinstance(case, tuple) else (case,)),
+                                            marks=pytest.mark.slow)
+            for i, case in enumerate(cases)]
 
 
 def demo_pairs(n: int = 64, split: str = "train") -> list[dict]:

@@ -197,6 +197,7 @@ def test_one_process_loading_peak_is_predicted(method):
     assert measured <= predicted <= 1.1 * measured, (measured, predicted)
 
 
+@pytest.mark.slow  # (about 10 s here; the fast tier has this module's others)
 def test_a_run_whose_loading_needs_more_than_its_step_is_sized_by_its_loading():
     """QLoRA of Llama-3.1-8B on one token row: the step holds less than quantizing a
     projection while loading does; what must fit (and what fit checks) is the loading."""

@@ -259,6 +259,7 @@ def test_qwen_families_export_to_gguf(tmp_path, family):
     assert "output.weight" in names
 
 
+@pytest.mark.slow  # (about 10 s here; the fast tier has this module's others)
 def test_llama_3_1_rope_scaling_exports_as_llama_cpps_rope_freqs(tmp_path, smollm2):
     """Llama 3.1's RoPE scaling ("llama3") goes out as llama.cpp's rope_freqs tensor (each
     frequency's divisor, as convert_hf_to_gguf.py writes it): checked against transformers' own

@@ -19,7 +19,7 @@ from nbtune.objectives.grpo import (RewardError, advantages, aggregate, as_rewar
                                     score, token_losses)
 
 import helpers
-from helpers import TEST_STOPS, small_session
+from helpers import TEST_STOPS, slow_after, small_session
 
 trl = pytest.importorskip("trl")
 
@@ -186,14 +186,14 @@ def test_rewards_get_trls_arguments_and_are_summed_with_their_weights():
     assert seen["answer"] == ["4", "4", "6", "6"] and seen["hard"] == [None, None, True, True]
 
 
-@pytest.mark.parametrize("reward, message", [
+@pytest.mark.parametrize("reward, message", slow_after(2, [
     (lambda prompts, completions, **_: 1 / 0, "'bad' raised ZeroDivisionError"),
     (lambda prompts, completions, **_: [float("nan")] * len(completions), "gave nan for completion 1"),
     (lambda prompts, completions, **_: [None] * len(completions), "gave None"),
     (lambda prompts, completions, **_: ["1"] * len(completions), "gave '1'"),
     (lambda prompts, completions, **_: [1.0], "one number per completion"),
     (lambda prompts, completions, **_: "good", "one number per completion"),
-])
+]))
 def test_a_misbehaving_reward_is_named_and_the_session_goes_on_as_its_twin(reward, message):
     reward.__name__ = "bad"
     twin, session = small_session(objective="grpo"), small_session(objective="grpo")
@@ -324,11 +324,12 @@ def test_a_grpo_run_resumed_from_a_checkpoint_equals_one_never_stopped(tmp_path)
 
 # ---- memory ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("changes", [
-    {}, {"generation_batch": 1}, {"method": "lora", "kl": 0.04}, {"chunked_loss": 4},
-    {"activation_checkpointing": True, "generations": 6}, {"dtype": "bf16", "method": "qlora"},
-    {"kv_cache": "int8"}, {"kv_cache": "int8", "generation_batch": 2, "dtype": "bf16", "method": "lora"},
-])
+@pytest.mark.parametrize("changes", slow_after(3, [
+    {}, {"method": "lora", "kl": 0.04},
+    {"kv_cache": "int8", "generation_batch": 2, "dtype": "bf16", "method": "lora"},
+    {"generation_batch": 1}, {"chunked_loss": 4}, {"activation_checkpointing": True, "generations": 6},
+    {"dtype": "bf16", "method": "qlora"}, {"kv_cache": "int8"},
+]))
 def test_the_estimate_of_both_phases_equals_the_measured_ones(changes):
     """Completions written to max_completion (no stop token): the rows are full length, as
     the estimate takes them; the writing's peak and the update's are each predicted."""

@@ -18,7 +18,7 @@ from nbtune.models.decoder import CausalLM
 from nbtune.models.tiny import byte_tokenizer
 from nbtune.step import StepContext, StepOptions, train_step
 
-from helpers import demo_pairs, small_session
+from helpers import demo_pairs, slow_after, small_session
 
 TEMPLATE = ("{% for m in messages %}<|begin|>{{ m.role }}\n{{ m.content }}<|end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|begin|>assistant\n{% endif %}")
@@ -182,19 +182,19 @@ def test_two_accumulated_micro_batches_of_pairs_equal_one_batch_of_them(objectiv
         torch.testing.assert_close(p, q, atol=2e-6, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("changes", [
+@pytest.mark.parametrize("changes", slow_after(4, [
     dict(method="lora", objective="dpo"),
     dict(method="lora", objective="ipo", chunked_loss=4, activation_checkpointing=True),
+    dict(objective="dpo", reference="copy"),  # the weights twice
+    dict(method="lora", objective="dpo", split_pairs=True),
     dict(objective="simpo"),
     dict(objective="orpo", grad_accum=2),
     dict(method="qlora", dtype="bf16", objective="dpo", activation_checkpointing=True),
     dict(objective="dpo"),  # full finetuning: the reference precomputed, no reference forward
     dict(method="lora", objective="ipo", reference="precomputed"),
-    dict(objective="dpo", reference="copy"),  # the weights twice
     dict(objective="ipo", reference="copy_host", chunked_loss=2),  # (on a CPU the host is the device)
-    dict(method="lora", objective="dpo", split_pairs=True),
     dict(objective="orpo", split_pairs=True, chunked_loss=4, activation_checkpointing=True),
-], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+]), ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_the_estimate_equals_the_measured_step_of_pairs(changes):
     """Full-length pair rows of the demo's shape: the estimate (fake tensors, the same step)
     against the second measured step of a real session, within 2 %."""
@@ -506,13 +506,13 @@ def test_a_split_pair_step_updates_the_adapters_as_the_dpo_loss_computed_here_do
         torch.testing.assert_close(moved, -0.5 * grads[name].grad, atol=2e-6, rtol=1e-4)
 
 
-@pytest.mark.parametrize("changes", [
+@pytest.mark.parametrize("changes", slow_after(2, [
     dict(objective="dpo", method="lora"),
     dict(objective="orpo", grad_accum=2),
     dict(objective="simpo", chunked_loss=3, activation_checkpointing=True),
     dict(objective="ipo", reference="copy"),
     dict(objective="dpo", activation_offloading=True),
-], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+]), ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_split_pairs_trains_as_one_batch_does_holding_less(changes):
     """Three SGD steps apart and together: the same losses, rewards and weights (to float
     noise), and the split step's measured peak is lower."""

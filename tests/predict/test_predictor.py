@@ -9,7 +9,7 @@ import pytest
 import nbtune as nt
 import nbtune.predict.predictor as predictor_module
 from nbtune.models import ModelConfig
-from nbtune.predict import (Predictor, clear_cache, fit_badge, required, search_space,
+from nbtune.predict import (Predictor, clear_cache, required, search_space,
                             single_moves)
 from nbtune.predict.predictor import memory_twin
 from nbtune.ui.fitcheck import FitCheck
@@ -165,6 +165,7 @@ def test_the_advice_offers_the_moves_it_always_did():
     assert {"activation_offloading": True} not in on_cpu and {"method": "qlora"} in on_cpu
 
 
+@pytest.mark.slow  # (about 10 s here; the fast tier has this module's others)
 def test_an_exact_change_is_advised_before_a_maths_changing_one_and_adapt_applies_it(monkeypatch, capsys):
     """Out of memory with both kinds predicted to fit: the exact change (checkpointing, smaller
     micro-batches) comes first whatever order the moves are tried in (here reversed, the

@@ -52,6 +52,7 @@ def test_each_ranks_estimate_is_within_2_percent_of_its_measured_step(tmp_path, 
             assert guess["parameters"] == measured["parameters"], row["name"]
 
 
+@pytest.mark.slow  # (about 10 s here; the fast tier has this module's others)
 def test_a_rank_holds_its_share_of_the_weights_gradients_and_state():
     config = ModelConfig(**TINY)
     t = nt.Techniques(batch_size=4, seq_len=96)

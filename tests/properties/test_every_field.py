@@ -608,6 +608,7 @@ def test_rows_change_their_field_and_cuda_rows_are_the_device_rules():
             assert not cpu_rules and row.check is not None, name
 
 
+@pytest.mark.slow  # (the fast tier sets every field on a live session, the harder path)
 @pytest.mark.parametrize("name, row", CPU_CASES)
 def test_field_set_at_build_time_takes_effect(name, row, monkeypatch):
     session = small_session(**{**row.base, name: row.value})

@@ -431,7 +431,8 @@ def test_small_is_small_session():
 # ---- 1. one failing step: every point x every error, before and after optimizer state ------
 
 @pytest.mark.parametrize("rollback", ["auto", "copy"])
-@pytest.mark.parametrize("number", [1, 3], ids=["step1", "step3"])
+@pytest.mark.parametrize("number", [pytest.param(1, id="step1", marks=pytest.mark.slow),  # (fast:
+                                    pytest.param(3, id="step3")])  # the step with optimizer state)
 @pytest.mark.parametrize("error", list(ERRORS))
 @pytest.mark.parametrize("point", list(POINTS))
 def test_failed_step_equals_twin(twins, point, error, number, rollback):

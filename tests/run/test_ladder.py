@@ -225,6 +225,7 @@ def _rows_after_an_oom(rows, capsys):
     assert f"batch 8{' ' * 22}{rows[1]['error']}" in table
 
 
+@pytest.mark.slow  # (about 10 s here; the fast tier has this module's others)
 def test_a_row_out_of_memory_in_one_process_is_a_row_and_the_ladder_goes_on(tmp_path, monkeypatch, capsys):
     import nbtune.step
     from nbtune.run import factory

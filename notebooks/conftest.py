@@ -1,6 +1,11 @@
 """nbval runs every notebook here but the quickstart: tests/test_notebooks.py executes that one
 and checks its check cell's text as nbval would, plus what only its outputs show (the panel
-widget, one live chart however many steps); running it twice would cost a minute of CI."""
+widget, one live chart however many steps); running it twice would cost a minute of CI.
+Notebook 07 is the same where the browser test runs it (``_run_in_the_browser``)."""
+
+import shutil
+
+BROWSER_07 = "tests/ui/test_browser.py::test_notebook_07_runs_in_jupyterlab_and_its_panel_stops_two_processes"
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -14,3 +19,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.fspath).endswith(".ipynb"):
             item.add_marker(pytest.mark.slow)
+    _run_in_the_browser(config, items)
+
+
+def _run_in_the_browser(config, items):
+    """Leave notebook 07's cells to the browser test where it runs in this session: it runs
+    every cell in JupyterLab and checks the check cell's text as nbval would (three minutes
+    of CI twice otherwise). Without Chromium or playwright that test is skipped (or not
+    collected), and nbval runs the notebook."""
+    if not any(item.nodeid == BROWSER_07 for item in items) or \
+            not (shutil.which("chromium") or shutil.which("chromium-browser")):
+        return
+    left = [item for item in items if item.fspath.basename == "07_scale_out.ipynb"]
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = [item for item in items if item.fspath.basename != "07_scale_out.ipynb"]

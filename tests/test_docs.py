@@ -54,6 +54,7 @@ def test_readme_is_a_front_door_of_at_most_250_lines_whose_links_lead_somewhere(
     assert guides - linked <= {"models-and-data.md"}, guides - linked
 
 
+@pytest.mark.slow  # (14 s building the site: the whole suite runs it, and .ci/run builds it too)
 def test_the_site_builds_strictly_with_every_guide_notebook_and_public_name(site):
     import yaml
 

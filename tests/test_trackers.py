@@ -197,6 +197,7 @@ def test_run_file_logs_to_trackers(offline, monkeypatch):
     assert cli.main(["train", str(offline / "bad.yaml"), "--out", str(offline / "o2")]) == 2
 
 
+@pytest.mark.slow  # (5 s or more here; the fast tier has this module's others)
 def test_logging_starts_and_stops_during_a_background_run(offline):
     session = nt.Session.demo(eval_every=0)
     run = session.start(40)

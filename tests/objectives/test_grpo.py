@@ -352,6 +352,7 @@ def test_writing_fewer_completions_at_once_holds_less_and_writes_the_same():
     assert b.memory.generation_peak < a.memory.generation_peak
 
 
+@pytest.mark.slow  # (5 s or more here; the fast tier has this module's others)
 def test_an_int8_kv_cache_holds_about_a_quarter_of_fp32s_and_attends_as_the_model_does_within_its_rounding():
     """The writing's cache in 8 bits: each cached vector within 1/254 of its largest entry of
     the model's own (checked here against a cache of the model's dtype), the next token's

@@ -420,6 +420,7 @@ def test_sft_on_pairs_trains_the_completion_not_the_prompts_own_assistant_turns(
     assert labels[labels != IGNORE].tolist() == tok.encode("6<|end|>\n")
 
 
+@pytest.mark.slow  # (5 s or more here; the fast tier has this module's others)
 def test_out_of_memory_advice_and_per_rank_estimates_take_pairs_as_batch_size(monkeypatch):
     """A pair batch is 2 x batch_size rows: the advice after an out-of-memory error is asked
     for batch_size pairs (not twice as many), and a rank's estimate of a preference step runs

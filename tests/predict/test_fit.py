@@ -611,6 +611,7 @@ def test_fit_rules_out_by_reach_and_finds_the_same_answer(stand_in, monkeypatch)
     assert sum(n for _, n in bounded) < sum(n for _, n in unbounded)
 
 
+@pytest.mark.slow  # (5 s or more here; the fast tier has this module's others)
 def test_fit_with_the_default_reserve_and_margin_does_not_call_a_start_fitting_that_only_the_whole_card_holds():
     """A CUDA card keeps its context and an allocator margin apart (``usable``): a start whose
     predicted need lies between the usable part and the whole card does not fit, and the

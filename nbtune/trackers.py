@@ -302,7 +302,8 @@ class Trackers:
             self._estimate_due = self._estimate is not None
 
     def close(self, failed: bool = False) -> None:
-        """Stop following the run and close every tracker (their files complete); ``failed``:
+        """Stop following the run and close every tracker (their files complete; W&B's
+        service process writes its offline file's last records moments after); ``failed``:
         the run ended in an error (MLflow marks its run FAILED)."""
         if self.subscription is not None:
             self.subscription.close()

@@ -8,6 +8,7 @@ import glob
 import json
 import math
 import struct
+import time
 
 import pytest
 
@@ -33,12 +34,24 @@ def offline(tmp_path, monkeypatch):
     return tmp_path
 
 
-def wandb_records(folder):
-    """The records of W&B's offline run file: its LevelDB-log framing (a 7-byte file header,
-    then 32 KiB blocks of [crc 4, length 2, type 1] chunks) around W&B's own protobuf Records."""
+def wandb_records(folder, wait: float = 30.0):
+    """The records of W&B's offline run file, once W&B's service has written its exit record
+    (``run.finish()`` returns before that: on a loaded machine the last steps' history came
+    30 ms after it; at most ``wait`` seconds, then what is there)."""
+    (path,) = glob.glob(str(folder / "wandb" / "offline-run-*" / "run-*.wandb"))
+    deadline = time.monotonic() + wait
+    while True:
+        records = _wandb_file_records(path)
+        if (records and records[-1].WhichOneof("record_type") == "exit") or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
+
+
+def _wandb_file_records(path):
+    """A W&B run file's LevelDB-log framing (a 7-byte file header, then 32 KiB blocks of
+    [crc 4, length 2, type 1] chunks) around W&B's own protobuf Records."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    (path,) = glob.glob(str(folder / "wandb" / "offline-run-*" / "run-*.wandb"))
     data = open(path, "rb").read()
     assert data[:4] == b":W&B"
     records, pending, pos, block = [], b"", 7, 32768
@@ -48,7 +61,7 @@ def wandb_records(folder):
             pos += left
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0 and length == 0:
+        if (kind == 0 and length == 0) or pos + 7 + length > len(data):  # (the end, or being written)
             break
         pending += data[pos + 7:pos + 7 + length]
         pos += 7 + length

@@ -38,6 +38,6 @@ def one_thread():
 
 def pytest_collection_finish(session):
     """Everything imported by now (torch, transformers, the test modules) is left out of the
-    garbage collector's scans: nbtune collects after each fault (a fifth of a second a scan
-    with all of that alive), which took half of the fault tests' time."""
+    garbage collector's scans: nbtune collects after each fault (0.3 s a scan with all of
+    that alive), which took half of the fault tests' time."""
     gc.freeze()

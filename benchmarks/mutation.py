@@ -1173,6 +1173,17 @@ MUTANTS: list[Mutant] = [
     Mutant("off by one", "a token starting where an assistant span ends is trained",
            "nbtune/data/batches.py", "bisect_left(starts, hi)", "bisect_left(starts, hi + 1)",
            (T + "test_data.py::test_a_token_is_trained_when_it_starts_inside_an_assistant_span",)),
+    Mutant("wrong size", "the estimator's fake NF4 lookup makes the codes' ints half their size",
+           "nbtune/peft.py", "        index = torch.empty(codes.numel() // 2, dtype=torch.int32, device=codes.device)",
+           "        index = torch.empty(codes.numel() // 4, dtype=torch.int32, device=codes.device)",
+           (T + "models/test_qlora.py::test_the_estimators_nf4_product_holds_what_the_real_one_holds",)),
+    Mutant("missing term", "an unadapted NF4 Linear drops its bias",
+           "nbtune/peft.py", "        out = _LinearNF4.apply(x, self.weight)\n        return out if self.bias is None else out + self.bias",
+           "        out = _LinearNF4.apply(x, self.weight)\n        return out",
+           (T + "models/test_qlora.py::test_an_unadapted_nf4_linear_gives_torchaos_values_and_plain_linears_when_dense",)),
+    Mutant("missing step", "QLoRA's experts keep torchao's slower NF4 product",
+           "nbtune/peft.py", "                    m.__class__ = NF4Linear", "                    pass",
+           (T + "models/test_qwen3_moe.py::test_experts_are_a_lora_target_off_by_default_and_nf4_under_qlora",)),
 ]
 
 

@@ -166,15 +166,26 @@ def _nf4_dense(weight, ints: torch.dtype) -> torch.Tensor:
     half), a little-endian uint16 indexes four. Then each block of 64 is scaled, in the
     weight's dtype, as torchao does."""
     codes, nf4 = weight.quantized_data, weight.nf4
-    pairs = torch.stack([nf4.repeat_interleave(16), nf4.repeat(16)], -1).view(ints).view(256)
-    if ints == torch.int32 and codes.numel() >= 1 << 16 and codes.numel() % 2 == 0:
+    fake = not torch.compiler.is_compiling() and is_fake(codes)  # (compile traces values)
+    large = ints == torch.int32 and codes.numel() >= 1 << 16 and codes.numel() % 2 == 0
+    if fake:  # the estimator's: the same tensors made, in order, without their values
+        pairs = torch.empty(256, dtype=ints, device=codes.device)
+    else:
+        pairs = torch.stack([nf4.repeat_interleave(16), nf4.repeat(16)], -1).view(ints).view(256)
+    if large and fake:
+        table = torch.empty(1 << 16, dtype=torch.int64, device=codes.device)
+        index = torch.empty(codes.numel() // 2, dtype=torch.int32, device=codes.device)
+    elif large:
         table = torch.stack([pairs.expand(256, 256), pairs.view(256, 1).expand(256, 256)], -1)
         table = table.view(torch.int64).view(-1)
         index = codes.view(torch.int16).int().bitwise_and_(0xFFFF)
     else:
-        table, index = pairs, codes.int()
+        table, index = pairs, (torch.empty(codes.numel(), dtype=torch.int32, device=codes.device)
+                               if fake else codes.int())
     scales = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor,
                                        weight.scaler_block_size)
+    if fake:  # index_select's [index] of the table's dtype holds the weight's bytes
+        return torch.empty(weight.shape, dtype=weight.dtype, device=codes.device)
     values = table.index_select(0, index).view(weight.dtype).view(scales.numel(), -1)
     return values.mul_(scales.unsqueeze(-1)).view(weight.shape)
 
@@ -236,6 +247,19 @@ class _LinearNF4(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         weight, = ctx.saved_tensors
         return grad @ dequantize(weight, grad.dtype), None
+
+
+class NF4Linear(nn.Linear):
+    """A frozen Linear whose NF4 weight no adapter wraps (a mixture of experts' experts under
+    QLoRA): its product goes through ``_LinearNF4`` as an adapted base's does, not torchao's
+    ``F.linear`` path, whose ``get_original_weight`` is 6x slower and holds two int64 copies
+    of the codes. A dense weight (made dense again) takes nn.Linear's own path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not is_nf4(self.weight):
+            return super().forward(x)
+        out = _LinearNF4.apply(x, self.weight)
+        return out if self.bias is None else out + self.bias
 
 
 def new_adapters(in_features: int, out_features: int, rank: int, device, dtype) -> tuple[nn.Linear, nn.Linear]:
@@ -339,6 +363,8 @@ def apply_lora(model: nn.Module, targets: tuple[str, ...], rank: int, alpha: flo
         for name, m in model.named_modules():
             if isinstance(m, nn.Linear) and target_of(name) == "experts":
                 quantize_weight_(m, f"{name}.weight")
+                if type(m) is nn.Linear:  # same parameters, the NF4 product (as FSDP2 swaps classes)
+                    m.__class__ = NF4Linear
     for name, linear in chosen:
         if quantize_base:
             quantize_weight_(linear, f"{name}.weight")

@@ -4,6 +4,7 @@ Memory from the step's breakdown, training against the exact LoRA run, merging, 
 export, new adapters over the same base, and loading with NF4 applied tensor by tensor.
 """
 
+import contextlib
 import json
 
 import peft
@@ -237,6 +238,53 @@ def test_dequantize_and_the_nf4_linear_give_torchaos_values_bit_for_bit(dtype):
         out_ref.backward(grad)
         assert torch.equal(out, out_ref) and torch.equal(x.grad, x_ref.grad)
         assert torch.equal(dequantize(nf4.t()), expected.t())  # a transposed view, as torchao's
+
+
+def test_an_unadapted_nf4_linear_gives_torchaos_values_and_plain_linears_when_dense():
+    """A mixture of experts' NF4 experts that no adapter wraps (``NF4Linear``): the product
+    and the input's gradient are torchao's ``linear_nf4``'s bit for bit, the bias added; made
+    dense again, it is nn.Linear."""
+    generator = torch.Generator().manual_seed(5)
+    linear = torch.nn.Linear(256, 128, dtype=torch.bfloat16)
+    nt_peft.quantize_weight_(linear)
+    linear.__class__ = nt_peft.NF4Linear
+    x = torch.randn(4, 256, generator=generator).bfloat16().requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    out = linear(x)
+    expected = nt_peft._nf4().linear_nf4(x_ref, linear.weight) + linear.bias
+    grad = torch.randn(out.shape, generator=generator).bfloat16()
+    out.backward(grad)
+    expected.backward(grad)
+    assert torch.equal(out, expected) and torch.equal(x.grad, x_ref.grad)
+    nt_peft.dequantize_model_(linear)
+    assert torch.equal(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+
+
+@pytest.mark.parametrize("shape, dtype", [((768, 2048), torch.bfloat16), ((96, 64), torch.bfloat16),
+                                          ((128, 256), torch.float32), ((512, 256), torch.float16)])
+def test_the_estimators_nf4_product_holds_what_the_real_one_holds(shape, dtype):
+    """On fake tensors ``dequantize`` makes the tensors the real lookup makes (in order, no
+    values): a step through an NF4 layer tracked on real tensors and on fake ones holds the
+    same bytes at its peak (the dequantized weight's: table, codes as ints, the values)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from nbtune.memory.tracker import CpuStepMemory
+
+    peaks = []
+    for mode in (contextlib.nullcontext(), FakeTensorMode(allow_non_fake_inputs=True)):
+        with mode:
+            frozen = torch.nn.Linear(shape[1], shape[0], bias=False, dtype=dtype)
+            nt_peft.quantize_weight_(frozen)
+            frozen.__class__ = nt_peft.NF4Linear
+            head = torch.nn.Linear(shape[0], 3, dtype=dtype)
+            model = torch.nn.Sequential(frozen, head)
+            x = torch.ones(5, shape[1], dtype=dtype, requires_grad=True)
+            memory = CpuStepMemory(model, torch.optim.SGD(head.parameters(), lr=0.1), x)
+            with memory:
+                model(x).sum().backward()
+            peaks.append(memory.result().peak)
+    weight = shape[0] * shape[1] * dtype.itemsize
+    assert peaks[0] == peaks[1] and peaks[0] > 1.5 * weight  # the dense copy and the codes as ints
 
 
 def test_a_compiled_qlora_layer_equals_the_eager_one():

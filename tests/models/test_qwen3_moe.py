@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 import nbtune as nt
 from nbtune.models.decoder import SparseMoE
 from nbtune.models.tiny import byte_tokenizer
-from nbtune.peft import is_nf4
+from nbtune.peft import NF4Linear, is_nf4
 
 from test_families import build, their_grad
 
@@ -126,6 +126,8 @@ def test_experts_are_a_lora_target_off_by_default_and_nf4_under_qlora(folder):
     experts = [m.weight for n, m in q.model.named_modules()
                if isinstance(m, torch.nn.Linear) and ".experts." in n]
     assert len(experts) == 12 and all(is_nf4(w) for w in experts)
+    assert all(type(m) is NF4Linear for n, m in q.model.named_modules() if ".experts." in n
+               and isinstance(m, torch.nn.Linear))  # nbtune's NF4 product, not torchao's slower one
     assert not is_nf4(q.model.model.layers[0].mlp.gate.weight)  # the router stays dense
     losses = [q.step().loss for _ in range(3)]
     assert losses[-1] < losses[0]

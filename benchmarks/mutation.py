@@ -1152,9 +1152,10 @@ MUTANTS: list[Mutant] = [
            (T + "run/test_ladder.py::test_a_row_out_of_memory_on_a_rank_is_a_row_naming_it_and_the_rows_go_on",)),
     Mutant("missing case", "a rank's out-of-memory error is not told from its other failures",
            "nbtune/run/processes.py",
-           '        return getattr(err, "ename", type(err).__name__) in ("OutOfMemory", "OutOfMemoryError")',
-           "        return False",
-           (T + "run/test_ladder.py::test_a_row_out_of_memory_on_a_rank_is_a_row_naming_it_and_the_rows_go_on",)),
+           '    return err is not None and getattr(err, "ename", type(err).__name__) in ("OutOfMemory", "OutOfMemoryError")',
+           "    return False",
+           (T + "run/test_ladder.py::test_a_row_out_of_memory_on_a_rank_is_a_row_naming_it_and_the_rows_go_on",
+            T + "run/test_processes.py::test_a_rank_failing_between_its_future_done_and_ipyparallels_ready_flag_is_named")),
     Mutant("missing case", "a row out of memory in one process ends the ladder",
            "nbtune/run/ladder.py", "        except torch.OutOfMemoryError:\n            if parallel is not None:",
            "        except ZeroDivisionError:\n            if parallel is not None:",
@@ -1184,6 +1185,10 @@ MUTANTS: list[Mutant] = [
     Mutant("missing step", "QLoRA's experts keep torchao's slower NF4 product",
            "nbtune/peft.py", "                    m.__class__ = NF4Linear", "                    pass",
            (T + "models/test_qwen3_moe.py::test_experts_are_a_lora_target_off_by_default_and_nf4_under_qlora",)),
+    Mutant("race", "a rank's failure is read through ipyparallel's ready flag, set after its future is done",
+           "nbtune/run/processes.py", "    return futures.Future.exception(result, 0)",
+           "    return None if result.successful() else futures.Future.exception(result, 0)",
+           (T + "run/test_processes.py::test_a_rank_failing_between_its_future_done_and_ipyparallels_ready_flag_is_named",)),
 ]
 
 

@@ -234,7 +234,7 @@ class Processes:
             if self.pulses is not None and waiting and time.monotonic() - listened >= 1.0:
                 listened = time.monotonic()
                 self._listen()
-            failed = next((rank for rank, p in enumerate(pending) if p in done and not p.successful()), None)
+            failed = next((rank for rank, p in enumerate(pending) if p in done and _error(p) is not None), None)
             if failed is not None:
                 why = _reason(pending[failed])
                 dead = self._dead_peer(why)
@@ -383,24 +383,28 @@ def _ask_to_end(client) -> None:
         client.shutdown(targets="all", block=True)
 
 
+def _error(result) -> BaseException | None:
+    """A finished call's exception (None: it answered), from the future's own state.
+
+    ipyparallel marks an AsyncResult ready in a callback after its future is done: between
+    the two, ``successful()`` raises and ``get(0)`` times out (a CI run met that moment)."""
+    return futures.Future.exception(result, 0)
+
+
 def _reason(result) -> str:
     """Why a rank's call failed, in a line: the engine's death, or its exception."""
-    try:
-        result.get(0)
-    except Exception as err:  # noqa: BLE001 - described, not raised
-        text = str(err).strip().splitlines()
-        return f"{type(err).__name__}: {text[-1] if text else ''}"[:400].rstrip(".")
-    return "unknown"
+    err = _error(result)
+    if err is None:
+        return "unknown"
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[-1] if text else ''}"[:400].rstrip(".")
 
 
 def _out_of_memory(result) -> bool:
     """Whether a rank's call failed by running out of memory (torch's error, or nbtune's
     explained one), as ipyparallel names the exception it raised."""
-    try:
-        result.get(0)
-    except Exception as err:  # noqa: BLE001 - only its name is wanted
-        return getattr(err, "ename", type(err).__name__) in ("OutOfMemory", "OutOfMemoryError")
-    return False
+    err = _error(result)
+    return err is not None and getattr(err, "ename", type(err).__name__) in ("OutOfMemory", "OutOfMemoryError")
 
 
 # ---- on each engine (ipyparallel pickles these by name: they run as nbtune code) ----------

@@ -471,3 +471,46 @@ def test_a_collective_failing_on_a_dead_peer_names_the_peer_not_the_rank_that_sa
     finally:
         alive.kill()
         killed.wait(), alive.wait()
+
+
+def test_a_rank_failing_between_its_future_done_and_ipyparallels_ready_flag_is_named():
+    """ipyparallel sets an AsyncResult's ready flag in a callback after its future is done;
+    a rank's failure seen in between (successful() raises then, get(0) times out) is still
+    named with its own error and the out-of-memory kind (a CI run met that moment)."""
+    from concurrent import futures
+
+    from nbtune.run.processes import Processes, RankFailed
+
+    class Between(futures.Future):  # done, not yet ready, as ipyparallel's AsyncResult can be
+        def successful(self):
+            raise RuntimeError("Cannot check successful() if not done.")
+
+        def get(self, timeout=-1):
+            raise TimeoutError("Result not ready.")
+
+    class Engine:
+        def __init__(self, error):
+            self.error, self.history = error, []
+
+        def apply_async(self, function, *args):
+            result = Between()
+            if self.error is None:
+                result.set_result("fine")
+            else:
+                result.set_exception(self.error)
+            return result
+
+    oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    oom.ename = "OutOfMemoryError"
+    for error, out_of_memory in ((oom, True), (ValueError("a bad row"), False)):
+        ranks = Processes.__new__(Processes)
+        ranks._engines, ranks.timeout, ranks.pulses = [Engine(None), Engine(error)], 30.0, None
+        failures = []
+
+        def fail(rank, why, named=False, out_of_memory=False):
+            failures.append((rank, why, out_of_memory))
+            raise RankFailed(why, rank, out_of_memory)
+        ranks._fail = fail
+        with pytest.raises(RankFailed):
+            ranks._each(lambda: None, lambda rank: (), None, 0.0)
+        assert failures == [(1, f"{type(error).__name__}: {error}", out_of_memory)]

@@ -182,9 +182,12 @@ def _nf4_dense(weight, ints: torch.dtype) -> torch.Tensor:
     else:
         table, index = pairs, (torch.empty(codes.numel(), dtype=torch.int32, device=codes.device)
                                if fake else codes.int())
-    if fake:  # a scale per block of 64; index_select's [index] of the table's dtype holds the weight's bytes
+    if fake:  # a scale per block of 64, held (as pairs, table and index are) while the values
+        # are made: index_select's [index] of the table's dtype, the weight's bytes
         scales = torch.empty(weight.numel() // weight.block_size, dtype=weight.dtype, device=codes.device)
-        return torch.empty(weight.shape, dtype=weight.dtype, device=codes.device)
+        values = torch.empty(weight.shape, dtype=weight.dtype, device=codes.device)
+        del pairs, table, index, scales  # (freed at return in the real lookup too)
+        return values
     scales = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor,
                                        weight.scaler_block_size)
     values = table.index_select(0, index).view(weight.dtype).view(scales.numel(), -1)

@@ -166,32 +166,39 @@ def _nf4_dense(weight, ints: torch.dtype) -> torch.Tensor:
     half), a little-endian uint16 indexes four. Then each block of 64 is scaled, in the
     weight's dtype, as torchao does."""
     codes, nf4 = weight.quantized_data, weight.nf4
-    fake = not torch.compiler.is_compiling() and is_fake(codes)  # (compile traces values)
     large = ints == torch.int32 and codes.numel() >= 1 << 16 and codes.numel() % 2 == 0
-    if fake:  # the estimator's: the same tensors made, in order, without their values
-        pairs = torch.empty(256, dtype=ints, device=codes.device)
-    else:
-        pairs = torch.stack([nf4.repeat_interleave(16), nf4.repeat(16)], -1).view(ints).view(256)
-    if large and fake:
-        table = torch.empty(1 << 16, dtype=torch.int64, device=codes.device)
-        index = torch.empty(codes.numel() // 2, dtype=torch.int32, device=codes.device)
-    elif large:
+    if not torch.compiler.is_compiling() and is_fake(codes):  # (compile traces values)
+        return _nf4_dense_fake(weight, ints, large)
+    pairs = torch.stack([nf4.repeat_interleave(16), nf4.repeat(16)], -1).view(ints).view(256)
+    if large:
         table = torch.stack([pairs.expand(256, 256), pairs.view(256, 1).expand(256, 256)], -1)
         table = table.view(torch.int64).view(-1)
         index = codes.view(torch.int16).int().bitwise_and_(0xFFFF)
     else:
-        table, index = pairs, (torch.empty(codes.numel(), dtype=torch.int32, device=codes.device)
-                               if fake else codes.int())
-    if fake:  # a scale per block of 64, held (as pairs, table and index are) while the values
-        # are made: index_select's [index] of the table's dtype, the weight's bytes
-        scales = torch.empty(weight.numel() // weight.block_size, dtype=weight.dtype, device=codes.device)
-        values = torch.empty(weight.shape, dtype=weight.dtype, device=codes.device)
-        del pairs, table, index, scales  # (freed at return in the real lookup too)
-        return values
+        table, index = pairs, codes.int()
     scales = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor,
                                        weight.scaler_block_size)
     values = table.index_select(0, index).view(weight.dtype).view(scales.numel(), -1)
     return values.mul_(scales.unsqueeze(-1)).view(weight.shape)
+
+
+def _nf4_dense_fake(weight, ints: torch.dtype, large: bool) -> torch.Tensor:
+    """``_nf4_dense`` on the estimator's fake tensors: the tensors it makes, in its order and
+    held as long, without their values (traced op by op they were most of a QLoRA estimate):
+    pairs, table, the codes as ints, a scale per block of 64, then the values (index_select's
+    [index] of the table's dtype: the weight's bytes)."""
+    codes = weight.quantized_data
+
+    def empty(size, dtype):
+        return torch.empty(size, dtype=dtype, device=codes.device)
+
+    pairs = empty(256, ints)
+    table = empty(1 << 16, torch.int64) if large else pairs
+    index = empty(codes.numel() // 2 if large else codes.numel(), torch.int32)
+    scales = empty(weight.numel() // weight.block_size, weight.dtype)
+    values = empty(weight.shape, weight.dtype)
+    del pairs, table, index, scales  # (freed at return in the real lookup too)
+    return values
 
 
 def quantize_weight_(linear: nn.Linear, name: str = "weight") -> bool:

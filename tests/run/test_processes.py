@@ -81,6 +81,7 @@ def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behin
         if techniques.startswith("method: lora"):
             _set_then_stop_in_the_background(ranks)
             _ctrl_c_then_a_hung_rank(ranks, capsys)
+            _a_twin_never_interrupted_gives_each_step(alone, ranks.history, sixth)
         else:
             _a_killed_rank(ranks, tmp_path / "at-5")
         with pytest.raises(nt.RankFailed, match="recover()"):
@@ -206,6 +207,20 @@ def _ctrl_c_then_a_hung_rank(session, capsys) -> None:
     ranks.timeout = 2
     with pytest.raises(nt.RankFailed, match="Rank 1 failed: no answer within 2 s from rank 1"):
         ranks.each(time.sleep, lambda rank: (30 * rank,))
+
+
+def _a_twin_never_interrupted_gives_each_step(alone, history, sixth) -> None:
+    """Every step the ranks took from step 6 on (a background run stopped, a change made
+    mid-run, two Ctrl-Cs: one mid-command, one after the ranks answered but before the kernel
+    recorded it; three more steps in the background) is the step one process never
+    interrupted gives, at the learning rate each step reported."""
+    assert len(history) > 6 and history[5].loss == sixth.loss
+    for report in history[5:]:
+        if report.lr != alone.techniques.lr:
+            alone.set(lr=report.lr)
+        twin = alone.step()
+        assert (twin.step, twin.tokens) == (report.step, report.tokens)
+        assert abs(twin.loss - report.loss) <= 1e-5, (report.step, twin.loss, report.loss)
 
 
 def _a_killed_rank(session, checkpoint) -> None:

@@ -1113,7 +1113,7 @@ session.panel()"""),
 (`beta` times each completion's log-probability ratio to the reference), their margin and the
 share of pairs ranked right. The chart draws the margin beside the loss."""),
     ("code", """# NBVAL_IGNORE_OUTPUT
-reports = session.run(20)"""),
+reports = session.run(10)"""),
     ("code", """late = reports[-5:]
 print(f"margin over the last 5 steps: {sum(r.preference.margin for r in late) / 5:.3f}")
 print(f"pairs ranked right: {sum(r.preference.accuracy for r in late) / 5:.0%}")
@@ -1141,7 +1141,7 @@ print(f"held-out mean reward before GRPO: {reward_before:.3f}")"""),
 and a KV cache of the group) and the update on them (`batch_size × generations` rows). Both
 are measured; the dotted line on the bar is the writing's peak."""),
     ("code", """# NBVAL_IGNORE_OUTPUT
-grpo = session.run(5)"""),
+grpo = session.run(4)"""),
     ("code", """last = grpo[-1]
 print("mean reward per step:", [round(r.rollouts.reward, 3) for r in grpo])
 print("each function:", {name: round(v, 3) for name, v in last.rollouts.rewards.items()})

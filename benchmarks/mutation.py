@@ -1189,6 +1189,18 @@ MUTANTS: list[Mutant] = [
            "nbtune/run/processes.py", "    return futures.Future.exception(result, 0)",
            "    return None if result.successful() else futures.Future.exception(result, 0)",
            (T + "run/test_processes.py::test_a_rank_failing_between_its_future_done_and_ipyparallels_ready_flag_is_named",)),
+    Mutant("wrong advice", "a notebook's rank out of memory is told the run file and --resume (torchrun's advice)",
+           "nbtune/run/processes.py", "    parallel.from_kernel = True  # (an out-of-memory error's advice is for the notebook)\n",
+           "",
+           (T + "run/test_processes.py::test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behind[lora]",)),
+    Mutant("wrong advice", "the notebook's advice after a rank's out of memory names a change sharded ranks refuse",
+           "nbtune/oom.py", "    settable = [s for s in suggestions if not set(s.changes) & SHARDED_FIELDS]",
+           "    settable = list(suggestions)",
+           (T + "predict/test_ranks.py::test_a_change_the_sharding_fixes_is_sent_to_the_run_file_and_the_first_settable_to_set",)),
+    Mutant("lost message", "a rank's out-of-memory account reaches the notebook as its last line only",
+           "nbtune/run/processes.py", "                why, explained = _reason(pending[failed]), _explained(pending[failed])",
+           "                why, explained = _reason(pending[failed]), None",
+           (T + "run/test_processes.py::test_a_rank_failing_between_its_future_done_and_ipyparallels_ready_flag_is_named",)),
 ]
 
 

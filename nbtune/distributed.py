@@ -72,6 +72,7 @@ class Parallel:
     def __init__(self, rank: int, world: int, local_rank: int, sharding: Sharding) -> None:
         self.rank, self.world, self.local_rank, self.sharding = rank, world, local_rank, sharding
         self.places: list[tuple[int, str]] | None = None
+        self.from_kernel = False  # ranks a notebook's kernel drives (engines), not torchrun's
 
     @classmethod
     def from_env(cls, sharding: Sharding | None = None) -> "Parallel | None":

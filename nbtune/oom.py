@@ -84,6 +84,9 @@ def explain(err: BaseException, phase: str | None, step: int, held: dict, config
     elif parallel is None:
         head = (f"Out of memory in the {phase or 'set-up'} phase of step {step}; the step was "
                 "rolled back and the session is as it was before it.")
+    elif getattr(parallel, "from_kernel", False):  # a notebook's ranks: the kernel says the rest
+        head = (f"Rank {parallel.rank} of {parallel.world} ran out of memory in the "
+                f"{phase or 'set-up'} phase of step {step}.")
     else:  # the other ranks wait in a collective: the job ends
         head = (f"Rank {parallel.rank} of {parallel.world} ran out of memory in the "
                 f"{phase or 'set-up'} phase of step {step}; the job stops (resume from its last "
@@ -105,6 +108,8 @@ def explain(err: BaseException, phase: str | None, step: int, held: dict, config
         elif parallel is None:
             lines.append(f"Apply one with session.set({suggestions[0].label}), or run(n, "
                          "on_oom='adapt') to apply the first and go on.")
+        elif getattr(parallel, "from_kernel", False):
+            lines.append(_on_ranks(suggestions))
         else:
             first = ", ".join(f"techniques.{k}: {v}" for k, v in suggestions[0].changes.items())
             lines.append(f"Put one in the run file ({first}) and start the job again.")
@@ -120,6 +125,24 @@ def explain(err: BaseException, phase: str | None, step: int, held: dict, config
     if err.args:
         lines.append(f"(torch: {str(err.args[0]).splitlines()[0][:200]})")
     return OutOfMemory("\n".join(lines), phase, held, predicted, suggestions)
+
+
+def _on_ranks(suggestions: list[Suggestion]) -> str:
+    """How a notebook driving ranks applies a change: ``session.set`` once ``recover()`` has
+    started them again, for what sharded ranks can change; the run file for what made the
+    sharding (``plan.SHARDED_FIELDS``), which the ranks refuse to change."""
+    from .plan import SHARDED_FIELDS
+
+    settable = [s for s in suggestions if not set(s.changes) & SHARDED_FIELDS]
+    said = (f"After session.recover() has started the ranks again, apply one with "
+            f"session.set({settable[0].label})." if settable else "")
+    first = suggestions[0]
+    if first not in settable:
+        file = ", ".join(f"techniques.{k}: {v}" for k, v in first.changes.items())
+        said += ((" " if said else "") + f"{first.label} is fixed while the ranks hold the model "
+                 f"sharded: put it in the run file ({file}) and start the ranks again "
+                 "(Session.from_config).")
+    return said
 
 
 class SimulatedCard(torch.autograd.graph.saved_tensors_hooks):

@@ -236,11 +236,12 @@ class Processes:
                 self._listen()
             failed = next((rank for rank, p in enumerate(pending) if p in done and _error(p) is not None), None)
             if failed is not None:
-                why = _reason(pending[failed])
+                why, explained = _reason(pending[failed]), _explained(pending[failed])
                 dead = self._dead_peer(why)
                 if dead is not None:
                     self._fail(dead, "its process ended (killed, or out of host memory)")
-                self._fail(failed, why, out_of_memory=_out_of_memory(pending[failed]))
+                self._fail(failed, explained or why, named=explained is not None,
+                           out_of_memory=_out_of_memory(pending[failed]))
             if not waiting:
                 break
             if time.monotonic() > deadline:
@@ -400,6 +401,15 @@ def _reason(result) -> str:
     return f"{type(err).__name__}: {text[-1] if text else ''}"[:400].rstrip(".")
 
 
+def _explained(result) -> str | None:
+    """nbtune's own account of a rank's out of memory (``oom.explain``: the rank, the phase,
+    what held memory and what to change), whole: written for the user, it names the rank."""
+    err = _error(result)
+    if err is None or getattr(err, "ename", None) != "OutOfMemory":
+        return None
+    return str(getattr(err, "evalue", "")).strip().rstrip(".") or None
+
+
 def _out_of_memory(result) -> bool:
     """Whether a rank's call failed by running out of memory (torch's error, or nbtune's
     explained one), as ipyparallel names the exception it raised."""
@@ -443,6 +453,7 @@ def _join(rank: int, world: int, port: int, path: str, overrides: dict, parent: 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // place["local_world"]))
     config = runfile.load(path, overrides)
     parallel = Parallel.from_env(config.to_sharding())
+    parallel.from_kernel = True  # (an out-of-memory error's advice is for the notebook)
     if not build:
         ENGINE_STATE.update(rank=rank, parallel=parallel)
         return {"step": 0, "techniques": config.to_techniques(), "pid": os.getpid()}

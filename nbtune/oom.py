@@ -62,8 +62,9 @@ def budget(device: torch.device) -> int | None:
 def explain(err: BaseException, phase: str | None, step: int, held: dict, config, t: Techniques,
             device: torch.device, shape: tuple[int, int] | None, parallel=None,
             damaged: str | None = None) -> OutOfMemory:
-    """The ``OutOfMemory`` to raise in place of ``err``; under torchrun (``parallel``) it
-    names the rank, and its predictions are that rank's (FSDP2 over the job's ranks).
+    """The ``OutOfMemory`` to raise in place of ``err``; on ranks (``parallel``) it names the
+    rank, and its predictions are that rank's (FSDP2 over the job's ranks); its advice is the
+    run file under torchrun, ``session.set`` on a notebook's ranks (``from_kernel``).
     ``damaged``: the trainer's own account when the update had begun writing with no copy
     to undo it (then the step was not rolled back, and the message says so)."""
     limit = budget(device)

@@ -433,8 +433,8 @@ MUTANTS: list[Mutant] = [
            (T + "test_checkpoint_files.py::test_a_checkpoint_holding_nan_or_infinity_is_refused_naming_file_and_tensor",)),
     Mutant("untrue message", "an out-of-memory error after a half-written update says it was rolled back",
            "nbtune/oom.py",
-           "    if damaged:\n        head =",
-           "    if False:\n        head =",
+           "    if damaged:\n        rank =",
+           "    if False:\n        rank =",
            (T + "properties/test_faults.py::test_failed_step_equals_twin[grad_hook_in_backward-oom-step3-auto]",)),
     # ---- pinned behaviours (issue 37, items 14 and 16) ----
     Mutant("dropped argument", "sampling ignores the temperature",

@@ -65,7 +65,8 @@ ROLL_CALL_SECONDS = 5.0  # how long the ranks still standing wait for each other
 
 
 class Parallel:
-    """This process's place in a torchrun job; None-like when not under torchrun. ``places``:
+    """This process's place in a torchrun job, or among the ranks a notebook drives
+    (``from_kernel``: ipyparallel engines); None-like when alone. ``places``:
     each rank's machine (torchrun's node rank) and host name, in rank order, as the ranks
     told each other when the job started (``from_env``); None where unknown."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .memory.accounting import gradient_bytes, optimizer_state_bytes, parameter_bytes
+from .plan import SHARDED_FIELDS
 from .predict.advice import Suggestion, suggest
 from .techniques import Techniques
 from .units import format_bytes
@@ -64,7 +65,8 @@ def explain(err: BaseException, phase: str | None, step: int, held: dict, config
             damaged: str | None = None) -> OutOfMemory:
     """The ``OutOfMemory`` to raise in place of ``err``; on ranks (``parallel``) it names the
     rank, and its predictions are that rank's (FSDP2 over the job's ranks); its advice is the
-    run file under torchrun, ``session.set`` on a notebook's ranks (``from_kernel``).
+    run file under torchrun; on a notebook's ranks (``from_kernel``) ``session.set`` after
+    ``recover()``, or the run file for a change to what made the sharding.
     ``damaged``: the trainer's own account when the update had begun writing with no copy
     to undo it (then the step was not rolled back, and the message says so)."""
     limit = budget(device)
@@ -80,12 +82,14 @@ def explain(err: BaseException, phase: str | None, step: int, held: dict, config
     if len(measured) < len(held):
         held_line += (f"; this step's activations would reach "
                       f"{format_bytes(held['activations (estimated)'])} (estimated)")
+    from_kernel = getattr(parallel, "from_kernel", False)
     if damaged:
-        head = f"Out of memory in the {phase or 'set-up'} phase of step {step}. {damaged}"
+        rank = f"Rank {parallel.rank} of {parallel.world}: " if parallel is not None else ""
+        head = f"{rank}Out of memory in the {phase or 'set-up'} phase of step {step}. {damaged}"
     elif parallel is None:
         head = (f"Out of memory in the {phase or 'set-up'} phase of step {step}; the step was "
                 "rolled back and the session is as it was before it.")
-    elif getattr(parallel, "from_kernel", False):  # a notebook's ranks: the kernel says the rest
+    elif from_kernel:  # a notebook's ranks: the kernel says the rest
         head = (f"Rank {parallel.rank} of {parallel.world} ran out of memory in the "
                 f"{phase or 'set-up'} phase of step {step}.")
     else:  # the other ranks wait in a collective: the job ends
@@ -103,14 +107,14 @@ def explain(err: BaseException, phase: str | None, step: int, held: dict, config
             note = ("fits" if s.fits else "still too big") if s.fits is not None else ""
             kept = "same maths" if s.exact else "changes the maths slightly"
             lines.append(f"  {s.label}: {now} -> {format_bytes(s.peak)} ({kept}{', ' + note if note else ''})")
-        if damaged:
+        if from_kernel:  # (recover() first, whether or not the update had begun writing)
+            lines.append(_advice_on_ranks(suggestions))
+        elif damaged and parallel is None:
             lines.append(f"Once session.recover() has brought the session back, apply one with "
                          f"session.set({suggestions[0].label}).")
         elif parallel is None:
             lines.append(f"Apply one with session.set({suggestions[0].label}), or run(n, "
                          "on_oom='adapt') to apply the first and go on.")
-        elif getattr(parallel, "from_kernel", False):
-            lines.append(_on_ranks(suggestions))
         else:
             first = ", ".join(f"techniques.{k}: {v}" for k, v in suggestions[0].changes.items())
             lines.append(f"Put one in the run file ({first}) and start the job again.")
@@ -128,12 +132,10 @@ def explain(err: BaseException, phase: str | None, step: int, held: dict, config
     return OutOfMemory("\n".join(lines), phase, held, predicted, suggestions)
 
 
-def _on_ranks(suggestions: list[Suggestion]) -> str:
+def _advice_on_ranks(suggestions: list[Suggestion]) -> str:
     """How a notebook driving ranks applies a change: ``session.set`` once ``recover()`` has
     started them again, for what sharded ranks can change; the run file for what made the
     sharding (``plan.SHARDED_FIELDS``), which the ranks refuse to change."""
-    from .plan import SHARDED_FIELDS
-
     settable = [s for s in suggestions if not set(s.changes) & SHARDED_FIELDS]
     said = (f"After session.recover() has started the ranks again, apply one with "
             f"session.set({settable[0].label})." if settable else "")

@@ -49,10 +49,11 @@ ENGINE_STATE: dict = {}  # on an engine: its run, its rank and its process group
 
 
 class RankFailed(RuntimeError):
-    """A rank died or hung; the others were ended.
+    """A rank died, hung or ran out of memory; the others were ended.
 
     Args:
-        message: Which rank, how it ended and what it said last.
+        message: Which rank, how it ended and what it said last (out of memory: nbtune's
+            whole account of it, with what to change).
         rank: Which rank (None: several).
         out_of_memory: The rank ran out of memory (a measured row says so and goes on).
     """
@@ -307,7 +308,8 @@ class Processes:
                      "from the beginning")
         who = f"Rank {rank} failed: " if rank is not None else "The ranks failed: "
         said = why[0].upper() + why[1:] if named else who + why
-        raise RankFailed(f"{said}. The other ranks were ended (they would have "
+        apart = ".\n" if "\n" in said else ". "  # (after an account of several lines: a line of its own)
+        raise RankFailed(f"{said}{apart}The other ranks were ended (they would have "
                          f"waited for it); the kernel goes on, and {back}.", rank, out_of_memory)
 
     def save_checkpoint(self, folder) -> Path:

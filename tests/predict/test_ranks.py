@@ -211,6 +211,9 @@ def test_a_ranks_out_of_memory_names_it_with_its_own_predictions():
                        (2, 96), parallel)
 
     said = str(explained(notebook))  # (the advice asked here: no process group is up)
+    damaged = str(explain(torch.OutOfMemoryError("CUDA out of memory."), "optimizer", 3,
+                          {"parameters": 1}, config, t, cpu, (2, 96), notebook,
+                          damaged="The update had begun writing weights."))
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         err = explained(torchrun)
@@ -225,8 +228,12 @@ def test_a_ranks_out_of_memory_names_it_with_its_own_predictions():
     settable = [s for s in expected if _sharded_ranks_accept(s.changes)]
     assert settable and said.startswith("Rank 1 of 2 ran out of memory in the backward phase of step 3.\n")
     assert "--resume" not in said and "run file" not in said and "Predicted peak per rank now" in said
-    assert (f"After session.recover() has started the ranks again, apply one with "
-            f"session.set({settable[0].label})." in said)
+    advice = (f"After session.recover() has started the ranks again, apply one with "
+              f"session.set({settable[0].label}).")
+    assert advice in said
+    # an update that had begun writing (no undo copy) names the rank and advises the same
+    assert damaged.startswith("Rank 1 of 2: Out of memory in the optimizer phase of step 3. The update")
+    assert advice in damaged and "--resume" not in damaged
 
 
 def _sharded_ranks_accept(changes: dict) -> bool:
@@ -236,20 +243,23 @@ def _sharded_ranks_accept(changes: dict) -> bool:
     try:
         trainer.abort(trainer.prepare(trainer.techniques.replace(**changes)))
         return True
-    except ValueError:
+    except ValueError as refused:
+        assert "cannot change while the model is sharded" in str(refused)  # (not another refusal)
         return False
 
 
 def test_a_change_the_sharding_fixes_is_sent_to_the_run_file_and_the_first_settable_to_set():
-    from nbtune.oom import _on_ranks
+    """On a notebook's ranks the advice names the first change the ranks accept for
+    ``session.set``, and sends a better one the sharding fixes (``method``) to the run file."""
+    from nbtune.oom import _advice_on_ranks
     from nbtune.predict.advice import Suggestion
 
     fixed, kept = Suggestion({"method": "lora"}, 1, False, None), Suggestion({"chunked_loss": 8}, 2, True, None)
     assert not _sharded_ranks_accept(fixed.changes) and _sharded_ranks_accept(kept.changes)
-    said = _on_ranks([fixed, kept])
+    said = _advice_on_ranks([fixed, kept])
     assert "session.set(chunked_loss=8)" in said and "method='lora' is fixed" in said
     assert "run file (techniques.method: lora)" in said
-    assert _on_ranks([kept, fixed]) == ("After session.recover() has started the ranks again, apply "
+    assert _advice_on_ranks([kept, fixed]) == ("After session.recover() has started the ranks again, apply "
                                         "one with session.set(chunked_loss=8).")
 
 

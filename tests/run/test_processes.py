@@ -221,7 +221,11 @@ def _a_twin_never_interrupted_gives_each_step(alone, history, sixth) -> None:
             alone.set(lr=report.lr)
         twin = alone.step()
         assert (twin.step, twin.tokens) == (report.step, report.tokens)
-        assert abs(twin.loss - report.loss) <= 1e-5, (report.step, twin.loss, report.loss)
+        # sums over two ranks round apart from one process's, and more so as steps add up
+        # (how many depends on the machine's pace): 1e-5 more a step; a wrong learning rate
+        # at one step moved the loss by 1.6e-2
+        drift = 1e-5 * (report.step - 5)
+        assert abs(twin.loss - report.loss) <= drift, (report.step, twin.loss, report.loss)
 
 
 def _a_killed_rank(session, checkpoint) -> None:
@@ -301,6 +305,7 @@ def _out_of_memory_on_a_rank(session) -> None:
     assert said.startswith(f"Rank 1 of 2 ran out of memory in the backward phase of step {step}.\n"), said
     assert "After session.recover() has started the ranks again, apply one with session.set(" in said, said
     assert "--resume" not in said and "run file" not in said and "Predicted peak per rank now" in said, said
+    assert "\nThe other ranks were ended (they would have waited for it); the kernel goes on" in said, said
     gone, still = psutil.wait_procs(engines, timeout=20)
     assert not still, [p.pid for p in still]
 
@@ -532,6 +537,8 @@ def test_a_rank_failing_between_its_future_done_and_ipyparallels_ready_flag_is_n
     own account of an out of memory, which names the rank and what to change, is said whole."""
     from concurrent import futures
 
+    from ipyparallel.error import RemoteError
+
     from nbtune.run.processes import Processes, RankFailed
 
     class Between(futures.Future):  # done, not yet ready, as ipyparallel's AsyncResult can be
@@ -556,9 +563,8 @@ def test_a_rank_failing_between_its_future_done_and_ipyparallels_ready_flag_is_n
     oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
     oom.ename = "OutOfMemoryError"
     # nbtune's own account (oom.explain), several lines naming the rank: said whole, as it is
-    explained = RuntimeError("(OutOfMemory)")
-    explained.ename, explained.evalue = "OutOfMemory", ("Rank 1 of 2 ran out of memory in the backward "
-                                                        "phase of step 3.\nApply one with session.set(x=1).")
+    explained = RemoteError("OutOfMemory", "Rank 1 of 2 ran out of memory in the backward phase of "
+                            "step 3.\nApply one with session.set(x=1).", "(the engine's traceback)")
     cases = [(oom, f"RuntimeError: {oom}", False, True), (ValueError("a bad row"), "ValueError: a bad row", False, False),
              (explained, explained.evalue.rstrip("."), True, True)]
     for error, why, named, out_of_memory in cases:

@@ -89,13 +89,11 @@ def explain(err: BaseException, phase: str | None, step: int, held: dict, config
     elif parallel is None:
         head = (f"Out of memory in the {phase or 'set-up'} phase of step {step}; the step was "
                 "rolled back and the session is as it was before it.")
-    elif from_kernel:  # a notebook's ranks: the kernel says the rest
+    else:  # a notebook's ranks: the kernel says the rest; torchrun's wait in a collective
         head = (f"Rank {parallel.rank} of {parallel.world} ran out of memory in the "
-                f"{phase or 'set-up'} phase of step {step}.")
-    else:  # the other ranks wait in a collective: the job ends
-        head = (f"Rank {parallel.rank} of {parallel.world} ran out of memory in the "
-                f"{phase or 'set-up'} phase of step {step}; the job stops (resume from its last "
-                "checkpoint with --resume once the run file has a change that fits).")
+                f"{phase or 'set-up'} phase of step {step}" + ("." if from_kernel else
+                "; the job stops (resume from its last checkpoint with --resume once the run "
+                "file has a change that fits)."))
     lines = [head,
              f"{held_line}. The largest: {top.replace('_', ' ').replace(' (estimated)', '')}."]
     if suggestions:
@@ -116,8 +114,8 @@ def explain(err: BaseException, phase: str | None, step: int, held: dict, config
             lines.append(f"Apply one with session.set({suggestions[0].label}), or run(n, "
                          "on_oom='adapt') to apply the first and go on.")
         else:
-            first = ", ".join(f"techniques.{k}: {v}" for k, v in suggestions[0].changes.items())
-            lines.append(f"Put one in the run file ({first}) and start the job again.")
+            lines.append(f"Put one in the run file ({_in_run_file(suggestions[0])}) and start the "
+                         "job again.")
     else:
         lines.append("No single toggle change is predicted to lower the peak: shorten seq_len or "
                      "lower batch_size.")
@@ -141,11 +139,15 @@ def _advice_on_ranks(suggestions: list[Suggestion]) -> str:
             f"session.set({settable[0].label})." if settable else "")
     first = suggestions[0]
     if first not in settable:
-        file = ", ".join(f"techniques.{k}: {v}" for k, v in first.changes.items())
         said += ((" " if said else "") + f"{first.label} is fixed while the ranks hold the model "
-                 f"sharded: put it in the run file ({file}) and start the ranks again "
-                 "(Session.from_config).")
+                 f"sharded: put it in the run file ({_in_run_file(first)}) and start the ranks "
+                 "again (Session.from_config).")
     return said
+
+
+def _in_run_file(suggestion: Suggestion) -> str:
+    """A suggestion's changes as a run file writes them (``techniques.x: y``)."""
+    return ", ".join(f"techniques.{k}: {v}" for k, v in suggestion.changes.items())
 
 
 class SimulatedCard(torch.autograd.graph.saved_tensors_hooks):

@@ -158,19 +158,27 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as err:  # a file's content, a path or a setting: no traceback
         if os.environ.get("NBTUNE_DEBUG") == "1" or (isinstance(err, OSError) and err.filename is None):
             raise  # asked for, or not about a path (a network error): the traceback helps
-        print(f"nbtune {args.command}: {_one_message(err)}", file=sys.stderr)
+        _tell(f"nbtune {args.command}: {_one_message(err)}")
         return 2
     except Exception as err:
         if os.environ.get("NBTUNE_DEBUG") == "1" or not _ended_the_run(err):
             raise
-        print(f"nbtune {args.command}: {err}", file=sys.stderr)  # its own words: what, where, why
+        said = f"nbtune {args.command}: {err}"  # its own words: what, where, why
         if args.command == "train":
             out = f" --out {args.out}" if getattr(args, "out", None) else ""
-            print(f"nbtune train: the run stopped there; if a checkpoint was written "
-                  f"(checkpoint_every), continue from the newest with: nbtune train "
-                  f"{args.run_file} --resume{out}", file=sys.stderr)
+            said += (f"\nnbtune train: the run stopped there; if a checkpoint was written "
+                     f"(checkpoint_every), continue from the newest with: nbtune train "
+                     f"{args.run_file} --resume{out}")
+        _tell(said)
         return 1
     return 2
+
+
+def _tell(text: str) -> None:
+    """``text`` on stderr in one write: stderr is unbuffered, so ``print`` writes the text and
+    its newline apart, and two ranks failing at once would run their messages together."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def _ended_the_run(err: BaseException) -> bool:

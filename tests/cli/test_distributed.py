@@ -120,7 +120,7 @@ def test_the_optimizer_steps_each_sharded_gradient_in_backward(tmp_path):
 
 
 DRIVER = """\
-import os, sys
+import os, sys, time
 import nbtune.optim as optim
 import nbtune.cli.main as cli
 
@@ -133,7 +133,9 @@ def poisoned(owner, index, param):  # rank 1's shard of the third weight written
     return real(owner, index, param)
 
 optim._step_in_backward = poisoned
-sys.exit(cli.main(["train", *sys.argv[1:]]))
+code = cli.main(["train", *sys.argv[1:]])
+time.sleep(5)  # torchrun ends every rank once one exits: a slower rank that stopped must be heard
+sys.exit(code)
 """
 
 

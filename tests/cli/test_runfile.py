@@ -432,6 +432,32 @@ def test_bad_data_named_by_the_run_file_is_one_line_not_a_traceback(tmp_path, ca
     assert "Traceback" not in err
 
 
+def test_a_failed_runs_account_is_one_write_so_ranks_ending_together_do_not_mix(monkeypatch):
+    """stderr is unbuffered: ``print`` writes a text and its newline apart, and two ranks ending
+    at once ran their accounts into one line (seen in CI). Each rank's account, with how to
+    resume, must reach stderr in one write."""
+    from nbtune.step import NonFiniteError
+
+    def fails(args, parser):
+        raise NonFiniteError("Step 3 was not applied: its loss is nan (lr=0.001).")
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+            return len(text)
+
+        def flush(self):
+            pass
+    monkeypatch.setattr(cli, "run_train", fails)
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    assert cli.main(["train", "run.yaml", "--out", "o"]) == 1
+    assert writes == ["nbtune train: Step 3 was not applied: its loss is nan (lr=0.001).\n"
+                      "nbtune train: the run stopped there; if a checkpoint was written "
+                      "(checkpoint_every), continue from the newest with: nbtune train run.yaml "
+                      "--resume --out o\n"]
+
+
 def test_tensorboard_logging_writes_each_steps_scalars(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

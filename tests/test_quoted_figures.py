@@ -411,8 +411,9 @@ def processes_quotes(result: dict) -> list[tuple[str, str]]:
     def rounds(row):
         return f"rounds {half_up(min(row['ratios']), 2)}-{half_up(max(row['ratios']), 2)}"
 
-    return [(GPUS, f"{starts[0]:.0f}-{starts[-1]:.0f} s to start two engines"),
-            (GPUS, f"**{half_up(small['ratio'], 2)}x at an {steps(small)} ms step** (the tiny model, "
+    start = " to ".join(dict.fromkeys(f"{s:.0f}" for s in (starts[0], starts[-1])))
+    return [(GPUS, f"{start} s to start two engines"),
+            (GPUS, f"**{half_up(small['ratio'], 2)}x at a {steps(small)} ms step** (the tiny model, "
                    f"batch {small['batch_size']}; {rounds(small)})"),
             (GPUS, f"**{half_up(big['ratio'], 2)}x at a {steps(big, 1, '.2f')} s step** (batch {big['batch_size']}; "
                    f"{rounds(big)})"),

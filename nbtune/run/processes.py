@@ -122,8 +122,11 @@ class Processes:
         # join from other machines it listens on ``address`` (and only there).
         where = {"controller_ip": self.address, "controller_location": self.address} \
             if self.local < processes else {}
+        # --usethreads: the controller's schedulers are threads of its own, not seven processes
+        # more (~290 MB of host memory), and none outlives a killed controller.
         self.cluster = ipp.Cluster(n=self.local, profile_dir=self._profile.name, log_level=40,
-                                   shutdown_atexit=True, controller_args=["--nodb"], **where)
+                                   shutdown_atexit=True, controller_args=["--nodb", "--usethreads"],
+                                   **where)
         self.client = self._engines = None
         try:
             self.client = self.cluster.start_and_connect_sync(activate=False)
@@ -148,6 +151,7 @@ class Processes:
                    "local_world": sum(host == hosts[i][0] for host, _ in hosts),
                    "watch": hosts[i][1] == parent} for i in order]
         controller = self.cluster.controller.process.pid if self.cluster.controller else None
+        self._controller_parts = _children(controller)  # ended with it, even once it was killed
         master = self.address if self.local < processes else "127.0.0.1"
         port = _free_port(master)
         resume = str(self.checkpoint) if self.checkpoint is not None else None
@@ -367,6 +371,29 @@ class Processes:
         finally:
             self.client = self.cluster = None
             self._profile.cleanup()
+            _kill(getattr(self, "_controller_parts", []))
+
+
+def _children(pid: int | None) -> list:
+    """The processes ``pid`` started (psutil's, which know their start time: a number reused
+    later is not taken for them); none where it is gone or not known."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True) if pid is not None else []
+    except psutil.Error:
+        return []
+
+
+def _kill(processes: list) -> None:
+    """End those of ``processes`` still running: a controller SIGKILLed (the OOM killer)
+    leaves its heart monitor behind, adopted by init, holding its memory."""
+    import psutil
+
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            if process.is_running():
+                process.kill()
 
 
 def _watch(address: str, world: int, hang: float):

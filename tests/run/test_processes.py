@@ -45,9 +45,9 @@ def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behin
     assert reply  # (greedy says nothing yet: the end of the reply comes first)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     ranks = Session.from_config(path, processes=2)
-    try:
-        started = {p.pid for p in psutil.Process().children(recursive=True)} - before
-        assert len(started) >= 3 and set(ranks.parts.ranks.pids) <= started  # a controller, two engines
+    try:  # (kept as processes: one whose parent was killed is no longer a child of this one)
+        started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        assert len(started) >= 3 and set(ranks.parts.ranks.pids) <= {p.pid for p in started}  # a controller, two engines
         reports = [ranks.step(), ranks.step()]
         ladder = ranks.compare([{}, {"batch_size": 8}], steps=2)  # on two ranks of its own
         assert [row.techniques.batch_size for row in ladder] == [4, 8] and not ladder[0].error
@@ -99,8 +99,7 @@ def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behin
     # each rank's memory, as the kernel gathered it: half the single process's state each
     for rank in ranks.ranks_memory[5]:
         assert abs(rank.categories["parameters"] / one[-1].memory.categories["parameters"] - 0.5) < 0.02
-    alive = [p for p in psutil.Process().children(recursive=True) if p.pid in started]
-    gone, still = psutil.wait_procs(alive, timeout=20)
+    gone, still = psutil.wait_procs(started, timeout=20)
     assert not still, [p.cmdline() for p in still]
 
 
@@ -315,21 +314,23 @@ def _a_killed_controller_then_recover(session, sixth) -> None:
     ipyparallel's controller SIGKILLed mid-run (no answer can come back, though every rank
     still beats): named within seconds, not after the command's timeout, no rank is left,
     and recover() gives that step again."""
-    import os
     import signal
 
     session.recover()
     assert len(session.history) == 5 and session.step().loss == sixth.loss
     ranks = session.parts.ranks
     engines = [psutil.Process(pid) for pid in ranks.pids]
-    threading.Timer(2.0, os.kill, (ranks.cluster.controller.process.pid, signal.SIGKILL)).start()
+    controller = psutil.Process(ranks.cluster.controller.process.pid)
+    parts = controller.children(recursive=True)  # (its heart monitor: init adopts it once it is killed)
+    assert parts
+    threading.Timer(2.0, controller.send_signal, (signal.SIGKILL,)).start()
     started = time.monotonic()
     with pytest.raises(nt.RankFailed, match=r"controller \(process \d+\) ended \(killed\?\)") as failed:
         session.run(10_000, progress=False)
     # (named at the kernel's next look, a second; ending the cluster takes the rest: 15 s
     # once on a loaded machine. Unnoticed, the command would wait out its 600 s timeout.)
     assert time.monotonic() - 2.0 - started < 60 and "recover()" in str(failed.value)
-    gone, still = psutil.wait_procs(engines, timeout=20)
+    gone, still = psutil.wait_procs(engines + parts, timeout=20)
     assert not still, [p.pid for p in still]
     session.recover()
     assert len(session.history) == 5 and session.step().loss == sixth.loss

@@ -1,6 +1,8 @@
 """Host memory of ipyparallel's controller as nbtune starts it (``--usethreads``: its schedulers
-are threads) against its default (each scheduler a process of its own): the controller's
-resident memory plus its children's, one engine attached, on an idle cluster.
+are threads) against its default (each scheduler a process of its own): the proportional set
+size (PSS) of the controller and its children, one engine attached, on an idle cluster. PSS
+counts a page shared by several processes once in all (the schedulers are forks of the
+controller: their resident sizes would count its pages again in each).
 
     python benchmarks/controller_memory.py
 """
@@ -13,22 +15,23 @@ import ipyparallel as ipp
 import psutil
 
 
-def measured(args: list[str]) -> tuple[int, int]:
-    """(processes, resident MiB) of a controller started with ``args`` and its children."""
+def measured(args: list[str]) -> tuple[int, int, int]:
+    """(processes, PSS MiB, resident MiB summed) of a controller started with ``args`` and its children."""
     with tempfile.TemporaryDirectory() as folder:
         cluster = ipp.Cluster(n=1, profile_dir=folder, log_level=40, controller_args=args)
-        client = cluster.start_and_connect_sync(activate=False)
         try:
+            client = cluster.start_and_connect_sync(activate=False)
             client.wait_for_engines(1, timeout=120)
             controller = psutil.Process(cluster.controller.process.pid)
             processes = [controller, *controller.children(recursive=True)]
-            return len(processes), sum(p.memory_info().rss for p in processes) >> 20
-        finally:
+            infos = [p.memory_full_info() for p in processes]
             client.close()
+            return len(processes), sum(i.pss for i in infos) >> 20, sum(i.rss for i in infos) >> 20
+        finally:
             cluster.stop_cluster_sync()
 
 
 if __name__ == "__main__":
     for args in (["--nodb"], ["--nodb", "--usethreads"]):
-        count, mib = measured(args)
-        print(f"controller {' '.join(args):22s} {count} processes, {mib} MiB resident")
+        count, pss, rss = measured(args)
+        print(f"controller {' '.join(args):22s} {count} processes, {pss} MiB (PSS; {rss} MiB resident summed)")

@@ -1202,8 +1202,8 @@ MUTANTS: list[Mutant] = [
            "                why, explained = _reason(pending[failed]), None",
            (T + "run/test_processes.py::test_a_rank_failing_between_its_future_done_and_ipyparallels_ready_flag_is_named",)),
     Mutant("orphan", "a SIGKILLed controller's heart monitor is left running, adopted by init",
-           "nbtune/run/processes.py", "            _kill(getattr(self, \"_controller_parts\", []))\n",
-           "",
+           "nbtune/run/processes.py", "                self._parts_ended()  # (once: a finalizer runs at most once)\n",
+           "                pass\n",
            (T + "run/test_processes.py::test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behind[qlora]",)),
 ]
 

@@ -413,9 +413,9 @@ def processes_quotes(result: dict) -> list[tuple[str, str]]:
 
     start = " to ".join(dict.fromkeys(f"{s:.0f}" for s in (starts[0], starts[-1])))
     return [(GPUS, f"{start} s to start two engines"),
-            (GPUS, f"**{half_up(small['ratio'], 2)}x at a {steps(small)} ms step** (the tiny model, "
+            (GPUS, f"**{half_up(small['ratio'], 2)}x at a step of {steps(small)} ms** (the tiny model, "
                    f"batch {small['batch_size']}; {rounds(small)})"),
-            (GPUS, f"**{half_up(big['ratio'], 2)}x at a {steps(big, 1, '.2f')} s step** (batch {big['batch_size']}; "
+            (GPUS, f"**{half_up(big['ratio'], 2)}x at a step of {steps(big, 1, '.2f')} s** (batch {big['batch_size']}; "
                    f"{rounds(big)})"),
             (GPUS, f"`benchmarks/results/processes/overhead.json`, {result['cores']} cores, {result['rounds']} "
                    f"alternating rounds")]

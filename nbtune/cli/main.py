@@ -175,10 +175,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _tell(text: str) -> None:
-    """``text`` on stderr in one write: stderr is unbuffered, so ``print`` writes the text and
-    its newline apart, and two ranks failing at once would run their messages together."""
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
+    """``text`` on stderr in one write: unbuffered (PYTHONUNBUFFERED or -u, as in CI),
+    ``print`` writes a text and its newline apart, and two ranks failing at once ran their
+    messages together on one line; one write keeps each rank's account whole."""
+    stream = sys.stderr or sys.stdout  # (as print does where there is no stderr)
+    stream.write(text + "\n")
+    stream.flush()
 
 
 def _ended_the_run(err: BaseException) -> bool:

@@ -39,6 +39,7 @@ import socket
 import tempfile
 import threading
 import time
+import weakref
 from concurrent import futures
 from datetime import timedelta
 from pathlib import Path
@@ -123,7 +124,7 @@ class Processes:
         where = {"controller_ip": self.address, "controller_location": self.address} \
             if self.local < processes else {}
         # --usethreads: the controller's schedulers are threads of its own, not seven processes
-        # more (~290 MB of host memory), and none outlives a killed controller.
+        # more (~30 MB of host memory), and fewer to outlive a killed controller.
         self.cluster = ipp.Cluster(n=self.local, profile_dir=self._profile.name, log_level=40,
                                    shutdown_atexit=True, controller_args=["--nodb", "--usethreads"],
                                    **where)
@@ -151,7 +152,9 @@ class Processes:
                    "local_world": sum(host == hosts[i][0] for host, _ in hosts),
                    "watch": hosts[i][1] == parent} for i in order]
         controller = self.cluster.controller.process.pid if self.cluster.controller else None
-        self._controller_parts = _children(controller)  # ended with it, even once it was killed
+        # what the controller started: ended with the cluster, even once the controller was
+        # killed (init adopts them), and at the kernel's exit
+        self._parts_ended = weakref.finalize(self, _kill, _children(controller))
         master = self.address if self.local < processes else "127.0.0.1"
         port = _free_port(master)
         resume = str(self.checkpoint) if self.checkpoint is not None else None
@@ -369,9 +372,10 @@ class Processes:
                 self.client.close()
             self.cluster.stop_cluster_sync()
         finally:
+            if getattr(self, "_parts_ended", None) is not None:
+                self._parts_ended()  # (once: a finalizer runs at most once)
             self.client = self.cluster = None
             self._profile.cleanup()
-            _kill(getattr(self, "_controller_parts", []))
 
 
 def _children(pid: int | None) -> list:
@@ -387,13 +391,13 @@ def _children(pid: int | None) -> list:
 
 def _kill(processes: list) -> None:
     """End those of ``processes`` still running: a controller SIGKILLed (the OOM killer)
-    leaves its heart monitor behind, adopted by init, holding its memory."""
+    leaves its heart monitor behind, adopted by init, holding its memory. (psutil's kill
+    checks the start time: a number reused by another process is left alone.)"""
     import psutil
 
     for process in processes:
         with contextlib.suppress(psutil.Error):
-            if process.is_running():
-                process.kill()
+            process.kill()
 
 
 def _watch(address: str, world: int, hang: float):

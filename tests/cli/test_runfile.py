@@ -433,9 +433,9 @@ def test_bad_data_named_by_the_run_file_is_one_line_not_a_traceback(tmp_path, ca
 
 
 def test_a_failed_runs_account_is_one_write_so_ranks_ending_together_do_not_mix(monkeypatch):
-    """stderr is unbuffered: ``print`` writes a text and its newline apart, and two ranks ending
-    at once ran their accounts into one line (seen in CI). Each rank's account, with how to
-    resume, must reach stderr in one write."""
+    """Unbuffered (PYTHONUNBUFFERED, as in CI), ``print`` writes a text and its newline apart,
+    and two ranks ending at once ran their accounts into one line (seen in CI). Each rank's
+    account, with how to resume, must reach stderr in one write."""
     from nbtune.step import NonFiniteError
 
     def fails(args, parser):

@@ -1205,6 +1205,18 @@ MUTANTS: list[Mutant] = [
            "nbtune/run/processes.py", "                self._parts_ended()  # (once: a finalizer runs at most once)\n",
            "                pass\n",
            (T + "run/test_processes.py::test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behind[qlora]",)),
+    Mutant("wrong mask", "prompts written together attend to each other's padding",
+           "nbtune/models/decoder.py", "        own = k[None] >= pads[:, None, None]  # [B, 1, Tk]: the row's own tokens",
+           "        own = k[None] >= 0 * pads[:, None, None]",
+           (T + "models/test_generate.py::test_prompts_written_together_get_each_the_reply_it_gets_alone",)),
+    Mutant("dropped argument", "a reply written with others runs to the longest budget, not its own",
+           "nbtune/generate.py", "                    going[row] = (len(out[row]) < budgets[row]",
+           "                    going[row] = (len(out[row]) < max(budgets)",
+           (T + "models/test_generate.py::test_prompts_written_together_get_each_the_reply_it_gets_alone",)),
+    Mutant("setting not reached", "evaluate() writes one reply at a time whatever batch_size",
+           "nbtune/run/factory.py", "                               self.tokenizer, self.trainer.techniques.batch_size)",
+           "                               self.tokenizer, 1)",
+           (T + "test_demos.py::test_evaluate_writes_batch_size_replies_at_once_each_the_reply_it_gets_alone",)),
 ]
 
 

@@ -117,6 +117,56 @@ def generate_ids(model: CausalLM, prompt_ids: list[int], *, max_new_tokens: int,
     return out
 
 
+@torch.no_grad()
+def greedy_replies(model: CausalLM, prompts: list[list[int]], budgets: list[int], *,
+                   stop_ids: frozenset[int] | set[int]) -> list[list[int]]:
+    """Greedy new ids after each of ``prompts``, all in one batch: what ``generate_ids``
+    gives each alone (``budgets[i]`` tokens at most), up to the last bits of the sums (a
+    batch's matrix products add in another order). One token costs one forward of the batch
+    where it cost one forward per prompt: a token reads every weight, so on a card (and on a
+    CPU) a batch of short prompts takes about as long as one.
+
+    The prompts are left-padded to the longest; ``pads`` keeps each row to its own tokens
+    at its own positions. A row that has ended (a stop token, its budget) rides along
+    until every row has."""
+    limit = model.config.max_position_embeddings
+    for ids, budget in zip(prompts, budgets):
+        check_generation_args(len(ids), limit, max_new_tokens=budget, temperature=0.0, top_p=1.0)
+    scaling = model.config.rope_scaling or {}
+    if scaling.get("rope_type") == "longrope" and \
+            max(len(ids) + budget for ids, budget in zip(prompts, budgets)) > scaling["original_max_position_embeddings"]:
+        # (its factors switch by the furthest position in the batch: a row reaching past the
+        # original context would switch its neighbours' too) one at a time, as alone
+        return [generate_ids(model, ids, max_new_tokens=budget, stop_ids=stop_ids)
+                for ids, budget in zip(prompts, budgets)]
+    out: list[list[int]] = [[] for _ in prompts]
+    going = [budget > 0 for budget in budgets]
+    if not any(going):
+        return out
+    device = next(model.parameters()).device
+    longest = max(map(len, prompts))
+    pads = torch.tensor([longest - len(ids) for ids in prompts], device=device)
+    ids = torch.tensor([[0] * (longest - len(ids)) + ids for ids in prompts], device=device)
+    cache = model.new_cache()
+    hidden = model.hidden_states(ids, cache=cache, pads=pads)
+    logits = model.lm_head(hidden[:, -1])  # the last position's alone
+    del hidden
+    while True:
+        tokens = sample_tokens(logits, 0.0).tolist()
+        for row, token in enumerate(tokens):
+            if going[row]:
+                if token in stop_ids:
+                    going[row] = False
+                else:  # (its last token kept where its context is full, as alone)
+                    out[row].append(token)
+                    going[row] = (len(out[row]) < budgets[row]
+                                  and len(prompts[row]) + len(out[row]) - 1 < limit)
+        if not any(going):
+            return out
+        logits = model.lm_head(model.hidden_states(torch.tensor([[t] for t in tokens], device=device),
+                                                   cache=cache, pads=pads)[:, -1])
+
+
 class TextStream:
     """Turns the growing list of new ids into the text each one adds, for ``stream``: the
     whole is decoded each time and only what follows the text already given is passed on

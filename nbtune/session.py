@@ -700,7 +700,10 @@ class Session:
         pairs: the share whose chosen completion the model ranks above the rejected one (by
         the objective's reward; under sft, the average log-probability). Under
         ``objective="grpo"``: the mean reward (``session.rewards``, weighted) of one greedy
-        completion of each row's prompt, ``max_completion`` tokens at most.
+        completion of each row's prompt, ``max_completion`` tokens at most. Replies are
+        written ``batch_size`` at a time (GRPO: as many as its writing, ``generation_batch``
+        or a group), each the one its prompt gets alone: a token reads every weight once
+        for the whole batch (``benchmarks/batched_replies.py``).
 
         Args:
             examples: Rows or pairs to score (default: the held-out rows).

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 import nbtune as nt
 from nbtune.demos import DEMOS
@@ -39,7 +40,7 @@ def test_exact_match_ignores_whitespace_around_the_reference_as_well(tmp_path, m
     rows = load_examples(path)
     assert rows[0].messages[-1][1] == " Paris\n"  # the reference as the file has it
     session = small_session()
-    monkeypatch.setattr(type(session.parts), "generate", lambda self, prompt, **kwargs: "Paris")
+    monkeypatch.setattr(type(session.parts), "_greedy", lambda self, texts, *args: ["Paris"] * len(texts))
     assert session.evaluate(rows, match="exact") == 1.0
 
 
@@ -55,6 +56,46 @@ def test_evaluate_uses_the_match_it_is_given():
     session.match = lambda reply, ref: ref == rows[0].messages[-1][1]
     assert session.evaluate(rows) == pytest.approx(sum(
         ex.messages[-1][1] == rows[0].messages[-1][1] for ex in rows) / 3)
+
+
+def test_evaluate_writes_batch_size_replies_at_once_each_the_reply_it_gets_alone(monkeypatch):
+    """The held-out rows are written ``batch_size`` at a time (as a step reads its rows), each
+    reply the greedy one its prompt gets alone: against full forwards of each, no cache."""
+    from helpers import returns_of, small_session
+
+    from nbtune.data import prompt_and_reference, prompt_ids
+    from nbtune.run import factory
+
+    session = small_session(batch_size=3)
+    tokenizer, model = session.parts.tokenizer, session.model
+    torch.manual_seed(1)
+    with torch.no_grad():  # (the embedded default answers every held-out row alike: scrambled)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    rows = session.heldout_examples[:7]
+
+    asked = [prompt_and_reference(example, tokenizer) for example in rows]
+    budgets = [len(tokenizer.encode(reference)) + 4 for _, reference in asked]
+
+    def alone(prompt, budget):
+        ids, out = prompt_ids(tokenizer, prompt), []
+        while len(out) < budget:
+            with torch.no_grad():
+                token = int(model(torch.tensor([ids + out]))[0, -1].argmax())
+            if token in tokenizer.stop_ids:
+                break
+            out.append(token)
+        return out
+
+    expected = [alone(prompt, budget) for (prompt, _), budget in zip(asked, budgets)]
+    assert len({tuple(ids) for ids in expected}) == 7  # (and one row ends at a stop token)
+    assert any(len(ids) < budget for ids, budget in zip(expected, budgets))
+    batches = returns_of(monkeypatch, factory, "greedy_replies")
+    seen = []
+    session.evaluate(rows, match=lambda reply, ref: seen.append(reply))
+    assert [ids for batch in batches for ids in batch] == expected
+    assert seen == [tokenizer.decode(ids) for ids in expected]
+    assert [len(batch) for batch in batches] == [3, 3, 1]
 
 
 def test_unknown_demo_names_the_demos():

@@ -607,6 +607,14 @@ def restore_copy_quotes(result: dict) -> list[tuple[str, str]]:
     return [("docs/guides/faults.md", f"{result['median_ratio']:.3f}x on a {step:.0f} ms LoRA step")]
 
 
+def replies_quotes(result: dict) -> list[tuple[str, str]]:
+    assert result["same_replies"]
+    faster = result["speedup"]
+    return [("docs/guides/families-and-objectives.md",
+             f"{result['rows']} SmolLM2 replies took {faster['8 at once']:.2f}x less time written 8 at once "
+             f"than one at a time on a CPU thread, and {faster['4 at once']:.2f}x 4 at once")]
+
+
 # One entry per results file: its path and what the pages quote from it, formatted from the file.
 QUOTES = [
     (f"{RESULTS}/peers/peers-125m-cpu.json", avx2_peers_quotes),
@@ -634,6 +642,7 @@ QUOTES = [
     (f"{RESULTS}/walks.json", walks_quotes),
     (f"{RESULTS}/checkpoint-save/checkpoint_save.json", checkpoint_save_quotes),
     (f"{RESULTS}/restore-copy/cost.json", restore_copy_quotes),
+    (f"{RESULTS}/replies/batched.json", replies_quotes),
 ]
 
 # Results files named on the pages that need no entry above, and why.

@@ -121,16 +121,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def attention_mask(q_index: torch.Tensor, k_index: torch.Tensor,
                    document_ids: torch.Tensor | None = None,
-                   window: int | None = None) -> torch.Tensor:
+                   window: int | None = None, pads: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean mask [B|1, 1, Tq, Tk], True where a query may attend to a key.
 
     Causal by token index; with ``document_ids`` [B, T], only within the same document
-    (packing); with a ``window``, only the last ``window`` tokens (Mistral).
+    (packing); with a ``window``, only the last ``window`` tokens (Mistral); with ``pads``
+    [B], each row's first ``pads`` tokens are padding (left-padded prompts generated
+    together): no query sees them, and each sees only itself (a row of -inf would be NaN).
     """
     q, k = q_index[:, None], k_index[None, :]
     mask = k <= q  # [Tq, Tk]
     if window is not None:
         mask = mask & (q - k < window)
+    if pads is not None:
+        own = k[None] >= pads[:, None, None]  # [B, 1, Tk]: the row's own tokens
+        return ((mask[None] & own) | (q == k)[None])[:, None]
     if document_ids is None:
         return mask[None, None]
     same = document_ids[:, :, None] == document_ids[:, None, :]  # [B, T, T]
@@ -474,12 +479,15 @@ class CausalLM(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
                       document_ids: torch.Tensor | None = None,
-                      cache: KVCache | None = None, normed: bool = True) -> torch.Tensor:
+                      cache: KVCache | None = None, normed: bool = True,
+                      pads: torch.Tensor | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, D]; the loss projects them to the vocabulary.
 
         ``positions`` [B, T] and ``document_ids`` [B, T] describe packed sequences (each
         document restarts its positions and sees only itself); ``cache`` holds the keys
-        and values of earlier tokens during generation. ``normed=False`` leaves the final
+        and values of earlier tokens during generation; ``pads`` [B] counts the padding
+        before each row's first token (prompts of several lengths generated together: each
+        row positioned and attending as if it were alone). ``normed=False`` leaves the final
         norm to the caller (a chunked loss applies it chunk by chunk, with the head).
         """
         blocks = self.sparse_blocks
@@ -487,15 +495,19 @@ class CausalLM(nn.Module):
             block.stats.clear()
             block.recording = True
         try:
-            return self._hidden_states(input_ids, positions, document_ids, cache, normed)
+            return self._hidden_states(input_ids, positions, document_ids, cache, normed, pads)
         finally:
             for block in blocks:
                 block.recording = False
 
-    def _hidden_states(self, input_ids, positions, document_ids, cache, normed) -> torch.Tensor:
+    def _hidden_states(self, input_ids, positions, document_ids, cache, normed, pads) -> torch.Tensor:
         T = input_ids.shape[1]
         past = cache.length if cache is not None else 0
         index = torch.arange(past, past + T, device=input_ids.device)
+        if pads is not None:
+            if positions is not None or document_ids is not None:
+                raise ValueError("Left padding (pads) takes no positions or document_ids: it sets both.")
+            positions = (index[None] - pads[:, None]).clamp(min=0)  # [B, T]
         if positions is None:
             positions = index
         if document_ids is not None and past:
@@ -512,10 +524,10 @@ class CausalLM(nn.Module):
         # of which the boolean is half the bias's size
         shared = torch.is_grad_enabled() and not all(layer.checkpointed for layer in self.model.layers)
         kind = (lambda m: additive(m, h.dtype)) if shared else (lambda m: m)  # noqa: E731
-        full = (kind(attention_mask(index, keys, document_ids))
-                if document_ids is not None or (past and T > 1) else None)
+        full = (kind(attention_mask(index, keys, document_ids, pads=pads))
+                if document_ids is not None or pads is not None or (past and T > 1) else None)
         first = past - cache.kept(window) if cache is not None else 0
-        local = (kind(attention_mask(index, keys[first:], document_ids, window))
+        local = (kind(attention_mask(index, keys[first:], document_ids, window, pads))
                  if window and past + T > window else full)
         if self.config.embed_scale:  # Gemma: sqrt(hidden) rounded to the weights' dtype first
             h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)

@@ -22,7 +22,7 @@ from ..adapters import (TECHNIQUES_NOTE, AdapterError, adapter_techniques, base_
 from ..data import (Data, DataError, Example, StreamedRows, TextRow, TrainingData, check_renderable, examples_from,
                    read_rows,
                    prompt_and_reference, prompt_ids, prompt_text)
-from ..generate import Reply, TextStream, generate_ids
+from ..generate import Reply, TextStream, generate_ids, greedy_replies
 from ..hub import resolve_model_folder
 from ..memory.usage import note_runtime
 from ..models import Tokenizer, load_model
@@ -178,11 +178,29 @@ class Run:
                             "with: evaluate on rows with answers (instruction, chat or pairs), or under "
                             "objective='grpo', where evaluate() answers their mean reward.")
         hits = 0
-        for ex in examples:
-            prompt, reference = prompt_and_reference(ex, self.tokenizer)
-            budget = len(self.tokenizer.encode(reference)) + 4
-            hits += bool(matches(self.generate(prompt, raw=True, max_new_tokens=budget), reference))
+        asked = [prompt_and_reference(ex, self.tokenizer) for ex in examples]
+        replies = self._greedy([prompt for prompt, _ in asked],
+                               [len(self.tokenizer.encode(reference)) + 4 for _, reference in asked],
+                               self.tokenizer, self.trainer.techniques.batch_size)
+        for (_, reference), reply in zip(asked, replies):
+            hits += bool(matches(reply, reference))
         return hits / len(examples)
+
+    def _greedy(self, texts: list[str], budgets: list[int], tokenizer: Tokenizer, at_once: int) -> list[str]:
+        """Greedy replies to ``texts`` (rendered prompts), ``at_once`` in one batch
+        (``greedy_replies``): the held-out evaluation holds as many sequences as a step
+        holds rows (a GRPO step: as its writing does)."""
+        at_once, was_training = max(1, at_once), self.model.training
+        self.model.eval()
+        try:
+            replies = []
+            for start in range(0, len(texts), at_once):
+                new = greedy_replies(self.model, [prompt_ids(tokenizer, text) for text in texts[start:start + at_once]],
+                                     budgets[start:start + at_once], stop_ids=tokenizer.stop_ids)
+                replies += [tokenizer.decode(ids) for ids in new]
+        finally:
+            self.model.train(was_training)
+        return replies
 
 
     def _mean_reward(self, examples: list) -> float:
@@ -197,17 +215,10 @@ class Run:
             raise ValueError("evaluate() under objective='grpo' scores completions with the reward "
                              "functions: set session.rewards = [my_reward, ...] first.")
         rows = [as_prompt(row) for row in examples_from(examples, "the rows to evaluate")]
-        tokenizer, texts = self.data.tokenizer, []  # (the training's: its stop tokens)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            for row in rows:
-                text, _ = prompt_and_reference(row.example, tokenizer)
-                ids = generate_ids(self.model, prompt_ids(tokenizer, text), max_new_tokens=t.max_completion,
-                                   stop_ids=tokenizer.stop_ids, temperature=0.0, top_p=1.0)
-                texts.append(tokenizer.decode(ids))
-        finally:
-            self.model.train(was_training)
+        tokenizer = self.data.tokenizer  # (the training's: its stop tokens)
+        texts = self._greedy([prompt_and_reference(row.example, tokenizer)[0] for row in rows],
+                             [t.max_completion] * len(rows), tokenizer,
+                             min(t.generation_batch or t.generations, t.generations))
         values = score(rewards, rows, texts) @ torch.tensor([r.weight for r in rewards])
         return float(values.mean())
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import nbtune as nt
-from nbtune.generate import generate_ids, next_token
+from nbtune.generate import generate_ids, greedy_replies, next_token
 from nbtune.models import demo_model_dir
 
 from test_families import build
@@ -25,6 +25,28 @@ def test_cached_greedy_equals_recomputation(tmp_path, family):
     steps = 12  # prompt + steps crosses Mistral's 24-token window
     got = generate_ids(model, prompt, max_new_tokens=steps, stop_ids=frozenset())
     assert got == greedy_without_cache(model, prompt, steps)
+
+
+# prompts of 3, 9 and 20 tokens, 10 new tokens: past the 24-token windows of Mistral and Gemma
+# 3's sliding layer (whose cache then holds padding, and later drops it); Phi-3 within its
+# original 32-token context, then past it (its long factors: one row at a time)
+@pytest.mark.parametrize("family,budget", [("llama", 10), ("mistral", 10), ("gemma3", 10), ("phi3", 10),
+                                           ("phi3", 14), ("qwen3_moe", 10)])
+def test_prompts_written_together_get_each_the_reply_it_gets_alone(tmp_path, family, budget):
+    """Held-out evaluation writes several prompts in one batch, left-padded: each row must
+    see only its own tokens at its own positions. Against full forwards of each prompt
+    alone, no cache, no padding: an independent writer; a stop token ends its row only."""
+    build(tmp_path, family, tie=False)
+    model = nt.load_model(tmp_path).eval()
+    draw = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 101, (n,), generator=draw).tolist() for n in (3, 9, 20)]
+    budgets = [budget, budget - 3, budget]
+    alone = [greedy_without_cache(model, p, b) for p, b in zip(prompts, budgets)]
+    assert len({tuple(a) for a in alone}) == 3  # (three different replies)
+    assert greedy_replies(model, prompts, budgets, stop_ids=frozenset()) == alone
+    stop = alone[0][4]  # ends row 0 at its fifth token; the others where they meet it, if they do
+    ended = [a[:a.index(stop)] if stop in a else a for a in alone]
+    assert greedy_replies(model, prompts, budgets, stop_ids={stop}) == ended
 
 
 def test_cached_logits_equal_full_forward(tmp_path):

@@ -646,7 +646,11 @@ def test_a_grpo_session_saved_as_a_run_file_trains_the_same_under_nbtune_train(t
         nt.Session.from_config(tmp_path / "sub" / "run.yaml")
 
 
-def test_evaluate_under_grpo_is_the_mean_reward_of_greedy_completions_of_the_held_out_prompts():
+def test_evaluate_under_grpo_is_the_mean_reward_of_greedy_completions_of_the_held_out_prompts(monkeypatch):
+    """Written as many at once as the writing writes (generations=4 here, then
+    generation_batch=2), each completion the one its prompt gets alone."""
+    from nbtune.run import factory
+
     session = small_session(objective="grpo")
     tokenizer, model = session.data.tokenizer, session.model
     rows = [as_prompt(p) for p in session.data.heldout[:5]]
@@ -668,7 +672,11 @@ def test_evaluate_under_grpo_is_the_mean_reward_of_greedy_completions_of_the_hel
     expected = [a + b + 0.5 * c for a, b, c in zip(helpers.letters(prompts, texts, **fields),
                                                     helpers.overlap(prompts, texts, **fields),
                                                     helpers.brevity(prompts, texts, **fields))]
+    batches = helpers.returns_of(monkeypatch, factory, "greedy_replies")
     first = session.evaluate(session.data.heldout[:5])
     assert first == pytest.approx(sum(expected) / 5, abs=1e-6)
+    session.set(generation_batch=2)
+    assert session.evaluate(session.data.heldout[:5]) == first
+    assert [len(batch) for batch in batches] == [4, 1, 2, 2, 1]
     session.set(max_completion=6)  # the budget reaches the completions (brevity)
     assert session.evaluate(session.data.heldout[:5]) > first + 0.1

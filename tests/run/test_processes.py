@@ -27,7 +27,7 @@ RUN = ("demo: tiny\ntechniques: {{{techniques}}}\nrun: {{steps: 5, checkpoint_ev
     "method: qlora, batch_size: 4, seq_len: 96, lr: 1e-3, lora_rank: 4"], ids=["lora", "qlora"])
 def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behind(tmp_path, techniques,
                                                                                   capsys):
-    """Steps, a compare (its rows on ranks of their own), changes mid-run (all ranks at one
+    """Steps, a compare (LoRA: its rows on ranks of their own), changes mid-run (all ranks at one
     boundary: checkpointing turned on from the panel, then offloading), a sampled reply and
     a checkpoint loaded back: as one process gives them on the same batches, weights too; the
     refused change changed nothing on any rank, and the panel shows what ranks cannot change.
@@ -49,10 +49,11 @@ def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behin
         started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
         assert len(started) >= 3 and set(ranks.parts.ranks.pids) <= {p.pid for p in started}  # a controller, two engines
         reports = [ranks.step(), ranks.step()]
-        ladder = ranks.compare([{}, {"batch_size": 8}], steps=2)  # on two ranks of its own
-        assert [row.techniques.batch_size for row in ladder] == [4, 8] and not ladder[0].error
-        assert ladder[1].peak > ladder[0].peak > 0 and ladder[1].change > 0
-        assert all(row.tokens_per_second > 0 and row.estimated_peak > 0 for row in ladder)
+        if techniques.startswith("method: lora"):  # (its two ranks of its own: 20 s of CPU; once)
+            ladder = ranks.compare([{}, {"batch_size": 8}], steps=2)  # on two ranks of its own
+            assert [row.techniques.batch_size for row in ladder] == [4, 8] and not ladder[0].error
+            assert ladder[1].peak > ladder[0].peak > 0 and ladder[1].change > 0
+            assert all(row.tokens_per_second > 0 and row.estimated_peak > 0 for row in ladder)
         with pytest.raises(ValueError, match="refused the change, so no rank made it"):
             ranks.set(lr=3e-4, lora_rank=8)  # fixed while the model is sharded
         assert ranks.techniques.lr == 1e-3

@@ -1205,7 +1205,7 @@ MUTANTS: list[Mutant] = [
            "nbtune/run/processes.py", "                self._parts_ended()  # (once: a finalizer runs at most once)\n",
            "                pass\n",
            (T + "run/test_processes.py::test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behind[qlora]",)),
-    Mutant("wrong mask", "prompts written together attend to each other's padding",
+    Mutant("wrong mask", "a prompt written with longer ones attends to its own padding",
            "nbtune/models/decoder.py", "        own = k[None] >= pads[:, None, None]  # [B, 1, Tk]: the row's own tokens",
            "        own = k[None] >= 0 * pads[:, None, None]",
            (T + "models/test_generate.py::test_prompts_written_together_get_each_the_reply_it_gets_alone",)),
@@ -1217,6 +1217,10 @@ MUTANTS: list[Mutant] = [
            "nbtune/run/factory.py", "                               self.tokenizer, self.trainer.techniques.batch_size)",
            "                               self.tokenizer, 1)",
            (T + "test_demos.py::test_evaluate_writes_batch_size_replies_at_once_each_the_reply_it_gets_alone",)),
+    Mutant("off-by-one", "long-RoPE rows batched while the longest prompt's feeds pass the original context",
+           "nbtune/generate.py", "            max(map(len, prompts)) + max(budgets) - 1 > scaling",
+           "            max(len(ids) + budget for ids, budget in zip(prompts, budgets)) > scaling",
+           (T + "models/test_generate.py::test_prompts_written_together_get_each_the_reply_it_gets_alone",)),
 ]
 
 

@@ -119,7 +119,7 @@ def generate_ids(model: CausalLM, prompt_ids: list[int], *, max_new_tokens: int,
 
 @torch.no_grad()
 def greedy_replies(model: CausalLM, prompts: list[list[int]], budgets: list[int], *,
-                   stop_ids: frozenset[int] | set[int]) -> list[list[int]]:
+                   stop_ids: frozenset[int] | set[int], int8: bool = False) -> list[list[int]]:
     """Greedy new ids after each of ``prompts``, all in one batch: what ``generate_ids``
     gives each alone (``budgets[i]`` tokens at most), up to the last bits of the sums (a
     batch's matrix products add in another order). One token costs one forward of the batch
@@ -128,15 +128,21 @@ def greedy_replies(model: CausalLM, prompts: list[list[int]], budgets: list[int]
 
     The prompts are left-padded to the longest; ``pads`` keeps each row to its own tokens
     at its own positions. A row that has ended (a stop token, its budget) rides along
-    until every row has."""
+    until every row has. ``int8``: the cache in 8 bits (``Int8KVCache``), as GRPO's writing
+    keeps it where ``kv_cache="int8"``."""
+    if len(prompts) != len(budgets):
+        raise ValueError(f"greedy_replies: {len(prompts)} prompts but {len(budgets)} budgets.")
+    if not prompts:
+        return []
     limit = model.config.max_position_embeddings
     for ids, budget in zip(prompts, budgets):
         check_generation_args(len(ids), limit, max_new_tokens=budget, temperature=0.0, top_p=1.0)
     scaling = model.config.rope_scaling or {}
     if scaling.get("rope_type") == "longrope" and \
-            max(len(ids) + budget for ids, budget in zip(prompts, budgets)) > scaling["original_max_position_embeddings"]:
-        # (its factors switch by the furthest position in the batch: a row reaching past the
-        # original context would switch its neighbours' too) one at a time, as alone
+            max(map(len, prompts)) + max(budgets) - 1 > scaling["original_max_position_embeddings"]:
+        # (its factors switch by the furthest position fed in the batch, the longest prompt's
+        # as long as any row writes: past the original context they would switch every
+        # row's) one at a time, as alone
         return [generate_ids(model, ids, max_new_tokens=budget, stop_ids=stop_ids)
                 for ids, budget in zip(prompts, budgets)]
     out: list[list[int]] = [[] for _ in prompts]
@@ -147,7 +153,7 @@ def greedy_replies(model: CausalLM, prompts: list[list[int]], budgets: list[int]
     longest = max(map(len, prompts))
     pads = torch.tensor([longest - len(ids) for ids in prompts], device=device)
     ids = torch.tensor([[0] * (longest - len(ids)) + ids for ids in prompts], device=device)
-    cache = model.new_cache()
+    cache = model.new_cache(int8=int8)
     hidden = model.hidden_states(ids, cache=cache, pads=pads)
     logits = model.lm_head(hidden[:, -1])  # the last position's alone
     del hidden

@@ -702,8 +702,9 @@ class Session:
         ``objective="grpo"``: the mean reward (``session.rewards``, weighted) of one greedy
         completion of each row's prompt, ``max_completion`` tokens at most. Replies are
         written ``batch_size`` at a time (GRPO: as many as its writing, ``generation_batch``
-        or a group), each the one its prompt gets alone: a token reads every weight once
-        for the whole batch (``benchmarks/batched_replies.py``).
+        or a group, in its ``kv_cache``), each the one its prompt gets alone up to the last
+        bits of the sums (on a GPU a near-tie may go the other way): a token reads every
+        weight once for the whole batch (``benchmarks/batched_replies.py``).
 
         Args:
             examples: Rows or pairs to score (default: the held-out rows).

@@ -186,17 +186,17 @@ class Run:
             hits += bool(matches(reply, reference))
         return hits / len(examples)
 
-    def _greedy(self, texts: list[str], budgets: list[int], tokenizer: Tokenizer, at_once: int) -> list[str]:
+    def _greedy(self, texts: list[str], budgets: list[int], tokenizer: Tokenizer, at_once: int,
+                int8: bool = False) -> list[str]:
         """Greedy replies to ``texts`` (rendered prompts), ``at_once`` in one batch
-        (``greedy_replies``): the held-out evaluation holds as many sequences as a step
-        holds rows (a GRPO step: as its writing does)."""
+        (``greedy_replies``; ``int8``: its KV cache in 8 bits)."""
         at_once, was_training = max(1, at_once), self.model.training
         self.model.eval()
         try:
             replies = []
             for start in range(0, len(texts), at_once):
                 new = greedy_replies(self.model, [prompt_ids(tokenizer, text) for text in texts[start:start + at_once]],
-                                     budgets[start:start + at_once], stop_ids=tokenizer.stop_ids)
+                                     budgets[start:start + at_once], stop_ids=tokenizer.stop_ids, int8=int8)
                 replies += [tokenizer.decode(ids) for ids in new]
         finally:
             self.model.train(was_training)
@@ -206,7 +206,8 @@ class Run:
     def _mean_reward(self, examples: list) -> float:
         """GRPO's held-out figure: the mean reward (the weighted sum of ``session.rewards``) of
         one greedy completion of each row's prompt, of at most ``max_completion`` tokens (greedy,
-        so the figure before and after training compares the model, not the draws)."""
+        so the figure before and after training compares the model, not the draws), written as
+        many at once as the writing writes, in its cache (``kv_cache``)."""
         from ..data import as_prompt
         from ..objectives.grpo import score
 
@@ -218,7 +219,7 @@ class Run:
         tokenizer = self.data.tokenizer  # (the training's: its stop tokens)
         texts = self._greedy([prompt_and_reference(row.example, tokenizer)[0] for row in rows],
                              [t.max_completion] * len(rows), tokenizer,
-                             min(t.generation_batch or t.generations, t.generations))
+                             min(t.generation_batch or t.generations, t.generations), t.kv_cache == "int8")
         values = score(rewards, rows, texts) @ torch.tensor([r.weight for r in rewards])
         return float(values.mean())
 

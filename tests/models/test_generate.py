@@ -4,9 +4,11 @@ import pytest
 import torch
 
 import nbtune as nt
+from nbtune import generate
 from nbtune.generate import generate_ids, greedy_replies, next_token
 from nbtune.models import demo_model_dir
 
+from helpers import returns_of
 from test_families import build
 
 
@@ -27,26 +29,39 @@ def test_cached_greedy_equals_recomputation(tmp_path, family):
     assert got == greedy_without_cache(model, prompt, steps)
 
 
-# prompts of 3, 9 and 20 tokens, 10 new tokens: past the 24-token windows of Mistral and Gemma
-# 3's sliding layer (whose cache then holds padding, and later drops it); Phi-3 within its
-# original 32-token context, then past it (its long factors: one row at a time)
-@pytest.mark.parametrize("family,budget", [("llama", 10), ("mistral", 10), ("gemma3", 10), ("phi3", 10),
-                                           ("phi3", 14), ("qwen3_moe", 10)])
-def test_prompts_written_together_get_each_the_reply_it_gets_alone(tmp_path, family, budget):
+# Prompts of 3, 9 and 30 tokens, 10 new tokens: read and written past the 24-token windows of
+# Mistral and Gemma 3's sliding layer (whose cache holds padding, then drops it). Phi-3 (an
+# original context of 32) within it, then past it where the longest prompt has the smallest
+# budget (its factors switch by the batch's furthest position: one prompt at a time, as the
+# cached writer alone).
+LONGER, SHORTER = ((3, 9, 30), (10, 7, 10)), ((3, 9, 20), (10, 7, 10))
+
+
+@pytest.mark.parametrize("family,shape", [
+    pytest.param(family, shape, id=name) for family, shape, name in (
+        ("llama", LONGER, "llama"), ("mistral", LONGER, "mistral"), ("gemma3", LONGER, "gemma3"),
+        ("phi3", SHORTER, "phi3"), ("phi3", ((3, 9, 20), (14, 11, 4)), "phi3-past-its-original-context"),
+        ("qwen3_moe", LONGER, "qwen3_moe"))])
+def test_prompts_written_together_get_each_the_reply_it_gets_alone(tmp_path, monkeypatch, family, shape):
     """Held-out evaluation writes several prompts in one batch, left-padded: each row must
     see only its own tokens at its own positions. Against full forwards of each prompt
     alone, no cache, no padding: an independent writer; a stop token ends its row only."""
     build(tmp_path, family, tie=False)
     model = nt.load_model(tmp_path).eval()
     draw = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 101, (n,), generator=draw).tolist() for n in (3, 9, 20)]
-    budgets = [budget, budget - 3, budget]
-    alone = [greedy_without_cache(model, p, b) for p, b in zip(prompts, budgets)]
+    lengths, budgets = shape
+    prompts = [torch.randint(0, 101, (n,), generator=draw).tolist() for n in lengths]
+    past = max(lengths) + max(budgets) - 1 > (model.config.rope_scaling or {}).get(
+        "original_max_position_embeddings", 1 << 30)
+    alone = [generate_ids(model, p, max_new_tokens=b, stop_ids=frozenset()) if past  # (keys of
+             else greedy_without_cache(model, p, b) for p, b in zip(prompts, budgets)]  # both factors)
     assert len({tuple(a) for a in alone}) == 3  # (three different replies)
-    assert greedy_replies(model, prompts, budgets, stop_ids=frozenset()) == alone
-    stop = alone[0][4]  # ends row 0 at its fifth token; the others where they meet it, if they do
+    one_at_a_time = returns_of(monkeypatch, generate, "generate_ids")
+    assert greedy_replies(model, prompts, list(budgets), stop_ids=frozenset()) == alone
+    assert len(one_at_a_time) == (3 if past else 0)  # (this tiny Phi-3's replies are the same either way)
+    stop = alone[0][3]  # ends row 0 at its fourth token; the others where they meet it, if they do
     ended = [a[:a.index(stop)] if stop in a else a for a in alone]
-    assert greedy_replies(model, prompts, budgets, stop_ids={stop}) == ended
+    assert greedy_replies(model, prompts, list(budgets), stop_ids={stop}) == ended
 
 
 def test_cached_logits_equal_full_forward(tmp_path):

@@ -672,11 +672,16 @@ def test_evaluate_under_grpo_is_the_mean_reward_of_greedy_completions_of_the_hel
     expected = [a + b + 0.5 * c for a, b, c in zip(helpers.letters(prompts, texts, **fields),
                                                     helpers.overlap(prompts, texts, **fields),
                                                     helpers.brevity(prompts, texts, **fields))]
-    batches = helpers.returns_of(monkeypatch, factory, "greedy_replies")
+    batches, caches = helpers.returns_of(monkeypatch, factory, "greedy_replies"), []
+    real = factory.greedy_replies
+    monkeypatch.setattr(factory, "greedy_replies", lambda *a, **k: caches.append(k["int8"]) or real(*a, **k))
     first = session.evaluate(session.data.heldout[:5])
     assert first == pytest.approx(sum(expected) / 5, abs=1e-6)
     session.set(generation_batch=2)
     assert session.evaluate(session.data.heldout[:5]) == first
     assert [len(batch) for batch in batches] == [4, 1, 2, 2, 1]
+    session.set(kv_cache="int8")  # in the writing's cache
+    session.evaluate(session.data.heldout[:2])
+    assert caches == [False] * 5 + [True]
     session.set(max_completion=6)  # the budget reaches the completions (brevity)
     assert session.evaluate(session.data.heldout[:5]) > first + 0.1

@@ -10,7 +10,6 @@ xdist worker of this run) takes no turns.
 """
 
 import fcntl
-import json
 import os
 import shutil
 import tempfile
@@ -27,8 +26,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per core: one thread eac
 
 
 MADE = pytest.StashKey[str]()
-DURATIONS = Path(__file__).parent / "tests" / "durations.json"  # (tests/durations.py writes it)
-UNLISTED = 0.1  # seconds a test not in it counts for (it lists those of half a second and more)
 
 
 def pytest_configure(config):
@@ -39,27 +36,6 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if MADE in config.stash:  # (only the folder this controller made)
         shutil.rmtree(config.stash[MADE], ignore_errors=True)
-
-
-@pytest.hookimpl(trylast=True)  # (after -m has deselected what it leaves out)
-def pytest_collection_modifyitems(config, items):
-    """Under xdist, the files longest first. pytest-xdist hands a worker the next file as it
-    frees up, so whichever file comes last decides how long the other core idles at the end:
-    by default it orders files by their number of tests, which put the browser tests' 7
-    minutes and notebook 08's 4 near the end. Each file counts for its selected tests'
-    seconds in tests/durations.json (``-m "not slow"`` leaves out its slow ones), and the
-    order within a file is kept. ``--no-loadscope-reorder`` (pyproject.toml) keeps xdist
-    from reordering again."""
-    workers = hasattr(config, "workerinput") or getattr(config.option, "numprocesses", None)
-    if not workers or not DURATIONS.is_file():  # (a worker collects; xdist's controller does not)
-        return
-    with open(DURATIONS, encoding="utf-8") as table:
-        seconds = json.load(table)
-    files: dict[str, float] = {}
-    for item in items:
-        file = item.nodeid.split("::")[0]
-        files[file] = files.get(file, 0.0) + seconds.get(item.nodeid, UNLISTED)
-    items.sort(key=lambda item: -files[item.nodeid.split("::")[0]])  # (a stable sort)
 
 
 _TO_THE_END = []

@@ -427,7 +427,7 @@ def test_the_documentation_site_searches_shows_a_notebooks_chart_and_the_api(sit
             page.locator("label.md-search__icon, .md-search__input").first.click()
             page.locator("input.md-search__input").fill("longest context")
             hits = page.locator(".md-search-result__item a")
-            hits.first.wait_for(timeout=20_000)
+            hits.first.wait_for(timeout=60_000)  # (the page builds its index: 20 s ran out in a CI run)
             links = [hits.nth(i).get_attribute("href") for i in range(hits.count())]
             assert any("guides/long-contexts" in (link or "") for link in links), links
             hits.filter(has_text="ongest").first.click()

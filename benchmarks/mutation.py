@@ -1218,7 +1218,7 @@ MUTANTS: list[Mutant] = [
            "                               self.tokenizer, 1)",
            (T + "test_demos.py::test_evaluate_writes_batch_size_replies_at_once_each_the_reply_it_gets_alone",)),
     Mutant("off-by-one", "long-RoPE rows batched while the longest prompt's feeds pass the original context",
-           "nbtune/generate.py", "            max(map(len, prompts)) + max(budgets) - 1 > scaling",
+           "nbtune/generate.py", "            longest + max(budgets) - 1 > scaling",
            "            max(len(ids) + budget for ids, budget in zip(prompts, budgets)) > scaling",
            (T + "models/test_generate.py::test_prompts_written_together_get_each_the_reply_it_gets_alone",)),
 ]

@@ -137,9 +137,9 @@ def greedy_replies(model: CausalLM, prompts: list[list[int]], budgets: list[int]
     limit = model.config.max_position_embeddings
     for ids, budget in zip(prompts, budgets):
         check_generation_args(len(ids), limit, max_new_tokens=budget, temperature=0.0, top_p=1.0)
-    scaling = model.config.rope_scaling or {}
+    longest, scaling = max(map(len, prompts)), model.config.rope_scaling or {}
     if scaling.get("rope_type") == "longrope" and \
-            max(map(len, prompts)) + max(budgets) - 1 > scaling["original_max_position_embeddings"]:
+            longest + max(budgets) - 1 > scaling["original_max_position_embeddings"]:
         # (its factors switch by the furthest position fed in the batch, the longest prompt's
         # as long as any row writes: past the original context they would switch every
         # row's) one at a time, as alone
@@ -150,7 +150,6 @@ def greedy_replies(model: CausalLM, prompts: list[list[int]], budgets: list[int]
     if not any(going):
         return out
     device = next(model.parameters()).device
-    longest = max(map(len, prompts))
     pads = torch.tensor([longest - len(ids) for ids in prompts], device=device)
     ids = torch.tensor([[0] * (longest - len(ids)) + ids for ids in prompts], device=device)
     cache = model.new_cache(int8=int8)

@@ -416,6 +416,13 @@ def site(tmp_path):
         server.wait(10)
 
 
+# Material's search line reads "Initializing search" until its worker has built the index.
+_SEARCH_READY_JS = """() => {
+  const meta = document.querySelector('.md-search-result__meta');
+  return meta && !meta.textContent.includes('Initializing');
+}"""
+
+
 def test_the_documentation_site_searches_shows_a_notebooks_chart_and_the_api(site):
     """What a reader does first: search for "longest context" and land on the guide, open a
     notebook page and see its chart, open Session's reference and find ``start``."""
@@ -424,10 +431,14 @@ def test_the_documentation_site_searches_shows_a_notebooks_chart_and_the_api(sit
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
             page.goto(site)
+            # The page builds its index in a worker, then searches on each key released: typed
+            # key by key once it is ready, as a reader types (``fill`` sends no key, so a query
+            # filled after the index was ready never got results: a CI run waited 60 s for them)
+            page.wait_for_function(_SEARCH_READY_JS, timeout=120_000)
             page.locator("label.md-search__icon, .md-search__input").first.click()
-            page.locator("input.md-search__input").fill("longest context")
+            page.locator("input.md-search__input").press_sequentially("longest context")
             hits = page.locator(".md-search-result__item a")
-            hits.first.wait_for(timeout=60_000)  # (the page builds its index: 20 s ran out in a CI run)
+            hits.first.wait_for(timeout=60_000)
             links = [hits.nth(i).get_attribute("href") for i in range(hits.count())]
             assert any("guides/long-contexts" in (link or "") for link in links), links
             hits.filter(has_text="ongest").first.click()

@@ -40,9 +40,9 @@ def pytest_collection_modifyitems(config, items):
     """xdist's order of files (the most tests first; ``--no-loadscope-reorder`` in addopts
     leaves it to this hook), with ``FIRST`` before the rest. Each file's tests keep theirs."""
     files = [item.nodeid.split("::")[0] for item in items]
-    count, place = collections.Counter(files), {f: i for i, f in enumerate(dict.fromkeys(files))}
-    order = {id(item): (f not in FIRST, -count[f], place[f]) for item, f in zip(items, files)}
-    items.sort(key=lambda item: order[id(item)])
+    count = collections.Counter(files)
+    order = {f: (f not in FIRST, -count[f], place) for place, f in enumerate(dict.fromkeys(files))}
+    items.sort(key=lambda item: order[item.nodeid.split("::")[0]])
 
 
 def pytest_configure(config):

@@ -1049,7 +1049,8 @@ def _traced_lines(step, on_line) -> None:
     torch's optimizers (n counts them from 0). The garbage collector waits meanwhile: a
     collection falling inside one step and not another would run finalizers' lines in one
     only, and the lines counted in a probe step would not be the same lines in the next (a CI
-    run at 032faf3 sent no SIGTERM at a point of the step's last five: "DID NOT RAISE")."""
+    run at 032faf3 sent no SIGTERM at one of its points: "DID NOT RAISE"; the likely cause,
+    not shown)."""
     import gc
     import sys
 

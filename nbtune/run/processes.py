@@ -47,6 +47,11 @@ from pathlib import Path
 from ..interrupts import ctrl_c_held
 
 ENGINE_STATE: dict = {}  # on an engine: its run, its rank and its process group
+# ipyparallel's controller beats every 0.5 s, not 3 s (an engine is taken in a beat or two
+# after it answers), and still calls an engine dead after the same 33 s of silence (66
+# beats); an engine whose controller stopped answering ends after 50 of its checks, each a
+# beat and 0.5 s: 50 s, not 175 s. (nbtune's own heartbeat names a stopped rank first.)
+HEARTBEAT = ("--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=65")
 
 
 class RankFailed(RuntimeError):
@@ -125,9 +130,11 @@ class Processes:
             if self.local < processes else {}
         # --usethreads: the controller's schedulers are threads of its own, not seven processes
         # more (~30 MB of host memory), and fewer to outlive a killed controller.
+        # HEARTBEAT: the controller takes an engine in at its second beat after the engine's
+        # first answer, so its default beat (3 s) left the ranks 5 s idle at every start.
         self.cluster = ipp.Cluster(n=self.local, profile_dir=self._profile.name, log_level=40,
-                                   shutdown_atexit=True, controller_args=["--nodb", "--usethreads"],
-                                   **where)
+                                   shutdown_atexit=True,
+                                   controller_args=["--nodb", "--usethreads", *HEARTBEAT], **where)
         self.client = self._engines = None
         try:
             self.client = self.cluster.start_and_connect_sync(activate=False)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 import nbtune as nt
 from nbtune import Session
 from nbtune.peft import adapter_state_dict
-from nbtune.run.processes import Processes, _where
+from nbtune.run.processes import HEARTBEAT, Processes, _where
 from nbtune.run.ranked import RanksTrainer
 
 RUN = ("demo: tiny\ntechniques: {{{techniques}}}\nrun: {{steps: 5, checkpoint_every: 0, save: []}}\n")
@@ -48,6 +48,8 @@ def test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behin
     try:  # (kept as processes: one whose parent was killed is no longer a child of this one)
         started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
         assert len(started) >= 3 and set(ranks.parts.ranks.pids) <= {p.pid for p in started}  # a controller, two engines
+        controller = [p.cmdline() for p in started if "ipyparallel.controller" in " ".join(p.cmdline())]
+        assert controller and set(HEARTBEAT) <= set(controller[0])  # (its beat: a start 5 s sooner)
         reports = [ranks.step(), ranks.step()]
         if techniques.startswith("method: lora"):  # (its two ranks of its own: 20 s of CPU; once)
             ladder = ranks.compare([{}, {"batch_size": 8}], steps=2)  # on two ranks of its own
@@ -340,6 +342,25 @@ def _a_killed_controller_then_recover(session, sixth) -> None:
 
 def _twins(**changes):
     return [Session.demo("tiny", batch_size=4, seq_len=96, **changes) for _ in range(2)]
+
+
+def test_ipyparallels_beat_takes_engines_in_within_a_second_and_leaves_a_stopped_rank_to_nbtune():
+    """The controller's heartbeat settings are ipyparallel's own traits (a misspelt one would
+    be ignored with a warning), fast enough that an engine is taken in within two beats of a
+    second, and slow enough to call an engine dead no sooner than nbtune's heartbeat names a
+    stopped rank at the default hang_seconds (so the user reads where it stopped, not 'Engine
+    died'). (The two-process test checks the controller was started with them.)"""
+    from ipyparallel.controller.heartmonitor import HeartMonitor
+
+    from nbtune.runfile import RunSettings
+
+    settings = dict(arg.removeprefix("--").split("=") for arg in HEARTBEAT)
+    traits = HeartMonitor.class_traits(config=True)
+    assert {name.removeprefix("HeartMonitor.") for name in settings} <= set(traits)
+    period = int(settings["HeartMonitor.period"]) / 1000
+    misses = int(settings["HeartMonitor.max_heartmonitor_misses"])
+    assert 2 * period <= 1.0
+    assert period * (misses + 1) >= RunSettings().hang_seconds
 
 
 def test_a_prepared_change_dropped_leaves_the_next_step_as_a_twin_never_asked_gives_it():

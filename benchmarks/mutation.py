@@ -1221,6 +1221,14 @@ MUTANTS: list[Mutant] = [
            "nbtune/generate.py", "            longest + max(budgets) - 1 > scaling",
            "            max(len(ids) + budget for ids, budget in zip(prompts, budgets)) > scaling",
            (T + "models/test_generate.py::test_prompts_written_together_get_each_the_reply_it_gets_alone",)),
+    Mutant("setting not reached", "the ranks' controller started on ipyparallel's default heartbeat (5 s idle a start)",
+           "nbtune/run/processes.py", 'controller_args=["--nodb", "--usethreads", *HEARTBEAT]',
+           'controller_args=["--nodb", "--usethreads"]',
+           (T + "run/test_processes.py::test_two_processes_from_the_kernel_equal_one_process_and_leave_nothing_behind[lora]",)),
+    Mutant("wrong constant", "the controller calls a silent engine dead after 6 s, before nbtune names it",
+           "nbtune/run/processes.py", '"--HeartMonitor.max_heartmonitor_misses=65"',
+           '"--HeartMonitor.max_heartmonitor_misses=11"',
+           (T + "run/test_processes.py::test_ipyparallels_beat_takes_engines_in_within_a_second_and_leaves_a_stopped_rank_to_nbtune",)),
 ]
 
 

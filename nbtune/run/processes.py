@@ -131,7 +131,7 @@ class Processes:
         # --usethreads: the controller's schedulers are threads of its own, not seven processes
         # more (~30 MB of host memory), and fewer to outlive a killed controller.
         # HEARTBEAT: the controller takes an engine in at its second beat after the engine's
-        # first answer, so its default beat (3 s) left the ranks 5 s idle at every start.
+        # first answer, so its default beat (3 s) left the ranks 4-5 s idle at every start.
         self.cluster = ipp.Cluster(n=self.local, profile_dir=self._profile.name, log_level=40,
                                    shutdown_atexit=True,
                                    controller_args=["--nodb", "--usethreads", *HEARTBEAT], **where)
